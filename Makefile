@@ -1,0 +1,28 @@
+# make demo: install ragvit and run the main job (GPU when present, else CPU).
+# make test: install the test requirements, build, run the whole pytest suite.
+PYTHON ?= python3
+PIP := $(PYTHON) -m pip
+
+.PHONY: demo test install build test-deps gpu-check clean
+
+demo: install
+	$(PYTHON) -m ragvit.demo
+
+install:
+	$(PIP) install -q "setuptools>=64" wheel "numpy>=2.0"
+	$(PIP) install -q --no-build-isolation --no-deps -e .
+
+test-deps:
+	$(PIP) install -q -r requirements-test.txt
+
+build:
+	RAGVIT_WERROR=1 $(PYTHON) setup.py -q build_ext --inplace
+
+test: test-deps build
+	$(PYTHON) -m pytest -q
+
+gpu-check:
+	bash scripts/gpu_check.sh
+
+clean:
+	rm -rf build *.egg-info ragvit/_C*.so

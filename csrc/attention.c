@@ -1,0 +1,141 @@
+/* attention.c — host side of ragged attention: validate every argument once,
+ * resolve max_seqlen and scale, fill ragvit_attention_args and hand it to the
+ * CPU backend or the CUDA launcher.
+ * Shapes: q, k, v, out (T, H, D), head dim contiguous, any token/head strides;
+ * cu_seqlens (S+1,) int32; cls_attn (T,) float32 or absent.
+ * Decision: contents of host cu_seqlens are checked fully here (cheap); those
+ * of device cu_seqlens are never read (that would sync): the kernels stay in
+ * bounds on their own and the debug switch reads their error flag back. */
+#include <inttypes.h>
+#include <math.h>
+
+#include "cpu_backend.h"
+#include "tensor.h"
+
+static const char *const op = "attention";
+
+static int is_supported_head_dim(int64_t d) {
+    return d == 32 || d == 64 || d == 80 || d == 96 || d == 128;
+}
+
+static ragvit_status attention_check(const ragvit_tensor *out, const ragvit_tensor *cls_attn,
+                                     const ragvit_tensor *q, const ragvit_tensor *k,
+                                     const ragvit_tensor *v, const ragvit_tensor *cu_seqlens,
+                                     int32_t *device_type, int32_t *device_id) {
+    const char *const names[] = {"q", "k", "v", "cu_seqlens", "out", "cls_attn"};
+    const ragvit_tensor *const all[] = {q, k, v, cu_seqlens, out, cls_attn};
+    TRY(tensor_check_ndim(op, "q", q, 3));
+    TRY(tensor_check_float(op, "q", q));
+    TRY(tensor_check_shape(op, "k", k, 3, q->shape));
+    TRY(tensor_check_shape(op, "v", v, 3, q->shape));
+    TRY(tensor_check_same_dtype(op, "k", k, "q", q));
+    TRY(tensor_check_same_dtype(op, "v", v, "q", q));
+    if (!is_supported_head_dim(q->shape[2])) {
+        return ragvit_fail(RAGVIT_STATUS_INVALID_SHAPE,
+                           "%s: head_dim must be one of 32, 64, 80, 96, 128, got %" PRId64, op,
+                           q->shape[2]);
+    }
+    if (q->shape[0] > INT32_MAX) {
+        return ragvit_fail(RAGVIT_STATUS_INVALID_SHAPE,
+                           "%s: total_tokens must be < 2**31, got %" PRId64, op, q->shape[0]);
+    }
+    TRY(tensor_check_last_contiguous(op, "q", q));
+    TRY(tensor_check_last_contiguous(op, "k", k));
+    TRY(tensor_check_last_contiguous(op, "v", v));
+    TRY(tensor_check_shape(op, "out", out, 3, q->shape));
+    TRY(tensor_check_same_dtype(op, "out", out, "q", q));
+    TRY(tensor_check_last_contiguous(op, "out", out));
+    TRY(tensor_check_writable(op, "out", out));
+    TRY(tensor_check_ndim(op, "cu_seqlens", cu_seqlens, 1));
+    TRY(tensor_check_dtype(op, "cu_seqlens", cu_seqlens, RAGVIT_DTYPE_I32));
+    if (cu_seqlens->strides[0] != 1 && cu_seqlens->shape[0] > 1) {
+        return ragvit_fail(RAGVIT_STATUS_INVALID_SHAPE,
+                           "%s: cu_seqlens must be contiguous, got stride %" PRId64, op,
+                           cu_seqlens->strides[0]);
+    }
+    if (cu_seqlens->shape[0] < 1) {
+        return ragvit_fail(RAGVIT_STATUS_INVALID_SHAPE,
+                           "%s: cu_seqlens must have num_seqs+1 >= 1 entries, got 0", op);
+    }
+    if (cls_attn->is_present) {
+        const int64_t shape[1] = {q->shape[0]};
+        TRY(tensor_check_shape(op, "cls_attn", cls_attn, 1, shape));
+        TRY(tensor_check_dtype(op, "cls_attn", cls_attn, RAGVIT_DTYPE_F32));
+        TRY(tensor_check_writable(op, "cls_attn", cls_attn));
+    }
+    TRY(tensor_check_devices(op, names, all, 6, device_type, device_id));
+    for (int i = 0; i < 4; i++) {
+        TRY(tensor_check_no_alias(op, "out", out, names[i], all[i]));
+        TRY(tensor_check_no_alias(op, "cls_attn", cls_attn, names[i], all[i]));
+    }
+    return tensor_check_no_alias(op, "cls_attn", cls_attn, "out", out);
+}
+
+ragvit_status ragvit_attention_forward(ragvit_context *ctx, const ragvit_tensor *out,
+                                       const ragvit_tensor *cls_attn, const ragvit_tensor *q,
+                                       const ragvit_tensor *k, const ragvit_tensor *v,
+                                       const ragvit_tensor *cu_seqlens, int64_t max_seqlen,
+                                       double scale, void *stream) {
+    int32_t device_type = 0, device_id = 0;
+    TRY(attention_check(out, cls_attn, q, k, v, cu_seqlens, &device_type, &device_id));
+    int64_t total_tokens = q->shape[0];
+    if (max_seqlen != RAGVIT_MAX_SEQLEN_AUTO && (max_seqlen < 0 || max_seqlen > INT32_MAX)) {
+        return ragvit_fail(RAGVIT_STATUS_INVALID_VALUE,
+                           "%s: max_seqlen must be in [0, 2**31), got %" PRId64, op, max_seqlen);
+    }
+    if (isnan(scale)) {
+        scale = 1.0 / sqrt((double)q->shape[2]);
+    } else if (!(scale > 0.0) || isinf(scale)) {
+        return ragvit_fail(RAGVIT_STATUS_INVALID_VALUE,
+                           "%s: scale must be finite and > 0, got %g", op, scale);
+    }
+    if (device_type == RAGVIT_DEVICE_CPU) {
+        int64_t longest = 0;
+        TRY(tensor_check_cu_seqlens_host(op, cu_seqlens, total_tokens,
+                                         max_seqlen == RAGVIT_MAX_SEQLEN_AUTO ? -1 : max_seqlen,
+                                         "max_seqlen", &longest));
+        if (max_seqlen == RAGVIT_MAX_SEQLEN_AUTO) max_seqlen = longest;
+    } else if (max_seqlen == RAGVIT_MAX_SEQLEN_AUTO) {
+        max_seqlen = total_tokens;
+    }
+
+    ragvit_attention_args a = {
+        .out = out->data,
+        .q = q->data,
+        .k = k->data,
+        .v = v->data,
+        .cu_seqlens = (const int32_t *)cu_seqlens->data,
+        .cls_attn = cls_attn->is_present ? (float *)cls_attn->data : NULL,
+        .out_stride_token = out->strides[0],
+        .out_stride_head = out->strides[1],
+        .q_stride_token = q->strides[0],
+        .q_stride_head = q->strides[1],
+        .k_stride_token = k->strides[0],
+        .k_stride_head = k->strides[1],
+        .v_stride_token = v->strides[0],
+        .v_stride_head = v->strides[1],
+        .cls_attn_stride = cls_attn->is_present ? cls_attn->strides[0] : 0,
+        .total_tokens = total_tokens,
+        .num_seqs = (int32_t)(cu_seqlens->shape[0] - 1),
+        .num_heads = (int32_t)q->shape[1],
+        .head_dim = (int32_t)q->shape[2],
+        .max_seqlen = (int32_t)max_seqlen,
+        .scale = (float)scale,
+        .dtype = q->dtype,
+    };
+    if (a.num_seqs == 0 || total_tokens == 0 || a.num_heads == 0) return RAGVIT_STATUS_OK;
+    if (device_type == RAGVIT_DEVICE_CPU) return ragvit_cpu_attention(&a);
+#ifdef RAGVIT_WITH_CUDA
+    const ragvit_device_info *dev = NULL;
+    TRY(ragvit_context_device(ctx, device_id, &dev));
+    a.error_flag = dev->error_flag;
+    TRY(ragvit_cuda_attention(&a, dev, stream));
+    if (ctx->is_debug) return ragvit_context_check_device(ctx, device_id, stream, op);
+    return RAGVIT_STATUS_OK;
+#else
+    (void)ctx;
+    (void)stream;
+    return ragvit_fail(RAGVIT_STATUS_NO_CUDA,
+                       "%s: q must be a CPU array in this CPU-only build, got a CUDA array", op);
+#endif
+}

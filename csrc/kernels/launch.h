@@ -1,0 +1,132 @@
+/* launch.h — the only kernel surface host C sees: plain argument structs
+ * (pointers, element strides, sizes) and extern "C" launchers that take the
+ * stream as void *. The CPU backend (cpu_backend.c) takes the same structs, so
+ * both backends compute from one description of each call.
+ *
+ * Decision: argument structs carry already-validated raw pointers, in the
+ * style of flash-attention's params struct; validation lives in the core
+ * (attention.c, pack.c), never here. Every launcher sets the device named by
+ * dev->device_id for the call, restores the caller's device, launches on
+ * `stream` and reports launch failures through CUDA_TRY. Kernels never read
+ * or write out of bounds whatever cu_seqlens/keep/indices contain: they skip
+ * the offending sequence or token and OR a RAGVIT_ERROR_* bit into
+ * *error_flag. */
+#ifndef RAGVIT_LAUNCH_H
+#define RAGVIT_LAUNCH_H
+
+#include "../ragvit.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+/* out, q, k, v: (T, H, D) of one dtype (F16, BF16, F32), head dim contiguous;
+ * cu_seqlens: (S+1,) int32; cls_attn: (T,) float32 or NULL. Sequence s covers
+ * tokens [cu_seqlens[s], cu_seqlens[s+1]); tokens outside every sequence are
+ * never written. A sequence with start < 0, end < start, end > total_tokens
+ * or length > max_seqlen is skipped and flagged. */
+typedef struct {
+    void *out;
+    const void *q;
+    const void *k;
+    const void *v;
+    const int32_t *cu_seqlens;
+    float *cls_attn;
+    unsigned int *error_flag;
+    int64_t out_stride_token, out_stride_head;
+    int64_t q_stride_token, q_stride_head;
+    int64_t k_stride_token, k_stride_head;
+    int64_t v_stride_token, v_stride_head;
+    int64_t cls_attn_stride;
+    int64_t total_tokens;
+    int32_t num_seqs;
+    int32_t num_heads;
+    int32_t head_dim;
+    int32_t max_seqlen;
+    float scale;
+    int32_t dtype; /* ragvit_dtype */
+} ragvit_attention_args;
+
+/* x: (B, N, C); keep: (B, N) of 1-byte elements (nonzero = keep);
+ * cu_seqlens: (B+1,) int32 (written by count, read by gather);
+ * out: (capacity, C) same dtype as x; indices_out: (capacity,) int32 source
+ * position n of each packed token, or NULL. Rows >= capacity are not written
+ * (RAGVIT_ERROR_CAPACITY). */
+typedef struct {
+    void *out;
+    int32_t *indices_out;
+    const void *x;
+    const uint8_t *keep;
+    int32_t *cu_seqlens;
+    unsigned int *error_flag;
+    int64_t out_stride_token;
+    int64_t indices_stride;
+    int64_t x_stride_b, x_stride_n;
+    int64_t keep_stride_b, keep_stride_n;
+    int64_t cu_seqlens_stride;
+    int64_t batch;    /* B */
+    int64_t seqlen;   /* N */
+    int64_t channels; /* C */
+    int64_t capacity;
+    int32_t elem_size; /* bytes per element of x / out: 2 or 4 */
+} ragvit_pack_args;
+
+/* out: (B, N, C); packed: (T, C) same dtype; cu_seqlens: (B+1,) int32;
+ * indices: (T,) int32 target positions, or NULL for "first len rows". Every
+ * row of out not written from packed is set to fill. */
+typedef struct {
+    void *out;
+    const void *packed;
+    const int32_t *cu_seqlens;
+    const int32_t *indices;
+    unsigned int *error_flag;
+    int64_t out_stride_b, out_stride_n;
+    int64_t packed_stride_token;
+    int64_t cu_seqlens_stride;
+    int64_t indices_stride;
+    int64_t batch;        /* B */
+    int64_t seqlen;       /* N */
+    int64_t channels;     /* C */
+    int64_t total_tokens; /* T */
+    double fill;
+    int32_t dtype; /* F16, BF16 or F32 */
+} ragvit_unpack_args;
+
+#ifdef RAGVIT_WITH_CUDA
+/* ---- device state (cuda_common.cu) ---- */
+/* Number of visible devices; 0 (and OK) when there is no driver or device. */
+ragvit_status ragvit_cuda_device_count(int32_t *count);
+/* Fills info once per device: SM count, compute capability, opt-in shared
+ * memory, a zeroed one-word error flag; also runs each kernel file's one-time
+ * setup (cudaFuncSetAttribute) so launches never do it. */
+ragvit_status ragvit_cuda_device_init(int32_t device_id, ragvit_device_info *info);
+void ragvit_cuda_device_release(ragvit_device_info *info);
+/* Synchronizes stream, reads *flag into *value and zeroes it. */
+ragvit_status ragvit_cuda_read_error_flag(const ragvit_device_info *dev, void *stream,
+                                          unsigned int *value);
+ragvit_status ragvit_cuda_read_int32(int32_t device_id, const int32_t *src, void *stream,
+                                     int32_t *value);
+/* Device that owns a device pointer (cudaPointerGetAttributes). */
+ragvit_status ragvit_cuda_pointer_device(const void *ptr, int32_t *device_id);
+ragvit_status ragvit_cuda_stream_wait(int32_t device_id, void *consumer, void *producer);
+/* Records a CUDA failure's string and expression; used by CUDA_TRY. */
+ragvit_status ragvit_cuda_fail(int error, const char *expr, const char *file, int line);
+
+/* Launches an empty kernel (the benchmarks' launch-floor row). */
+ragvit_status ragvit_cuda_launch_empty(const ragvit_device_info *dev, void *stream);
+
+/* ---- ops (one file each) ---- */
+ragvit_status ragvit_cuda_attention(const ragvit_attention_args *a, const ragvit_device_info *dev,
+                                    void *stream);
+ragvit_status ragvit_cuda_pack_count(const ragvit_pack_args *a, const ragvit_device_info *dev,
+                                     void *stream);
+ragvit_status ragvit_cuda_pack_gather(const ragvit_pack_args *a, const ragvit_device_info *dev,
+                                      void *stream);
+ragvit_status ragvit_cuda_unpack(const ragvit_unpack_args *a, const ragvit_device_info *dev,
+                                 void *stream);
+#endif
+
+#ifdef __cplusplus
+}
+#endif
+#endif /* RAGVIT_LAUNCH_H */

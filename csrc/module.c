@@ -1,0 +1,1158 @@
+/* module.c — CPython glue for ragvit._C: parse arguments, import tensors into
+ * ragvit_tensor views, pick the stream, call the core, raise on status.
+ *
+ * Import order per argument: (1) the type's DLPack C exchange API
+ * (`__dlpack_c_exchange_api__`, cached per type; fills a stack DLTensor with
+ * no allocation), (2) NumPy arrays through the NumPy C API, (3) `__dlpack__`
+ * (versioned capsules, then legacy), (4) `__cuda_array_interface__` v2/v3.
+ * Decision: the hot path (torch tensors) never calls into Python: a type
+ * lookup in a small cache, one C call per tensor, one current-stream query.
+ * Python objects live only in this file; every failing status becomes an
+ * exception in raise_status() and nowhere else. */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+
+#define NPY_NO_DEPRECATED_API NPY_1_7_API_VERSION
+#include <numpy/arrayobject.h>
+
+#include <math.h>
+#include <string.h>
+
+#include "dlpack_abi.h"
+#include "ragvit.h"
+
+#define API_CACHE_SIZE 8
+#define MAX_IMPORTS 8
+
+typedef struct {
+    PyTypeObject *type; /* strong reference */
+    const DLPackExchangeAPI *api; /* NULL: the type has none */
+} api_cache_entry;
+
+typedef struct {
+    ragvit_context ctx;
+    api_cache_entry api_cache[API_CACHE_SIZE];
+    int api_cache_count;
+    PyObject *str_dlpack;
+    PyObject *str_dlpack_device;
+    PyObject *str_cai;
+    PyObject *str_cuda_stream;
+    PyObject *str_exchange_api;
+    PyObject *str_stream;
+    PyObject *str_max_version;
+    PyObject *max_version; /* (1, 0) */
+} module_state;
+
+enum import_kind { IMPORT_EXCHANGE = 1, IMPORT_NUMPY, IMPORT_DLPACK, IMPORT_CAI };
+
+/* What one imported argument holds until the call ends. */
+typedef struct {
+    int kind;
+    PyTypeObject *type; /* borrowed: the argument outlives the call */
+    const DLPackExchangeAPI *api;
+    PyObject *capsule;          /* renamed "used_*" capsule whose tensor we must delete */
+    DLManagedTensor *legacy;    /* owned through capsule */
+    DLManagedTensorVersioned *versioned;
+} import_slot;
+
+typedef struct {
+    module_state *st;
+    const char *op;
+    int is_stream_resolved;
+    void *stream;
+    import_slot slots[MAX_IMPORTS];
+    int slot_count;
+    void *cai_streams[MAX_IMPORTS]; /* producer streams to wait on (CAI v3) */
+    int32_t cai_devices[MAX_IMPORTS];
+    int cai_stream_count;
+} call_state;
+
+/* ---- errors ---- */
+
+/* The one place a ragvit_status becomes a Python exception. Returns -1. */
+static int raise_status(ragvit_status status) {
+    PyObject *type = PyExc_RuntimeError;
+    switch (status) {
+    case RAGVIT_STATUS_OK:
+        return 0;
+    case RAGVIT_STATUS_INVALID_SHAPE:
+    case RAGVIT_STATUS_INVALID_VALUE:
+    case RAGVIT_STATUS_INVALID_DEVICE:
+    case RAGVIT_STATUS_READ_ONLY:
+    case RAGVIT_STATUS_DEVICE_ASSERT:
+        type = PyExc_ValueError;
+        break;
+    case RAGVIT_STATUS_INVALID_DTYPE:
+    case RAGVIT_STATUS_INVALID_TYPE:
+        type = PyExc_TypeError;
+        break;
+    case RAGVIT_STATUS_NOT_IMPORTABLE:
+        type = PyExc_BufferError;
+        break;
+    case RAGVIT_STATUS_OUT_OF_MEMORY:
+        type = PyExc_MemoryError;
+        break;
+    default:
+        type = PyExc_RuntimeError;
+        break;
+    }
+    const char *message = ragvit_error_message();
+    PyErr_SetString(type, message[0] ? message : ragvit_status_string(status));
+    return -1;
+}
+
+#define RAISE_IF(status_expr)                                       \
+    do {                                                            \
+        ragvit_status rs_ = (status_expr);                          \
+        if (rs_ != RAGVIT_STATUS_OK) { raise_status(rs_); goto done; } \
+    } while (0)
+
+/* ---- argument parsing (METH_FASTCALL | METH_KEYWORDS) ---- */
+
+/* Fills values[i] for each name (NULL when absent or None). The first
+ * max_positional names may be positional; the first required must be given. */
+static int parse_args(const char *op, PyObject *const *args, Py_ssize_t nargs,
+                      PyObject *kwnames, const char *const *names, int count,
+                      int max_positional, int required, PyObject **values) {
+    for (int i = 0; i < count; i++) values[i] = NULL;
+    if (nargs > max_positional) {
+        PyErr_Format(PyExc_TypeError, "%s() takes at most %d positional arguments (%zd given)",
+                     op, max_positional, nargs);
+        return -1;
+    }
+    for (Py_ssize_t i = 0; i < nargs; i++) values[i] = args[i];
+    Py_ssize_t nkw = kwnames ? PyTuple_GET_SIZE(kwnames) : 0;
+    for (Py_ssize_t j = 0; j < nkw; j++) {
+        PyObject *key = PyTuple_GET_ITEM(kwnames, j); /* borrowed */
+        int found = -1;
+        for (int i = 0; i < count; i++) {
+            if (PyUnicode_CompareWithASCIIString(key, names[i]) == 0) {
+                found = i;
+                break;
+            }
+        }
+        if (found < 0) {
+            PyErr_Format(PyExc_TypeError, "%s() got an unexpected keyword argument '%U'", op, key);
+            return -1;
+        }
+        if (found < nargs) {
+            PyErr_Format(PyExc_TypeError, "%s() got multiple values for argument '%s'", op,
+                         names[found]);
+            return -1;
+        }
+        values[found] = args[nargs + j];
+    }
+    for (int i = 0; i < count; i++) {
+        if (values[i] == Py_None) values[i] = NULL;
+        if (i < required && values[i] == NULL) {
+            PyErr_Format(PyExc_TypeError, "%s() missing required argument '%s'", op, names[i]);
+            return -1;
+        }
+    }
+    return 0;
+}
+
+/* ---- streams ---- */
+
+/* stream=: an int cudaStream_t handle (0: legacy default) or an object with
+ * __cuda_stream__() -> (version, handle). */
+static int parse_stream(call_state *cs, PyObject *obj) {
+    PyObject *pair = NULL, *handle = NULL;
+    int rc = -1;
+    if (obj == NULL) return 0;
+    if (PyLong_Check(obj)) {
+        handle = obj;
+        Py_INCREF(handle);
+    } else {
+        PyObject *method = PyObject_GetAttr(obj, cs->st->str_cuda_stream);
+        if (method == NULL) {
+            PyErr_Clear();
+            ragvit_fail(RAGVIT_STATUS_INVALID_TYPE,
+                        "%s: stream must be an int handle or have __cuda_stream__, got %s",
+                        cs->op, Py_TYPE(obj)->tp_name);
+            raise_status(RAGVIT_STATUS_INVALID_TYPE);
+            goto done;
+        }
+        pair = PyObject_CallNoArgs(method);
+        Py_DECREF(method);
+        if (pair == NULL) goto done;
+        if (!PyTuple_Check(pair) || PyTuple_GET_SIZE(pair) != 2) {
+            ragvit_fail(RAGVIT_STATUS_INVALID_VALUE,
+                        "%s: stream.__cuda_stream__() must return (version, handle), got %s",
+                        cs->op, Py_TYPE(pair)->tp_name);
+            raise_status(RAGVIT_STATUS_INVALID_VALUE);
+            goto done;
+        }
+        handle = PyTuple_GET_ITEM(pair, 1); /* borrowed from pair */
+        Py_INCREF(handle);
+    }
+    cs->stream = PyLong_AsVoidPtr(handle);
+    if (cs->stream == NULL && PyErr_Occurred()) goto done;
+    cs->is_stream_resolved = 1;
+    rc = 0;
+done:
+    Py_XDECREF(pair);
+    Py_XDECREF(handle);
+    return rc;
+}
+
+/* ---- DLPack views ---- */
+
+static int dtype_from_dl(DLDataType dt, int32_t *dtype) {
+    int code = dt.code, bits = dt.bits;
+    if (code == kDLFloat && bits == 16) *dtype = RAGVIT_DTYPE_F16;
+    else if (code == kDLBfloat && bits == 16) *dtype = RAGVIT_DTYPE_BF16;
+    else if (code == kDLFloat && bits == 32) *dtype = RAGVIT_DTYPE_F32;
+    else if (code == kDLFloat && bits == 64) *dtype = RAGVIT_DTYPE_F64;
+    else if (code == kDLInt && bits == 32) *dtype = RAGVIT_DTYPE_I32;
+    else if (code == kDLInt && bits == 64) *dtype = RAGVIT_DTYPE_I64;
+    else if (code == kDLUInt && bits == 8) *dtype = RAGVIT_DTYPE_U8;
+    else if (code == kDLBool && bits == 8) *dtype = RAGVIT_DTYPE_BOOL;
+    else return 0;
+    return 1;
+}
+
+static DLDataType dtype_to_dl(int32_t dtype) {
+    static const DLDataType table[RAGVIT_DTYPE_COUNT] = {
+        [RAGVIT_DTYPE_F16] = {kDLFloat, 16, 1}, [RAGVIT_DTYPE_BF16] = {kDLBfloat, 16, 1},
+        [RAGVIT_DTYPE_F32] = {kDLFloat, 32, 1}, [RAGVIT_DTYPE_I32] = {kDLInt, 32, 1},
+        [RAGVIT_DTYPE_I64] = {kDLInt, 64, 1},   [RAGVIT_DTYPE_U8] = {kDLUInt, 8, 1},
+        [RAGVIT_DTYPE_BOOL] = {kDLBool, 8, 1},  [RAGVIT_DTYPE_F64] = {kDLFloat, 64, 1},
+    };
+    return table[dtype];
+}
+
+static ragvit_status view_from_dl(ragvit_tensor *t, const DLTensor *dl, int is_read_only,
+                                  const char *op, const char *name) {
+    if (dl->dtype.lanes != 1) {
+        return ragvit_fail(RAGVIT_STATUS_NOT_IMPORTABLE,
+                           "%s: %s must have one lane per element, got %u lanes", op, name,
+                           (unsigned)dl->dtype.lanes);
+    }
+    if (!dtype_from_dl(dl->dtype, &t->dtype)) {
+        return ragvit_fail(RAGVIT_STATUS_INVALID_DTYPE,
+                           "%s: %s must be float16, bfloat16, float32, int32, uint8 or bool, got "
+                           "DLPack type code %u with %u bits",
+                           op, name, (unsigned)dl->dtype.code, (unsigned)dl->dtype.bits);
+    }
+    if (dl->ndim < 0 || dl->ndim > RAGVIT_MAX_DIMS) {
+        return ragvit_fail(RAGVIT_STATUS_INVALID_SHAPE, "%s: %s must have at most %d dimensions, got %d",
+                           op, name, RAGVIT_MAX_DIMS, (int)dl->ndim);
+    }
+    switch (dl->device.device_type) {
+    case kDLCPU:
+    case kDLCUDAHost:
+        t->device_type = RAGVIT_DEVICE_CPU;
+        t->device_id = 0;
+        break;
+    case kDLCUDA:
+    case kDLCUDAManaged:
+        t->device_type = RAGVIT_DEVICE_CUDA;
+        t->device_id = dl->device.device_id;
+        break;
+    default:
+        return ragvit_fail(RAGVIT_STATUS_NOT_IMPORTABLE,
+                           "%s: %s must live on a CPU or CUDA device, got DLPack device type %d",
+                           op, name, (int)dl->device.device_type);
+    }
+    t->ndim = dl->ndim;
+    int64_t compact = 1;
+    for (int i = dl->ndim - 1; i >= 0; i--) {
+        t->shape[i] = dl->shape[i];
+        t->strides[i] = dl->strides ? dl->strides[i] : compact;
+        compact *= dl->shape[i];
+    }
+    t->data = (char *)dl->data + dl->byte_offset;
+    t->is_read_only = is_read_only;
+    t->is_present = 1;
+    return RAGVIT_STATUS_OK;
+}
+
+/* ---- per-type exchange API cache ---- */
+
+static const DLPackExchangeAPI *exchange_api_for(module_state *st, PyTypeObject *type) {
+    for (int i = 0; i < st->api_cache_count; i++) {
+        if (st->api_cache[i].type == type) return st->api_cache[i].api;
+    }
+    const DLPackExchangeAPI *api = NULL;
+    PyObject *attr = PyObject_GetAttr((PyObject *)type, st->str_exchange_api);
+    if (attr == NULL) {
+        PyErr_Clear();
+    } else {
+        if (PyCapsule_IsValid(attr, "dlpack_exchange_api")) {
+            api = (const DLPackExchangeAPI *)PyCapsule_GetPointer(attr, "dlpack_exchange_api");
+        }
+        /* The table must outlive the process (spec), so the capsule may go. */
+        Py_DECREF(attr);
+        if (api && (api->header.version.major != RAGVIT_DLPACK_MAJOR ||
+                    api->current_work_stream == NULL ||
+                    api->managed_tensor_from_py_object_no_sync == NULL)) {
+            api = NULL;
+        }
+    }
+    if (st->api_cache_count < API_CACHE_SIZE) {
+        Py_INCREF(type);
+        st->api_cache[st->api_cache_count].type = type;
+        st->api_cache[st->api_cache_count].api = api;
+        st->api_cache_count++;
+    }
+    return api;
+}
+
+/* ---- importers ---- */
+
+static int resolve_stream_from_api(call_state *cs, const DLPackExchangeAPI *api,
+                                   const ragvit_tensor *t) {
+    if (cs->is_stream_resolved || t->device_type != RAGVIT_DEVICE_CUDA) return 0;
+    void *stream = NULL;
+    if (api->current_work_stream(kDLCUDA, t->device_id, &stream) != 0) return -1;
+    cs->stream = stream;
+    cs->is_stream_resolved = 1;
+    return 0;
+}
+
+static int import_exchange(call_state *cs, PyObject *obj, const char *name, ragvit_tensor *t,
+                           const DLPackExchangeAPI *api, import_slot *slot) {
+    slot->kind = IMPORT_EXCHANGE;
+    slot->api = api;
+    if (api->dltensor_from_py_object_no_sync) {
+        DLTensor dl;
+        if (api->dltensor_from_py_object_no_sync(obj, &dl) != 0) return -1;
+        if (raise_status(view_from_dl(t, &dl, 0, cs->op, name))) return -1;
+    } else {
+        DLManagedTensorVersioned *mt = NULL;
+        if (api->managed_tensor_from_py_object_no_sync(obj, &mt) != 0) return -1;
+        slot->versioned = mt;
+        if (raise_status(view_from_dl(t, &mt->dl_tensor,
+                                      (mt->flags & RAGVIT_DLPACK_FLAG_READ_ONLY) != 0, cs->op,
+                                      name))) {
+            return -1;
+        }
+    }
+    return resolve_stream_from_api(cs, api, t);
+}
+
+static int import_numpy(call_state *cs, PyObject *obj, const char *name, ragvit_tensor *t,
+                        import_slot *slot) {
+    PyArrayObject *arr = (PyArrayObject *)obj;
+    int32_t dtype;
+    slot->kind = IMPORT_NUMPY;
+    switch (PyArray_TYPE(arr)) {
+    case NPY_FLOAT16: dtype = RAGVIT_DTYPE_F16; break;
+    case NPY_FLOAT32: dtype = RAGVIT_DTYPE_F32; break;
+    case NPY_FLOAT64: dtype = RAGVIT_DTYPE_F64; break;
+    case NPY_INT32: dtype = RAGVIT_DTYPE_I32; break;
+    case NPY_INT64: dtype = RAGVIT_DTYPE_I64; break;
+    case NPY_UINT8: dtype = RAGVIT_DTYPE_U8; break;
+    case NPY_BOOL: dtype = RAGVIT_DTYPE_BOOL; break;
+    default:
+        ragvit_fail(RAGVIT_STATUS_INVALID_DTYPE,
+                    "%s: %s must be float16, float32, int32, uint8 or bool, got numpy dtype %s",
+                    cs->op, name, PyArray_DESCR(arr)->typeobj->tp_name);
+        return raise_status(RAGVIT_STATUS_INVALID_DTYPE);
+    }
+    if (!PyArray_ISNOTSWAPPED(arr)) {
+        ragvit_fail(RAGVIT_STATUS_NOT_IMPORTABLE,
+                    "%s: %s must be in native byte order, got a byte-swapped array", cs->op, name);
+        return raise_status(RAGVIT_STATUS_NOT_IMPORTABLE);
+    }
+    int ndim = PyArray_NDIM(arr);
+    if (ndim > RAGVIT_MAX_DIMS) {
+        ragvit_fail(RAGVIT_STATUS_INVALID_SHAPE, "%s: %s must have at most %d dimensions, got %d",
+                    cs->op, name, RAGVIT_MAX_DIMS, ndim);
+        return raise_status(RAGVIT_STATUS_INVALID_SHAPE);
+    }
+    npy_intp itemsize = PyArray_ITEMSIZE(arr);
+    for (int i = 0; i < ndim; i++) {
+        npy_intp stride = PyArray_STRIDE(arr, i);
+        if (stride % itemsize != 0) {
+            ragvit_fail(RAGVIT_STATUS_NOT_IMPORTABLE,
+                        "%s: %s must have strides that are whole elements, got %zd bytes in "
+                        "dimension %d",
+                        cs->op, name, (Py_ssize_t)stride, i);
+            return raise_status(RAGVIT_STATUS_NOT_IMPORTABLE);
+        }
+        t->shape[i] = PyArray_DIM(arr, i);
+        t->strides[i] = stride / itemsize;
+    }
+    t->ndim = ndim;
+    t->dtype = dtype;
+    t->data = PyArray_DATA(arr);
+    t->device_type = RAGVIT_DEVICE_CPU;
+    t->device_id = 0;
+    t->is_read_only = !PyArray_ISWRITEABLE(arr);
+    t->is_present = 1;
+    return 0;
+}
+
+/* __dlpack_device__() -> (type, id), or -1 with an exception. */
+static int query_dlpack_device(call_state *cs, PyObject *obj, const char *name, int *type) {
+    PyObject *dev = PyObject_CallMethodNoArgs(obj, cs->st->str_dlpack_device);
+    if (dev == NULL) return -1;
+    int ok = PyTuple_Check(dev) && PyTuple_GET_SIZE(dev) == 2;
+    if (ok) {
+        *type = (int)PyLong_AsLong(PyTuple_GET_ITEM(dev, 0)); /* borrowed */
+        ok = !PyErr_Occurred();
+    }
+    Py_DECREF(dev);
+    if (!ok) {
+        PyErr_Clear();
+        ragvit_fail(RAGVIT_STATUS_NOT_IMPORTABLE,
+                    "%s: %s.__dlpack_device__() must return (device_type, device_id)", cs->op,
+                    name);
+        return raise_status(RAGVIT_STATUS_NOT_IMPORTABLE);
+    }
+    return 0;
+}
+
+static int import_dlpack(call_state *cs, PyObject *obj, const char *name, ragvit_tensor *t,
+                         import_slot *slot) {
+    module_state *st = cs->st;
+    PyObject *method = NULL, *kwargs = NULL, *capsule = NULL, *stream_arg = NULL;
+    int rc = -1, device_type = kDLCPU;
+    slot->kind = IMPORT_DLPACK;
+    if (query_dlpack_device(cs, obj, name, &device_type)) goto done;
+    if (device_type == kDLCUDA || device_type == kDLCUDAManaged) {
+        if (!cs->is_stream_resolved) {
+            cs->stream = NULL;
+            cs->is_stream_resolved = 1;
+        }
+        /* DLPack spells the legacy default stream 1 (0 is disallowed). */
+        stream_arg = PyLong_FromVoidPtr(cs->stream ? cs->stream : (void *)1);
+    } else {
+        stream_arg = Py_None;
+        Py_INCREF(stream_arg);
+    }
+    if (stream_arg == NULL) goto done;
+    method = PyObject_GetAttr(obj, st->str_dlpack);
+    if (method == NULL) goto done;
+    kwargs = PyDict_New();
+    if (kwargs == NULL || PyDict_SetItem(kwargs, st->str_stream, stream_arg) ||
+        PyDict_SetItem(kwargs, st->str_max_version, st->max_version)) {
+        goto done;
+    }
+    {
+        PyObject *empty = PyTuple_New(0);
+        if (empty == NULL) goto done;
+        capsule = PyObject_Call(method, empty, kwargs);
+        if (capsule == NULL && PyErr_ExceptionMatches(PyExc_TypeError)) {
+            /* A producer older than DLPack 1.0 knows no max_version. */
+            PyErr_Clear();
+            if (PyDict_DelItem(kwargs, st->str_max_version) == 0) {
+                capsule = PyObject_Call(method, empty, kwargs);
+            }
+        }
+        Py_DECREF(empty);
+    }
+    if (capsule == NULL) goto done;
+    if (PyCapsule_IsValid(capsule, "dltensor_versioned")) {
+        DLManagedTensorVersioned *mt =
+            (DLManagedTensorVersioned *)PyCapsule_GetPointer(capsule, "dltensor_versioned");
+        if (mt->version.major != RAGVIT_DLPACK_MAJOR) {
+            ragvit_fail(RAGVIT_STATUS_NOT_IMPORTABLE,
+                        "%s: %s must be a DLPack 1.x tensor, got version %u.%u", cs->op, name,
+                        mt->version.major, mt->version.minor);
+            raise_status(RAGVIT_STATUS_NOT_IMPORTABLE);
+            goto done;
+        }
+        if (raise_status(view_from_dl(t, &mt->dl_tensor,
+                                      (mt->flags & RAGVIT_DLPACK_FLAG_READ_ONLY) != 0, cs->op,
+                                      name))) {
+            goto done;
+        }
+        if (PyCapsule_SetName(capsule, "used_dltensor_versioned")) goto done;
+        slot->versioned = mt;
+    } else if (PyCapsule_IsValid(capsule, "dltensor")) {
+        DLManagedTensor *mt = (DLManagedTensor *)PyCapsule_GetPointer(capsule, "dltensor");
+        if (raise_status(view_from_dl(t, &mt->dl_tensor, 0, cs->op, name))) goto done;
+        if (PyCapsule_SetName(capsule, "used_dltensor")) goto done;
+        slot->legacy = mt;
+    } else {
+        const char *cname = PyCapsule_CheckExact(capsule) ? PyCapsule_GetName(capsule) : NULL;
+        PyErr_Clear();
+        ragvit_fail(RAGVIT_STATUS_NOT_IMPORTABLE,
+                    "%s: %s.__dlpack__() must return an unconsumed DLPack capsule, got %s%s%s",
+                    cs->op, name, cname ? "a capsule named '" : Py_TYPE(capsule)->tp_name,
+                    cname ? cname : "", cname ? "'" : "");
+        raise_status(RAGVIT_STATUS_NOT_IMPORTABLE);
+        goto done;
+    }
+    slot->capsule = capsule; /* stolen: released by release_slots */
+    capsule = NULL;
+    rc = 0;
+done:
+    Py_XDECREF(capsule); /* an unrenamed capsule's destructor calls the deleter */
+    Py_XDECREF(kwargs);
+    Py_XDECREF(method);
+    Py_XDECREF(stream_arg);
+    return rc;
+}
+
+static int cai_dtype(const char *typestr, int32_t *dtype) {
+    static const struct {
+        const char *typestr;
+        int32_t dtype;
+    } table[] = {
+        {"<f2", RAGVIT_DTYPE_F16}, {"<f4", RAGVIT_DTYPE_F32}, {"<f8", RAGVIT_DTYPE_F64},
+        {"<i4", RAGVIT_DTYPE_I32}, {"<i8", RAGVIT_DTYPE_I64}, {"|u1", RAGVIT_DTYPE_U8},
+        {"<u1", RAGVIT_DTYPE_U8},  {"|b1", RAGVIT_DTYPE_BOOL}, {"<b1", RAGVIT_DTYPE_BOOL},
+    };
+    for (size_t i = 0; i < sizeof table / sizeof table[0]; i++) {
+        if (strcmp(typestr, table[i].typestr) == 0) {
+            *dtype = table[i].dtype;
+            return 1;
+        }
+    }
+    return 0;
+}
+
+/* Reads a tuple of ints into dst; -1 with an exception when malformed. */
+static int read_int_tuple(call_state *cs, const char *name, const char *key, PyObject *tuple,
+                          int64_t *dst, int expected) {
+    if (!PyTuple_Check(tuple) || (expected >= 0 && PyTuple_GET_SIZE(tuple) != expected) ||
+        PyTuple_GET_SIZE(tuple) > RAGVIT_MAX_DIMS) {
+        ragvit_fail(RAGVIT_STATUS_NOT_IMPORTABLE,
+                    "%s: %s.__cuda_array_interface__['%s'] must be a tuple of at most %d ints",
+                    cs->op, name, key, RAGVIT_MAX_DIMS);
+        return raise_status(RAGVIT_STATUS_NOT_IMPORTABLE);
+    }
+    for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(tuple); i++) {
+        dst[i] = PyLong_AsLongLong(PyTuple_GET_ITEM(tuple, i)); /* borrowed item */
+        if (PyErr_Occurred()) return -1;
+    }
+    return (int)PyTuple_GET_SIZE(tuple);
+}
+
+static int import_cai(call_state *cs, PyObject *obj, PyObject *cai, const char *name,
+                      ragvit_tensor *t, import_slot *slot) {
+    int rc = -1;
+    slot->kind = IMPORT_CAI;
+    if (!PyDict_Check(cai)) {
+        ragvit_fail(RAGVIT_STATUS_NOT_IMPORTABLE,
+                    "%s: %s.__cuda_array_interface__ must be a dict, got %s", cs->op, name,
+                    Py_TYPE(cai)->tp_name);
+        return raise_status(RAGVIT_STATUS_NOT_IMPORTABLE);
+    }
+    (void)obj;
+    /* All borrowed from the dict. */
+    PyObject *shape = PyDict_GetItemString(cai, "shape");
+    PyObject *typestr = PyDict_GetItemString(cai, "typestr");
+    PyObject *data = PyDict_GetItemString(cai, "data");
+    PyObject *strides = PyDict_GetItemString(cai, "strides");
+    PyObject *mask = PyDict_GetItemString(cai, "mask");
+    PyObject *stream = PyDict_GetItemString(cai, "stream");
+    if (!shape || !typestr || !PyUnicode_Check(typestr) || !data || !PyTuple_Check(data) ||
+        PyTuple_GET_SIZE(data) != 2 || (mask && mask != Py_None)) {
+        ragvit_fail(RAGVIT_STATUS_NOT_IMPORTABLE,
+                    "%s: %s.__cuda_array_interface__ must have shape, typestr and (ptr, "
+                    "read_only) data and no mask",
+                    cs->op, name);
+        return raise_status(RAGVIT_STATUS_NOT_IMPORTABLE);
+    }
+    const char *ts = PyUnicode_AsUTF8(typestr);
+    if (ts == NULL) return -1;
+    if (!cai_dtype(ts, &t->dtype)) {
+        ragvit_fail(RAGVIT_STATUS_INVALID_DTYPE,
+                    "%s: %s must have an unambiguous CUDA Array Interface typestr (<f2, <f4, <i4, "
+                    "|u1, |b1), got '%s' (bfloat16 cannot be told apart from other 2-byte "
+                    "types there: pass it through DLPack)",
+                    cs->op, name, ts);
+        return raise_status(RAGVIT_STATUS_INVALID_DTYPE);
+    }
+    int ndim = read_int_tuple(cs, name, "shape", shape, t->shape, -1);
+    if (ndim < 0) return -1;
+    t->ndim = ndim;
+    int64_t elem = (t->dtype == RAGVIT_DTYPE_F16) ? 2
+                   : (t->dtype == RAGVIT_DTYPE_F64 || t->dtype == RAGVIT_DTYPE_I64) ? 8
+                   : (t->dtype == RAGVIT_DTYPE_U8 || t->dtype == RAGVIT_DTYPE_BOOL) ? 1
+                                                                                   : 4;
+    if (strides && strides != Py_None) {
+        if (read_int_tuple(cs, name, "strides", strides, t->strides, ndim) < 0) return -1;
+        for (int i = 0; i < ndim; i++) {
+            if (t->strides[i] % elem != 0) {
+                ragvit_fail(RAGVIT_STATUS_NOT_IMPORTABLE,
+                            "%s: %s must have strides that are whole elements, got %lld bytes",
+                            cs->op, name, (long long)t->strides[i]);
+                return raise_status(RAGVIT_STATUS_NOT_IMPORTABLE);
+            }
+            t->strides[i] /= elem;
+        }
+    } else {
+        int64_t compact = 1;
+        for (int i = ndim - 1; i >= 0; i--) {
+            t->strides[i] = compact;
+            compact *= t->shape[i];
+        }
+    }
+    t->data = PyLong_AsVoidPtr(PyTuple_GET_ITEM(data, 0)); /* borrowed */
+    if (t->data == NULL && PyErr_Occurred()) return -1;
+    t->is_read_only = PyObject_IsTrue(PyTuple_GET_ITEM(data, 1));
+    if (t->is_read_only < 0) return -1;
+    t->device_type = RAGVIT_DEVICE_CUDA;
+    t->device_id = 0;
+    t->is_present = 1;
+    if (t->data != NULL && raise_status(ragvit_pointer_device(t->data, &t->device_id))) return -1;
+    if (stream && stream != Py_None) {
+        void *handle = PyLong_AsVoidPtr(stream);
+        if (handle == NULL && PyErr_Occurred()) return -1;
+        /* CAI v3: 1 is the legacy default stream, 2 the per-thread one. */
+        if (handle == (void *)1) handle = NULL;
+        if (cs->cai_stream_count < MAX_IMPORTS) {
+            cs->cai_streams[cs->cai_stream_count] = handle;
+            cs->cai_devices[cs->cai_stream_count] = t->device_id;
+            cs->cai_stream_count++;
+        }
+    }
+    if (!cs->is_stream_resolved) {
+        cs->stream = NULL;
+        cs->is_stream_resolved = 1;
+    }
+    rc = 0;
+    return rc;
+}
+
+/* Imports obj (NULL: optional argument left out) into t. */
+static int import_arg(call_state *cs, PyObject *obj, const char *name, ragvit_tensor *t) {
+    t->is_present = 0;
+    if (obj == NULL) return 0;
+    if (cs->slot_count >= MAX_IMPORTS) {
+        PyErr_SetString(PyExc_RuntimeError, "ragvit: too many array arguments");
+        return -1;
+    }
+    import_slot *slot = &cs->slots[cs->slot_count++];
+    memset(slot, 0, sizeof *slot);
+    slot->type = Py_TYPE(obj);
+    const DLPackExchangeAPI *api = exchange_api_for(cs->st, Py_TYPE(obj));
+    if (api) return import_exchange(cs, obj, name, t, api, slot);
+    if (PyArray_Check(obj)) return import_numpy(cs, obj, name, t, slot);
+    if (PyObject_HasAttr(obj, cs->st->str_dlpack) &&
+        PyObject_HasAttr(obj, cs->st->str_dlpack_device)) {
+        return import_dlpack(cs, obj, name, t, slot);
+    }
+    PyObject *cai = PyObject_GetAttr(obj, cs->st->str_cai);
+    if (cai != NULL) {
+        int rc = import_cai(cs, obj, cai, name, t, slot);
+        Py_DECREF(cai);
+        return rc;
+    }
+    PyErr_Clear();
+    ragvit_fail(RAGVIT_STATUS_INVALID_TYPE,
+                "%s: %s must be an array (DLPack, CUDA Array Interface or NumPy), got %s", cs->op,
+                name, Py_TYPE(obj)->tp_name);
+    return raise_status(RAGVIT_STATUS_INVALID_TYPE);
+}
+
+/* Runs the deleters of consumed capsules; safe to call more than once. */
+static void release_slots(call_state *cs) {
+    for (int i = 0; i < cs->slot_count; i++) {
+        import_slot *slot = &cs->slots[i];
+        if (slot->versioned && slot->versioned->deleter) slot->versioned->deleter(slot->versioned);
+        if (slot->legacy && slot->legacy->deleter) slot->legacy->deleter(slot->legacy);
+        Py_XDECREF(slot->capsule);
+        memset(slot, 0, sizeof *slot);
+    }
+    cs->slot_count = 0;
+}
+
+/* After all imports: the call runs on cs->stream; wait for CAI producers. */
+static int finish_streams(call_state *cs) {
+    for (int i = 0; i < cs->cai_stream_count; i++) {
+        if (raise_status(ragvit_stream_wait(cs->cai_devices[i], cs->stream, cs->cai_streams[i]))) {
+            return -1;
+        }
+    }
+    return 0;
+}
+
+/* ---- allocation in the caller's array library ---- */
+
+static void exchange_set_error(void *error_ctx, const char *kind, const char *message) {
+    (void)error_ctx;
+    PyObject *type = (kind && strstr(kind, "Memory")) ? PyExc_MemoryError : PyExc_RuntimeError;
+    PyErr_SetString(type, message ? message : "allocation failed");
+}
+
+/* New array shaped like `shape` on like's device, in the library of the
+ * argument imported into slot index `like_slot`; its view goes to *view. */
+static PyObject *alloc_like(call_state *cs, int like_slot, const ragvit_tensor *like,
+                            const char *name, int32_t dtype, int ndim, const int64_t *shape,
+                            ragvit_tensor *view) {
+    const import_slot *slot = &cs->slots[like_slot];
+    if (slot->kind == IMPORT_EXCHANGE) {
+        DLTensor proto;
+        memset(&proto, 0, sizeof proto);
+        proto.device.device_type = like->device_type == RAGVIT_DEVICE_CUDA ? kDLCUDA : kDLCPU;
+        proto.device.device_id = like->device_id;
+        proto.ndim = ndim;
+        proto.dtype = dtype_to_dl(dtype);
+        proto.shape = (int64_t *)shape;
+        DLManagedTensorVersioned *mt = NULL;
+        if (slot->api->managed_tensor_allocator(&proto, &mt, NULL, exchange_set_error) != 0 ||
+            mt == NULL) {
+            if (!PyErr_Occurred()) PyErr_NoMemory();
+            return NULL;
+        }
+        ragvit_status status = view_from_dl(view, &mt->dl_tensor, 0, cs->op, name);
+        void *obj = NULL;
+        /* Ownership of mt moves to the new object, even on failure. */
+        if (slot->api->managed_tensor_to_py_object_no_sync(mt, &obj) != 0) return NULL;
+        if (status != RAGVIT_STATUS_OK) {
+            Py_XDECREF((PyObject *)obj);
+            raise_status(status);
+            return NULL;
+        }
+        return (PyObject *)obj;
+    }
+    if (like->device_type == RAGVIT_DEVICE_CPU) {
+        int typenum = dtype == RAGVIT_DTYPE_F16   ? NPY_FLOAT16
+                      : dtype == RAGVIT_DTYPE_F32 ? NPY_FLOAT32
+                      : dtype == RAGVIT_DTYPE_I32 ? NPY_INT32
+                                                  : -1;
+        if (typenum < 0) {
+            ragvit_fail(RAGVIT_STATUS_INVALID_DTYPE,
+                        "%s: %s must be given (out=) for bfloat16 host arrays, got none (NumPy "
+                        "has no bfloat16)",
+                        cs->op, name);
+            raise_status(RAGVIT_STATUS_INVALID_DTYPE);
+            return NULL;
+        }
+        npy_intp dims[RAGVIT_MAX_DIMS];
+        for (int i = 0; i < ndim; i++) dims[i] = (npy_intp)shape[i];
+        PyObject *arr = PyArray_SimpleNew(ndim, dims, typenum);
+        if (arr == NULL) return NULL;
+        if (import_numpy(cs, arr, name, view, &(import_slot){0}) != 0) {
+            Py_DECREF(arr);
+            return NULL;
+        }
+        return arr;
+    }
+    ragvit_fail(RAGVIT_STATUS_INVALID_VALUE,
+                "%s: %s must be given for CUDA inputs of type %s, got none (the type offers no "
+                "DLPack exchange API allocator)",
+                cs->op, name, slot->type->tp_name);
+    raise_status(RAGVIT_STATUS_INVALID_VALUE);
+    return NULL;
+}
+
+/* ---- module functions ---- */
+
+static void call_init(call_state *cs, PyObject *module, const char *op) {
+    memset(cs, 0, sizeof *cs);
+    cs->st = (module_state *)PyModule_GetState(module);
+    cs->op = op;
+}
+
+static int parse_max_seqlen(call_state *cs, PyObject *obj, int64_t *max_seqlen) {
+    *max_seqlen = RAGVIT_MAX_SEQLEN_AUTO;
+    if (obj == NULL) return 0;
+    if (!PyLong_Check(obj)) {
+        ragvit_fail(RAGVIT_STATUS_INVALID_TYPE, "%s: max_seqlen must be an int or None, got %s",
+                    cs->op, Py_TYPE(obj)->tp_name);
+        return raise_status(RAGVIT_STATUS_INVALID_TYPE);
+    }
+    int overflow = 0;
+    long long value = PyLong_AsLongLongAndOverflow(obj, &overflow);
+    if (overflow || value == RAGVIT_MAX_SEQLEN_AUTO) value = overflow > 0 ? INT64_MAX : -1;
+    *max_seqlen = value;
+    return 0;
+}
+
+static int parse_float(call_state *cs, PyObject *obj, const char *name, double fallback,
+                       double *value) {
+    *value = fallback;
+    if (obj == NULL) return 0;
+    if (!PyFloat_Check(obj) && !PyLong_Check(obj)) {
+        ragvit_fail(RAGVIT_STATUS_INVALID_TYPE, "%s: %s must be a float, got %s", cs->op, name,
+                    Py_TYPE(obj)->tp_name);
+        return raise_status(RAGVIT_STATUS_INVALID_TYPE);
+    }
+    *value = PyFloat_AsDouble(obj);
+    return (*value == -1.0 && PyErr_Occurred()) ? -1 : 0;
+}
+
+PyDoc_STRVAR(attention_doc,
+"attention(q, k, v, cu_seqlens, max_seqlen=None, *, scale=None, out=None, cls_attn=None,\n"
+"          stream=None) -> out\n"
+"\n"
+"Per-sequence bidirectional softmax attention over packed tokens.\n"
+"\n"
+"Args:\n"
+"    q, k, v: (T, H, D) float16, bfloat16 or float32 arrays of one dtype, head dim\n"
+"        contiguous, any token/head strides (views of a (T, 3, H, D) qkv buffer\n"
+"        are read in place). D in {32, 64, 80, 96, 128}.\n"
+"    cu_seqlens: (S+1,) int32 on the same device: exclusive prefix sums of the\n"
+"        lengths; cu_seqlens[S] <= T, rows past it are left untouched.\n"
+"    max_seqlen: upper bound on every length; sizes the grid and is never read\n"
+"        back from the device. Default: read from cu_seqlens on the CPU, T on CUDA\n"
+"        (pass it on CUDA: a tight bound launches far fewer blocks).\n"
+"    scale: softmax scale, default 1/sqrt(D); finite and > 0.\n"
+"    out: (T, H, D) output of q's dtype. When omitted it is allocated by q's\n"
+"        library (DLPack exchange API, e.g. torch) or NumPy for host arrays.\n"
+"    cls_attn: optional (T,) float32; receives, for each sequence, the head-mean\n"
+"        softmax probabilities of its first query token over its keys.\n"
+"    stream: int cudaStream_t handle or object with __cuda_stream__; default: the\n"
+"        producer's current stream (torch.cuda.current_stream()).\n"
+"\n"
+"Returns:\n"
+"    out.\n"
+"\n"
+"Raises:\n"
+"    TypeError (dtype, non-array argument), ValueError (shape, value, device,\n"
+"    read-only or aliased output; debug-mode device checks), BufferError\n"
+"    (unimportable array), MemoryError, RuntimeError (CUDA failure).");
+
+static PyObject *py_attention(PyObject *module, PyObject *const *args, Py_ssize_t nargs,
+                              PyObject *kwnames) {
+    static const char *const names[] = {"q",     "k",   "v",        "cu_seqlens", "max_seqlen",
+                                        "scale", "out", "cls_attn", "stream"};
+    PyObject *values[9];
+    PyObject *result = NULL, *out_obj = NULL;
+    ragvit_tensor q, k, v, cu, out, cls;
+    int64_t max_seqlen;
+    double scale;
+    call_state cs;
+    call_init(&cs, module, "attention");
+    if (parse_args(cs.op, args, nargs, kwnames, names, 9, 5, 4, values)) return NULL;
+    if (parse_max_seqlen(&cs, values[4], &max_seqlen)) return NULL;
+    if (parse_float(&cs, values[5], "scale", NAN, &scale)) return NULL;
+    if (parse_stream(&cs, values[8])) return NULL;
+    if (import_arg(&cs, values[0], "q", &q) || import_arg(&cs, values[1], "k", &k) ||
+        import_arg(&cs, values[2], "v", &v) || import_arg(&cs, values[3], "cu_seqlens", &cu) ||
+        import_arg(&cs, values[6], "out", &out) || import_arg(&cs, values[7], "cls_attn", &cls)) {
+        goto done;
+    }
+    if (!out.is_present) {
+        if (q.ndim != 3) RAISE_IF(ragvit_fail(RAGVIT_STATUS_INVALID_SHAPE,
+                                              "attention: q must have 3 dimensions, got %d",
+                                              q.ndim));
+        out_obj = alloc_like(&cs, 0, &q, "out", q.dtype, 3, q.shape, &out);
+        if (out_obj == NULL) goto done;
+    } else {
+        out_obj = values[6];
+        Py_INCREF(out_obj);
+    }
+    if (finish_streams(&cs)) goto done;
+    RAISE_IF(ragvit_attention_forward(&cs.st->ctx, &out, &cls, &q, &k, &v, &cu, max_seqlen, scale,
+                                      cs.stream));
+    result = out_obj;
+    out_obj = NULL;
+done:
+    release_slots(&cs);
+    Py_XDECREF(out_obj);
+    return result;
+}
+
+PyDoc_STRVAR(pack_doc,
+"pack(x, keep, *, stream=None) -> (packed, cu_seqlens, indices)\n"
+"\n"
+"Gather the kept tokens of a padded batch into packed rows, in order.\n"
+"\n"
+"Args:\n"
+"    x: (B, N, C) float16, bfloat16 or float32, channels contiguous.\n"
+"    keep: (B, N) bool or uint8 on x's device; nonzero keeps the token.\n"
+"    stream: as for attention.\n"
+"\n"
+"Returns:\n"
+"    packed (T, C) of x's dtype, cu_seqlens (B+1,) int32 and indices (T,) int32\n"
+"    (each packed token's position n within its image), in x's library.\n"
+"    On CUDA this synchronizes the stream once to learn T; pack_into does not.\n"
+"\n"
+"Raises:\n"
+"    TypeError, ValueError, BufferError, MemoryError, RuntimeError as attention.");
+
+static PyObject *py_pack(PyObject *module, PyObject *const *args, Py_ssize_t nargs,
+                         PyObject *kwnames) {
+    static const char *const names[] = {"x", "keep", "stream"};
+    PyObject *values[3];
+    PyObject *cu_obj = NULL, *out_obj = NULL, *idx_obj = NULL, *result = NULL;
+    ragvit_tensor x, keep, cu, out, idx;
+    call_state cs;
+    call_init(&cs, module, "pack");
+    if (parse_args(cs.op, args, nargs, kwnames, names, 3, 2, 2, values)) return NULL;
+    if (parse_stream(&cs, values[2])) return NULL;
+    if (import_arg(&cs, values[0], "x", &x) || import_arg(&cs, values[1], "keep", &keep)) {
+        goto done;
+    }
+    if (finish_streams(&cs)) goto done;
+    if (x.ndim != 3) {
+        RAISE_IF(ragvit_fail(RAGVIT_STATUS_INVALID_SHAPE,
+                             "pack: x must have 3 dimensions (B, N, C), got %d", x.ndim));
+    }
+    const int64_t cu_shape[1] = {x.shape[0] + 1};
+    cu_obj = alloc_like(&cs, 0, &x, "cu_seqlens", RAGVIT_DTYPE_I32, 1, cu_shape, &cu);
+    if (cu_obj == NULL) goto done;
+    RAISE_IF(ragvit_pack_count(&cs.st->ctx, &cu, &keep, cs.stream));
+    int32_t total = 0;
+    RAISE_IF(ragvit_read_int32(&total, &cu, x.shape[0], cs.stream));
+    const int64_t out_shape[2] = {total, x.shape[2]};
+    const int64_t idx_shape[1] = {total};
+    out_obj = alloc_like(&cs, 0, &x, "packed", x.dtype, 2, out_shape, &out);
+    if (out_obj == NULL) goto done;
+    idx_obj = alloc_like(&cs, 0, &x, "indices", RAGVIT_DTYPE_I32, 1, idx_shape, &idx);
+    if (idx_obj == NULL) goto done;
+    RAISE_IF(ragvit_pack_gather(&cs.st->ctx, &out, &idx, &x, &keep, &cu, cs.stream));
+    result = PyTuple_Pack(3, out_obj, cu_obj, idx_obj);
+done:
+    release_slots(&cs);
+    Py_XDECREF(cu_obj);
+    Py_XDECREF(out_obj);
+    Py_XDECREF(idx_obj);
+    return result;
+}
+
+PyDoc_STRVAR(pack_into_doc,
+"pack_into(x, keep, out, cu_seqlens, *, indices=None, stream=None) -> None\n"
+"\n"
+"pack() into caller-sized capacity buffers, with no host sync and no\n"
+"allocation (CUDA-graph capturable); the total is cu_seqlens[B] on the device.\n"
+"\n"
+"Args:\n"
+"    x: (B, N, C) float16, bfloat16 or float32, channels contiguous.\n"
+"    keep: (B, N) bool or uint8.\n"
+"    out: (capacity, C) of x's dtype; rows past the kept total are untouched.\n"
+"        Kept tokens beyond capacity are dropped (CPU: ValueError; CUDA: flagged,\n"
+"        raised in debug mode).\n"
+"    cu_seqlens: (B+1,) int32, receives the prefix sums of the kept counts.\n"
+"    indices: optional (capacity,) int32, receives each token's position n.\n"
+"    stream: as for attention.\n"
+"\n"
+"Raises:\n"
+"    TypeError, ValueError, BufferError, RuntimeError as attention.");
+
+static PyObject *py_pack_into(PyObject *module, PyObject *const *args, Py_ssize_t nargs,
+                              PyObject *kwnames) {
+    static const char *const names[] = {"x", "keep", "out", "cu_seqlens", "indices", "stream"};
+    PyObject *values[6];
+    PyObject *result = NULL;
+    ragvit_tensor x, keep, out, cu, idx;
+    call_state cs;
+    call_init(&cs, module, "pack_into");
+    if (parse_args(cs.op, args, nargs, kwnames, names, 6, 4, 4, values)) return NULL;
+    if (parse_stream(&cs, values[5])) return NULL;
+    if (import_arg(&cs, values[0], "x", &x) || import_arg(&cs, values[1], "keep", &keep) ||
+        import_arg(&cs, values[2], "out", &out) ||
+        import_arg(&cs, values[3], "cu_seqlens", &cu) ||
+        import_arg(&cs, values[4], "indices", &idx)) {
+        goto done;
+    }
+    if (finish_streams(&cs)) goto done;
+    RAISE_IF(ragvit_pack_into(&cs.st->ctx, &out, &idx, &cu, &x, &keep, cs.stream));
+    result = Py_None;
+    Py_INCREF(result);
+done:
+    release_slots(&cs);
+    return result;
+}
+
+PyDoc_STRVAR(unpack_doc,
+"unpack(packed, cu_seqlens, N, *, indices=None, fill=0.0, out=None, stream=None) -> out\n"
+"\n"
+"Scatter packed tokens back to a padded (B, N, C) batch.\n"
+"\n"
+"Args:\n"
+"    packed: (T, C) float16, bfloat16 or float32, channels contiguous.\n"
+"    cu_seqlens: (B+1,) int32; every length must be <= N.\n"
+"    N: tokens per padded image.\n"
+"    indices: optional (T,) int32 target position of each packed token (e.g.\n"
+"        the indices pack returned); default: the first len rows of each image.\n"
+"    fill: value of every row not written from packed.\n"
+"    out: optional (B, N, C) output of packed's dtype.\n"
+"    stream: as for attention.\n"
+"\n"
+"Returns:\n"
+"    out.\n"
+"\n"
+"Raises:\n"
+"    TypeError, ValueError, BufferError, MemoryError, RuntimeError as attention.");
+
+static PyObject *py_unpack(PyObject *module, PyObject *const *args, Py_ssize_t nargs,
+                           PyObject *kwnames) {
+    static const char *const names[] = {"packed", "cu_seqlens", "N",     "indices",
+                                        "fill",   "out",        "stream"};
+    PyObject *values[7];
+    PyObject *out_obj = NULL, *result = NULL;
+    ragvit_tensor packed, cu, idx, out;
+    double fill;
+    call_state cs;
+    call_init(&cs, module, "unpack");
+    if (parse_args(cs.op, args, nargs, kwnames, names, 7, 3, 3, values)) return NULL;
+    if (!PyLong_Check(values[2])) {
+        ragvit_fail(RAGVIT_STATUS_INVALID_TYPE, "unpack: N must be an int, got %s",
+                    Py_TYPE(values[2])->tp_name);
+        raise_status(RAGVIT_STATUS_INVALID_TYPE);
+        return NULL;
+    }
+    long long n = PyLong_AsLongLong(values[2]);
+    if (n == -1 && PyErr_Occurred()) return NULL;
+    if (n < 0) {
+        ragvit_fail(RAGVIT_STATUS_INVALID_VALUE, "unpack: N must be >= 0, got %lld", n);
+        raise_status(RAGVIT_STATUS_INVALID_VALUE);
+        return NULL;
+    }
+    if (parse_float(&cs, values[4], "fill", 0.0, &fill)) return NULL;
+    if (parse_stream(&cs, values[6])) return NULL;
+    if (import_arg(&cs, values[0], "packed", &packed) ||
+        import_arg(&cs, values[1], "cu_seqlens", &cu) ||
+        import_arg(&cs, values[3], "indices", &idx) || import_arg(&cs, values[5], "out", &out)) {
+        goto done;
+    }
+    if (!out.is_present) {
+        if (packed.ndim != 2 || cu.ndim != 1) {
+            RAISE_IF(ragvit_fail(RAGVIT_STATUS_INVALID_SHAPE,
+                                 "unpack: packed must be (T, C) and cu_seqlens (B+1,), got %d "
+                                 "and %d dimensions",
+                                 packed.ndim, cu.ndim));
+        }
+        const int64_t shape[3] = {cu.shape[0] > 0 ? cu.shape[0] - 1 : 0, n, packed.shape[1]};
+        out_obj = alloc_like(&cs, 0, &packed, "out", packed.dtype, 3, shape, &out);
+        if (out_obj == NULL) goto done;
+    } else {
+        out_obj = values[5];
+        Py_INCREF(out_obj);
+        if (out.ndim == 3 && out.shape[1] != n) {
+            RAISE_IF(ragvit_fail(RAGVIT_STATUS_INVALID_SHAPE,
+                                 "unpack: out must have N=%lld rows per image, got %lld", n,
+                                 (long long)out.shape[1]));
+        }
+    }
+    if (finish_streams(&cs)) goto done;
+    RAISE_IF(ragvit_unpack_forward(&cs.st->ctx, &out, &packed, &cu, &idx, fill, cs.stream));
+    result = out_obj;
+    out_obj = NULL;
+done:
+    release_slots(&cs);
+    Py_XDECREF(out_obj);
+    return result;
+}
+
+static PyObject *py_cuda_is_compiled(PyObject *module, PyObject *unused) {
+    (void)module;
+    (void)unused;
+    return PyBool_FromLong(ragvit_cuda_is_compiled());
+}
+
+static PyObject *py_cuda_device_count(PyObject *module, PyObject *unused) {
+    (void)module;
+    (void)unused;
+    int32_t count = 0;
+    if (raise_status(ragvit_device_count(&count))) return NULL;
+    return PyLong_FromLong(count);
+}
+
+static PyObject *py_set_debug(PyObject *module, PyObject *flag) {
+    int value = PyObject_IsTrue(flag);
+    if (value < 0) return NULL;
+    ((module_state *)PyModule_GetState(module))->ctx.is_debug = value;
+    Py_RETURN_NONE;
+}
+
+static PyObject *py_is_debug(PyObject *module, PyObject *unused) {
+    (void)unused;
+    return PyBool_FromLong(((module_state *)PyModule_GetState(module))->ctx.is_debug);
+}
+
+static PyObject *py_launch_empty(PyObject *module, PyObject *const *args, Py_ssize_t nargs,
+                                 PyObject *kwnames) {
+    static const char *const names[] = {"device", "stream"};
+    PyObject *values[2];
+    call_state cs;
+    call_init(&cs, module, "launch_empty");
+    if (parse_args(cs.op, args, nargs, kwnames, names, 2, 2, 0, values)) return NULL;
+    long device = values[0] ? PyLong_AsLong(values[0]) : 0;
+    if (device == -1 && PyErr_Occurred()) return NULL;
+    if (parse_stream(&cs, values[1])) return NULL;
+    if (raise_status(ragvit_launch_empty(&cs.st->ctx, (int32_t)device, cs.stream))) return NULL;
+    Py_RETURN_NONE;
+}
+
+static PyMethodDef module_methods[] = {
+    {"attention", (PyCFunction)(void (*)(void))py_attention, METH_FASTCALL | METH_KEYWORDS,
+     attention_doc},
+    {"pack", (PyCFunction)(void (*)(void))py_pack, METH_FASTCALL | METH_KEYWORDS, pack_doc},
+    {"pack_into", (PyCFunction)(void (*)(void))py_pack_into, METH_FASTCALL | METH_KEYWORDS,
+     pack_into_doc},
+    {"unpack", (PyCFunction)(void (*)(void))py_unpack, METH_FASTCALL | METH_KEYWORDS,
+     unpack_doc},
+    {"cuda_is_compiled", py_cuda_is_compiled, METH_NOARGS,
+     "cuda_is_compiled() -> bool\n\nTrue when the extension was built with nvcc."},
+    {"cuda_device_count", py_cuda_device_count, METH_NOARGS,
+     "cuda_device_count() -> int\n\nCUDA devices visible (0 for a CPU-only build or no driver)."},
+    {"set_debug", py_set_debug, METH_O,
+     "set_debug(enabled) -> None\n\nWhen on, every CUDA op synchronizes and raises ValueError\n"
+     "if a kernel flagged bad device contents (cu_seqlens, capacity, indices)."},
+    {"is_debug", py_is_debug, METH_NOARGS, "is_debug() -> bool\n\nWhether debug checks are on."},
+    {"_launch_empty", (PyCFunction)(void (*)(void))py_launch_empty, METH_FASTCALL | METH_KEYWORDS,
+     "_launch_empty(device=0, stream=0) -> None\n\nLaunch an empty kernel (benchmark floor)."},
+    {NULL, NULL, 0, NULL},
+};
+
+/* ---- module lifecycle ---- */
+
+static int module_exec(PyObject *module) {
+    module_state *st = (module_state *)PyModule_GetState(module);
+    if (PyArray_ImportNumPyAPI() < 0) return -1;
+    ragvit_context_init(&st->ctx);
+    const char *debug = getenv("RAGVIT_DEBUG");
+    st->ctx.is_debug = debug && debug[0] && strcmp(debug, "0") != 0;
+    st->str_dlpack = PyUnicode_InternFromString("__dlpack__");
+    st->str_dlpack_device = PyUnicode_InternFromString("__dlpack_device__");
+    st->str_cai = PyUnicode_InternFromString("__cuda_array_interface__");
+    st->str_cuda_stream = PyUnicode_InternFromString("__cuda_stream__");
+    st->str_exchange_api = PyUnicode_InternFromString("__dlpack_c_exchange_api__");
+    st->str_stream = PyUnicode_InternFromString("stream");
+    st->str_max_version = PyUnicode_InternFromString("max_version");
+    st->max_version = Py_BuildValue("(ii)", 1, 0);
+    if (!st->str_dlpack || !st->str_dlpack_device || !st->str_cai || !st->str_cuda_stream ||
+        !st->str_exchange_api || !st->str_stream || !st->str_max_version || !st->max_version) {
+        return -1;
+    }
+    return PyModule_AddStringConstant(module, "dlpack_version", "1.3");
+}
+
+static int module_traverse(PyObject *module, visitproc visit, void *arg) {
+    module_state *st = (module_state *)PyModule_GetState(module);
+    if (st == NULL) return 0;
+    for (int i = 0; i < st->api_cache_count; i++) Py_VISIT(st->api_cache[i].type);
+    return 0;
+}
+
+static int module_clear(PyObject *module) {
+    module_state *st = (module_state *)PyModule_GetState(module);
+    if (st == NULL) return 0;
+    for (int i = 0; i < st->api_cache_count; i++) Py_CLEAR(st->api_cache[i].type);
+    st->api_cache_count = 0;
+    Py_CLEAR(st->str_dlpack);
+    Py_CLEAR(st->str_dlpack_device);
+    Py_CLEAR(st->str_cai);
+    Py_CLEAR(st->str_cuda_stream);
+    Py_CLEAR(st->str_exchange_api);
+    Py_CLEAR(st->str_stream);
+    Py_CLEAR(st->str_max_version);
+    Py_CLEAR(st->max_version);
+    return 0;
+}
+
+static void module_free(void *module) {
+    module_state *st = (module_state *)PyModule_GetState((PyObject *)module);
+    module_clear((PyObject *)module);
+    if (st) ragvit_context_release(&st->ctx);
+}
+
+static PyModuleDef_Slot module_slots[] = {
+    {Py_mod_exec, module_exec},
+    {0, NULL},
+};
+
+static struct PyModuleDef module_def = {
+    PyModuleDef_HEAD_INIT,
+    .m_name = "ragvit._C",
+    .m_doc = "ragvit's C extension: ragged attention and token packing on packed tokens.",
+    .m_size = sizeof(module_state),
+    .m_methods = module_methods,
+    .m_slots = module_slots,
+    .m_traverse = module_traverse,
+    .m_clear = module_clear,
+    .m_free = module_free,
+};
+
+PyMODINIT_FUNC PyInit__C(void) { return PyModuleDef_Init(&module_def); }

@@ -1,0 +1,166 @@
+/* ragvit.h — the public C API of ragvit's core: status and dtype enums, the
+ * ragvit_tensor view, the per-process context and the op prototypes.
+ *
+ * Layout: every tensor is a strided view with element strides (DLPack units).
+ * Shapes use S seqs, T tokens, H heads, D head_dim, C channels, B images, N
+ * tokens per padded image. No Python and no CUDA header is included here: the
+ * CPython glue (module.c) and the kernels (csrc/kernels) both see only this.
+ * Decision: failures return a ragvit_status and leave a formatted message in
+ * thread-local storage (ragvit_error_message), so the single place that raises
+ * Python exceptions can say exactly which argument was wrong and why. */
+#ifndef RAGVIT_H
+#define RAGVIT_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+#define RAGVIT_MAX_DIMS 6
+#define RAGVIT_MAX_DEVICES 64
+
+typedef enum {
+    RAGVIT_STATUS_OK = 0,
+    RAGVIT_STATUS_INVALID_SHAPE,   /* rank, extent, stride, aliasing -> ValueError */
+    RAGVIT_STATUS_INVALID_VALUE,   /* scalar arguments, tensor contents -> ValueError */
+    RAGVIT_STATUS_INVALID_DTYPE,   /* -> TypeError */
+    RAGVIT_STATUS_INVALID_DEVICE,  /* device type/index disagreement -> ValueError */
+    RAGVIT_STATUS_NOT_IMPORTABLE,  /* unsupported device, lanes, capsule -> BufferError */
+    RAGVIT_STATUS_READ_ONLY,       /* output flagged read-only -> ValueError */
+    RAGVIT_STATUS_NO_CUDA,         /* CUDA tensor but a CPU-only build -> RuntimeError */
+    RAGVIT_STATUS_OUT_OF_MEMORY,   /* -> MemoryError */
+    RAGVIT_STATUS_CUDA_ERROR,      /* CUDA runtime failure -> RuntimeError */
+    RAGVIT_STATUS_DEVICE_ASSERT,   /* debug flag: a kernel saw bad contents -> ValueError */
+    RAGVIT_STATUS_INVALID_TYPE,    /* an argument of the wrong kind of object -> TypeError */
+    RAGVIT_STATUS_COUNT
+} ragvit_status;
+
+typedef enum {
+    RAGVIT_DTYPE_F16 = 0,
+    RAGVIT_DTYPE_BF16,
+    RAGVIT_DTYPE_F32,
+    RAGVIT_DTYPE_I32,
+    RAGVIT_DTYPE_I64,
+    RAGVIT_DTYPE_U8,
+    RAGVIT_DTYPE_BOOL,
+    RAGVIT_DTYPE_F64,
+    RAGVIT_DTYPE_COUNT
+} ragvit_dtype;
+
+typedef enum {
+    RAGVIT_DEVICE_CPU = 1,  /* same values as DLPack's kDLCPU / kDLCUDA */
+    RAGVIT_DEVICE_CUDA = 2
+} ragvit_device_type;
+
+/* A borrowed strided view. data already includes any byte offset. strides
+ * count elements. is_present is 0 for an optional argument the caller left
+ * out; every other field is then meaningless. */
+typedef struct {
+    void *data;
+    int64_t shape[RAGVIT_MAX_DIMS];
+    int64_t strides[RAGVIT_MAX_DIMS];
+    int32_t ndim;
+    int32_t device_type; /* ragvit_device_type */
+    int32_t device_id;
+    int32_t dtype;       /* ragvit_dtype */
+    int32_t is_read_only;
+    int32_t is_present;
+} ragvit_tensor;
+
+/* Bits of the device-side error flag (RAGVIT_DEBUG / ragvit.set_debug). */
+#define RAGVIT_ERROR_BAD_CU_SEQLENS 1u /* negative, decreasing, or past total_tokens */
+#define RAGVIT_ERROR_SEQLEN_OVER_MAX 2u /* a length exceeds max_seqlen */
+#define RAGVIT_ERROR_CAPACITY 4u       /* packed output smaller than the kept tokens */
+#define RAGVIT_ERROR_BAD_INDEX 8u      /* scatter index outside [0, N) */
+
+/* Per-device facts cached on first use (kernels fill it, the core keeps it). */
+typedef struct {
+    int32_t is_initialized;
+    int32_t device_id;
+    int32_t sm_count;
+    int32_t cc_major;
+    int32_t cc_minor;
+    int64_t smem_per_block_optin;
+    unsigned int *error_flag; /* device pointer, one word, zeroed */
+} ragvit_device_info;
+
+/* Process state owned by the Python module (module state, not a C global). */
+typedef struct {
+    int32_t is_debug; /* read the device error flag after every CUDA op */
+    ragvit_device_info devices[RAGVIT_MAX_DEVICES];
+} ragvit_context;
+
+/* ---- status.c ---- */
+const char *ragvit_status_string(ragvit_status status);
+/* Message of the last failure on this thread ("" when none). */
+const char *ragvit_error_message(void);
+/* Records a formatted message and returns status (for `return ragvit_fail(...)`). */
+ragvit_status ragvit_fail(ragvit_status status, const char *fmt, ...)
+#if defined(__GNUC__)
+    __attribute__((format(printf, 2, 3)))
+#endif
+    ;
+int ragvit_cuda_is_compiled(void);
+
+/* ---- context.c ---- */
+void ragvit_context_init(ragvit_context *ctx);
+void ragvit_context_release(ragvit_context *ctx);
+/* Per-device facts, initialized on first use (CUDA builds only). */
+ragvit_status ragvit_context_device(ragvit_context *ctx, int32_t device_id,
+                                    const ragvit_device_info **dev);
+/* Reads and clears a device's error flag after synchronizing stream; returns
+ * RAGVIT_STATUS_DEVICE_ASSERT naming op when any bit was set. */
+ragvit_status ragvit_context_check_device(ragvit_context *ctx, int32_t device_id, void *stream,
+                                          const char *op);
+/* Host copy of cu_seqlens[index] (syncs the stream for CUDA tensors). */
+ragvit_status ragvit_read_int32(int32_t *value, const ragvit_tensor *t, int64_t index,
+                                void *stream);
+ragvit_status ragvit_device_count(int32_t *count);
+/* Device index of a CUDA pointer (CAI carries none). */
+ragvit_status ragvit_pointer_device(const void *ptr, int32_t *device_id);
+/* Launches an empty kernel on stream (the benchmarks' launch-floor row). */
+ragvit_status ragvit_launch_empty(ragvit_context *ctx, int32_t device_id, void *stream);
+/* Makes `consumer` wait for all work queued so far on `producer` (CAI streams). */
+ragvit_status ragvit_stream_wait(int32_t device_id, void *consumer, void *producer);
+
+/* ---- attention.c ----
+ * out: (T, H, D); q, k, v: (T, H, D), last dim contiguous, any token/head
+ * strides; cu_seqlens: (S+1,) int32; cls_attn: optional (T,) float32;
+ * max_seqlen: upper bound on lengths, or RAGVIT_MAX_SEQLEN_AUTO to derive it
+ * (CPU: read from cu_seqlens; CUDA: T, since lengths live on the device);
+ * scale: NaN means 1/sqrt(D), otherwise finite and > 0. */
+#define RAGVIT_MAX_SEQLEN_AUTO INT64_MIN
+ragvit_status ragvit_attention_forward(ragvit_context *ctx, const ragvit_tensor *out,
+                                       const ragvit_tensor *cls_attn, const ragvit_tensor *q,
+                                       const ragvit_tensor *k, const ragvit_tensor *v,
+                                       const ragvit_tensor *cu_seqlens, int64_t max_seqlen,
+                                       double scale, void *stream);
+
+/* ---- pack.c ----
+ * Step 1 of pack: cu_seqlens_out (B+1,) int32 from keep (B, N) bool/uint8. */
+ragvit_status ragvit_pack_count(ragvit_context *ctx, const ragvit_tensor *cu_seqlens_out,
+                                const ragvit_tensor *keep, void *stream);
+/* Step 2: out (capacity, C) and optional indices_out (capacity,) int32 from
+ * x (B, N, C), keep (B, N) and the cu_seqlens written by step 1. Kept tokens
+ * keep their order; rows past capacity are never written. */
+ragvit_status ragvit_pack_gather(ragvit_context *ctx, const ragvit_tensor *out,
+                                 const ragvit_tensor *indices_out, const ragvit_tensor *x,
+                                 const ragvit_tensor *keep, const ragvit_tensor *cu_seqlens,
+                                 void *stream);
+/* Both steps into caller-sized buffers, validated once, no host sync. */
+ragvit_status ragvit_pack_into(ragvit_context *ctx, const ragvit_tensor *out,
+                               const ragvit_tensor *indices_out, const ragvit_tensor *cu_seqlens_out,
+                               const ragvit_tensor *x, const ragvit_tensor *keep, void *stream);
+/* out (B, N, C) from packed (T, C) and cu_seqlens (B+1,): row j < len of image
+ * b is packed[cu_seqlens[b] + j], or, when indices (T,) int32 is present,
+ * packed token t lands at out[b, indices[t]]; every other row is `fill`. */
+ragvit_status ragvit_unpack_forward(ragvit_context *ctx, const ragvit_tensor *out,
+                                    const ragvit_tensor *packed, const ragvit_tensor *cu_seqlens,
+                                    const ragvit_tensor *indices, double fill, void *stream);
+
+#ifdef __cplusplus
+}
+#endif
+#endif /* RAGVIT_H */

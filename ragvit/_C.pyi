@@ -1,0 +1,120 @@
+"""Type stubs for ragvit._C, the C extension. Shapes: S sequences, T packed
+tokens, H heads, D head_dim, B images, N tokens per padded image, C channels.
+
+Tensor arguments may be any object that offers the DLPack C exchange API
+(torch >= 2.10), ``__dlpack__`` (versioned or legacy capsules),
+``__cuda_array_interface__`` (v2/v3) or a NumPy array. Stream rule: an
+explicit ``stream`` (int handle or object with ``__cuda_stream__``) wins; else
+the current stream of the first tensor whose type has the exchange API; else
+the CAI ``stream`` key (waited on, then used); else the legacy default stream.
+
+Errors follow ``<op>: <arg> must be <rule>, got <actual>``: shape or value ->
+ValueError, dtype -> TypeError, unimportable object or device -> BufferError
+(TypeError for objects that offer no array protocol at all), out of memory ->
+MemoryError, CUDA failure -> RuntimeError. A rejected call writes nothing.
+"""
+
+from typing import Any
+
+Array = Any
+
+def attention(
+    q: Array,
+    k: Array,
+    v: Array,
+    cu_seqlens: Array,
+    max_seqlen: int | None = None,
+    *,
+    scale: float | None = None,
+    out: Array | None = None,
+    cls_attn: Array | None = None,
+    stream: Any = None,
+) -> Array:
+    """Per-sequence bidirectional softmax attention over packed tokens.
+
+    Args:
+        q, k, v: (T, H, D) float16, bfloat16 or float32, one dtype, head dim
+            contiguous, any token/head strides (views of a (T, 3, H, D) qkv
+            buffer need no copy). D in {32, 64, 80, 96, 128}.
+        cu_seqlens: (S+1,) int32 on the same device, exclusive prefix sums of
+            the lengths; cu_seqlens[S] <= T (rows past it are left untouched).
+        max_seqlen: upper bound on every length; sizes the grid and is never
+            read from the device. Default: computed on the CPU, T on CUDA.
+        scale: softmax scale, default 1/sqrt(D); must be finite and > 0.
+        out: (T, H, D) output of q's dtype; allocated like q when omitted.
+        cls_attn: optional (T,) float32; for each sequence receives the
+            head-mean softmax probabilities of its first query over its keys.
+        stream: CUDA stream to launch on (see the module docs).
+
+    Returns:
+        out.
+    """
+
+def pack(x: Array, keep: Array, *, stream: Any = None) -> tuple[Array, Array, Array]:
+    """Gather kept tokens of a padded batch into packed rows.
+
+    Args:
+        x: (B, N, C) float16, bfloat16 or float32, channels contiguous.
+        keep: (B, N) bool or uint8 (nonzero keeps the token), same device.
+
+    Returns:
+        (packed (T, C) of x's dtype, cu_seqlens (B+1,) int32, indices (T,)
+        int32 source position of each packed token within its image). On
+        CUDA this syncs once to learn T; use pack_into to stay sync-free.
+    """
+
+def pack_into(
+    x: Array,
+    keep: Array,
+    out: Array,
+    cu_seqlens: Array,
+    *,
+    indices: Array | None = None,
+    stream: Any = None,
+) -> None:
+    """pack() into caller-sized capacity buffers with no host sync.
+
+    Args:
+        x, keep: as for pack.
+        out: (capacity, C) of x's dtype; tokens past capacity are dropped and
+            flagged in debug mode.
+        cu_seqlens: (B+1,) int32, receives the prefix sums (total at [B]).
+        indices: optional (capacity,) int32, receives source positions.
+    """
+
+def unpack(
+    packed: Array,
+    cu_seqlens: Array,
+    N: int,
+    *,
+    indices: Array | None = None,
+    fill: float = 0.0,
+    out: Array | None = None,
+    stream: Any = None,
+) -> Array:
+    """Scatter packed tokens back to a padded (B, N, C) batch.
+
+    Args:
+        packed: (T, C) float16, bfloat16 or float32, channels contiguous.
+        cu_seqlens: (B+1,) int32.
+        N: tokens per padded image; every length must be <= N.
+        indices: optional (T,) int32 target position of each packed token
+            (e.g. the indices returned by pack); default: the first len rows.
+        fill: value of every row not written from packed.
+        out: optional (B, N, C) output of packed's dtype.
+
+    Returns:
+        out.
+    """
+
+def cuda_is_compiled() -> bool:
+    """True when the extension was built with nvcc."""
+
+def cuda_device_count() -> int:
+    """CUDA devices visible (0 for a CPU-only build or no driver)."""
+
+def set_debug(enabled: bool) -> None:
+    """Turn the device-side error flag check on or off (RAGVIT_DEBUG=1 at import)."""
+
+def is_debug() -> bool:
+    """Whether the debug check is on."""

@@ -1,0 +1,41 @@
+"""Public ops of ragvit.
+
+The array ops are the C entry points themselves (``ragvit._C``): a Python wrapper
+would add a frame to a call whose whole budget is a few microseconds. Their
+docstrings (``help(ragvit.attention)``) give shapes, dtypes and errors; the
+import rules and the stream rule are in the ``ragvit._C`` module docs.
+"""
+
+from . import _C
+
+attention = _C.attention
+pack = _C.pack
+pack_into = _C.pack_into
+unpack = _C.unpack
+cuda_is_compiled = _C.cuda_is_compiled
+cuda_device_count = _C.cuda_device_count
+set_debug = _C.set_debug
+is_debug = _C.is_debug
+
+
+def cuda_available() -> bool:
+    """Whether CUDA ops can run here.
+
+    Returns:
+        True when the extension was built with nvcc and at least one CUDA device
+        is visible; False on CPU-only builds or machines without a GPU.
+    """
+    return _C.cuda_is_compiled() and _C.cuda_device_count() > 0
+
+
+__all__ = [
+    "attention",
+    "pack",
+    "pack_into",
+    "unpack",
+    "cuda_available",
+    "cuda_is_compiled",
+    "cuda_device_count",
+    "set_debug",
+    "is_debug",
+]
