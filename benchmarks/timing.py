@@ -1,0 +1,115 @@
+"""The one timer of ragvit's benchmarks.
+
+Host time: median over many back-to-back calls timed with perf_counter_ns (Python →
+enqueued), the device synchronized afterwards. GPU time: the calls captured in a CUDA
+graph, replays timed with CUDA events on the current stream, warm-up by time, L2 flushed
+before each replay, median and p20/p80 over at least 50 replays. Never a single sample.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import dataclass
+
+
+@dataclass
+class Stats:
+    """Per-call time in µs: median and the 20th/80th percentiles."""
+
+    median: float
+    p20: float
+    p80: float
+
+    def __str__(self) -> str:
+        return f"{self.median:.2f}"
+
+
+def _stats(samples_us: list[float]) -> Stats:
+    qs = statistics.quantiles(samples_us, n=10, method="inclusive")
+    return Stats(statistics.median(samples_us), qs[1], qs[7])
+
+
+def host_us(fn, calls: int = 1000, warmup: int = 50) -> Stats:
+    """Host µs per call of fn() (Python → enqueued), median of `calls` calls."""
+    import torch
+
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    samples = []
+    clock = time.perf_counter_ns
+    for _ in range(calls):
+        t0 = clock()
+        fn()
+        samples.append((clock() - t0) / 1e3)
+        if len(samples) % 200 == 0:  # keep the queue from filling up and blocking launches
+            torch.cuda.synchronize()
+    torch.cuda.synchronize()
+    return _stats(samples)
+
+
+class L2Flusher:
+    """Writes a buffer larger than the L2 so each timed replay starts cold."""
+
+    def __init__(self, nbytes: int = 256 << 20):
+        import torch
+
+        self.buf = torch.empty(nbytes // 4, dtype=torch.int32, device="cuda")
+
+    def __call__(self):
+        self.buf.zero_()
+
+
+def gpu_us_graph(fn, calls_per_graph: int = 20, reps: int = 50, warmup_s: float = 0.05,
+                 flusher: L2Flusher | None = None) -> Stats:
+    """GPU µs per call of fn(), from CUDA-graph replays of `calls_per_graph` calls."""
+    import torch
+
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(calls_per_graph):
+            fn()
+    deadline = time.perf_counter() + warmup_s
+    while time.perf_counter() < deadline:
+        graph.replay()
+    torch.cuda.synchronize()
+    start = torch.cuda.Event(enable_timing=True)
+    end = torch.cuda.Event(enable_timing=True)
+    samples = []
+    for _ in range(reps):
+        if flusher is not None:
+            flusher()
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        samples.append(start.elapsed_time(end) * 1e3 / calls_per_graph)
+    del graph
+    return _stats(samples)
+
+
+def events_ms(fn, warmup: int = 10, reps: int = 50) -> Stats:
+    """Milliseconds per fn() from CUDA events around each call (end-to-end timing)."""
+    import torch
+
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    samples = []
+    for _ in range(reps):
+        start = torch.cuda.Event(enable_timing=True)
+        end = torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        samples.append(start.elapsed_time(end))
+    return _stats(samples)
