@@ -1,0 +1,514 @@
+/* cpu_backend.c — attention, pack and unpack in plain C for host tensors (the
+ * CPU backend and the tests' second opinion), taking kernels/launch.h's structs:
+ * element strides, last dim contiguous, fp16/bf16 converted here (nearest even).
+ * Decision: each (sequence, head) converts K (transposed to D x L) and V once
+ * into float scratch, so every inner loop is a contiguous float axpy that gcc
+ * vectorizes without -ffast-math. Contents the core should have rejected are
+ * skipped, the in-bounds work is still done, then INVALID_VALUE is returned,
+ * as the CUDA kernels write what they can and raise the error flag. */
+#include "cpu_backend.h"
+
+#include <float.h>
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#define MESSAGE_SIZE 256
+#define TILE 16 /* floats per register-blocked strip of the attention loops */
+
+/* ---- element conversion ---- */
+
+static inline uint32_t float_bits(float f)
+{
+    uint32_t u;
+    memcpy(&u, &f, sizeof u);
+    return u;
+}
+
+static inline float bits_float(uint32_t u)
+{
+    float f;
+    memcpy(&f, &u, sizeof f);
+    return f;
+}
+
+static inline float f16_to_float(uint16_t h)
+{
+    uint32_t sign = (uint32_t)(h & 0x8000u) << 16;
+    uint32_t exponent = (h >> 10) & 0x1Fu;
+    uint32_t mantissa = h & 0x3FFu;
+    if (exponent == 0x1Fu) /* Inf, NaN (payload kept) */
+        return bits_float(sign | 0x7F800000u | (mantissa << 13));
+    if (exponent == 0) {
+        if (mantissa == 0)
+            return bits_float(sign);
+        /* Subnormal: normalize; 2^-14 is float exponent field 113. */
+        uint32_t e = 113;
+        while ((mantissa & 0x400u) == 0) {
+            mantissa <<= 1;
+            e--;
+        }
+        return bits_float(sign | (e << 23) | ((mantissa & 0x3FFu) << 13));
+    }
+    return bits_float(sign | ((exponent + 112u) << 23) | (mantissa << 13));
+}
+
+static inline uint16_t float_to_f16(float f)
+{
+    uint32_t x = float_bits(f);
+    uint32_t sign = (x >> 16) & 0x8000u;
+    uint32_t ax = x & 0x7FFFFFFFu;
+    if (ax > 0x7F800000u) /* NaN: keep the top payload bits, make it quiet */
+        return (uint16_t)(sign | 0x7E00u | ((ax >> 13) & 0x3FFu));
+    if (ax >= 0x477FF000u) /* >= 65520 rounds to Inf (and Inf itself) */
+        return (uint16_t)(sign | 0x7C00u);
+    if (ax >= 0x38800000u) { /* normal half: rebias 127 -> 15, round at bit 13 */
+        uint32_t odd = (ax >> 13) & 1u;
+        return (uint16_t)(sign | ((ax - 0x38000000u + 0xFFFu + odd) >> 13));
+    }
+    /* Subnormal half (or zero): value = m * 2^(e - 150), unit 2^-24. */
+    uint32_t e = ax >> 23;
+    if (e < 102) /* below 2^-25: rounds to zero */
+        return (uint16_t)sign;
+    uint32_t m = (ax & 0x7FFFFFu) | 0x800000u;
+    uint32_t shift = 126 - e; /* 14 .. 24 */
+    uint32_t r = m >> shift;
+    uint32_t rest = m & ((1u << shift) - 1u);
+    uint32_t half = 1u << (shift - 1);
+    if (rest > half || (rest == half && (r & 1u)))
+        r++; /* may carry into the smallest normal, which is the right encoding */
+    return (uint16_t)(sign | r);
+}
+
+static inline float bf16_to_float(uint16_t h)
+{
+    return bits_float((uint32_t)h << 16);
+}
+
+static inline uint16_t float_to_bf16(float f)
+{
+    uint32_t x = float_bits(f);
+    if ((x & 0x7FFFFFFFu) > 0x7F800000u) /* NaN: keep it quiet and NaN */
+        return (uint16_t)((x >> 16) | 0x40u);
+    x += 0x7FFFu + ((x >> 16) & 1u); /* overflow rounds to Inf naturally */
+    return (uint16_t)(x >> 16);
+}
+
+/* Rounds to float with round-to-odd, so that a second rounding to fp16/bf16
+ * (far fewer mantissa bits) equals one correct rounding of the double. */
+static float double_to_float_odd(double d)
+{
+    float f = (float)d;
+    if (isnan(d) || (double)f == d)
+        return f;
+    if (isinf(f))
+        f = copysignf(FLT_MAX, f);
+    uint32_t u = float_bits(f);
+    if ((u & 1u) == 0)
+        u = fabs(d) > fabs((double)f) ? u + 1u : u - 1u;
+    return bits_float(u);
+}
+
+static inline int64_t dtype_size(int32_t dtype)
+{
+    switch (dtype) {
+    case RAGVIT_DTYPE_F16:
+    case RAGVIT_DTYPE_BF16:
+        return 2;
+    case RAGVIT_DTYPE_F32:
+        return 4;
+    default:
+        return 0;
+    }
+}
+
+/* Element i of a row of dtype (F16, BF16, F32). */
+static inline float load_elem(const void *row, int64_t i, int32_t dtype)
+{
+    switch (dtype) {
+    case RAGVIT_DTYPE_F16:
+        return f16_to_float(((const uint16_t *)row)[i]);
+    case RAGVIT_DTYPE_BF16:
+        return bf16_to_float(((const uint16_t *)row)[i]);
+    default:
+        return ((const float *)row)[i];
+    }
+}
+
+static inline void store_elem(void *row, int64_t i, int32_t dtype, float value)
+{
+    switch (dtype) {
+    case RAGVIT_DTYPE_F16:
+        ((uint16_t *)row)[i] = float_to_f16(value);
+        break;
+    case RAGVIT_DTYPE_BF16:
+        ((uint16_t *)row)[i] = float_to_bf16(value);
+        break;
+    default:
+        ((float *)row)[i] = value;
+        break;
+    }
+}
+
+/* dtype is loop-invariant: gcc -O3 unswitches these into three plain loops. */
+static void load_row(float *restrict dst, const void *src, int64_t n, int32_t dtype)
+{
+    for (int64_t i = 0; i < n; i++)
+        dst[i] = load_elem(src, i, dtype);
+}
+
+static void store_row(void *dst, const float *restrict src, float factor, int64_t n,
+                      int32_t dtype)
+{
+    for (int64_t i = 0; i < n; i++)
+        store_elem(dst, i, dtype, src[i] * factor);
+}
+
+static inline int64_t round_up_tile(int64_t n)
+{
+    return (n + TILE - 1) / TILE * TILE;
+}
+
+static inline const void *elem_at(const void *base, int64_t index, int64_t size)
+{
+    return (const char *)base + index * size;
+}
+
+static inline void *elem_at_mut(void *base, int64_t index, int64_t size)
+{
+    return (char *)base + index * size;
+}
+
+/* ---- attention ---- */
+
+/* 1 when sequence s has in-bounds, short-enough contents; otherwise 0, and
+ * the reason goes to msg (when not NULL) unless a message is already there. */
+static int attention_seq_is_valid(const ragvit_attention_args *a, int32_t s, int64_t *start,
+                                  int64_t *end, char *msg)
+{
+    *start = a->cu_seqlens[s];
+    *end = a->cu_seqlens[s + 1];
+    if (*start < 0 || *end < *start || *end > a->total_tokens) {
+        if (msg != NULL && msg[0] == '\0')
+            snprintf(msg, MESSAGE_SIZE,
+                     "attention: cu_seqlens must be non-decreasing within [0, T=%lld], "
+                     "got %lld, %lld at sequence %d",
+                     (long long)a->total_tokens, (long long)*start, (long long)*end, (int)s);
+        return 0;
+    }
+    if (*end - *start > a->max_seqlen) {
+        if (msg != NULL && msg[0] == '\0')
+            snprintf(msg, MESSAGE_SIZE,
+                     "attention: every length must be <= max_seqlen=%d, got %lld at sequence %d",
+                     (int)a->max_seqlen, (long long)(*end - *start), (int)s);
+        return 0;
+    }
+    return 1;
+}
+
+/* One (sequence, head). Scratch: kt (D, lp) with lp = len rounded up to TILE
+ * and zero columns past len, vf (len, D), p (lp), qf (D), acc (D). The TILE
+ * loops keep their accumulators in vector registers; each output still sums
+ * over d (or j) in order, exactly like the plain loop. */
+static void attention_seq_head(const ragvit_attention_args *a, int64_t start, int64_t len,
+                               int64_t h, float *restrict kt, float *restrict vf,
+                               float *restrict p, float *restrict qf, float *restrict acc)
+{
+    const int64_t D = a->head_dim;
+    const int64_t lp = round_up_tile(len);
+    const int64_t es = dtype_size(a->dtype);
+    const int32_t dtype = a->dtype;
+
+    for (int64_t j = 0; j < len; j++) {
+        const int64_t t = start + j;
+        const void *krow = elem_at(a->k, t * a->k_stride_token + h * a->k_stride_head, es);
+        const void *vrow = elem_at(a->v, t * a->v_stride_token + h * a->v_stride_head, es);
+        for (int64_t d = 0; d < D; d++)
+            kt[d * lp + j] = load_elem(krow, d, dtype);
+        load_row(vf + j * D, vrow, D, dtype);
+    }
+    for (int64_t d = 0; d < D; d++)
+        for (int64_t j = len; j < lp; j++)
+            kt[d * lp + j] = 0.0f;
+
+    for (int64_t i = 0; i < len; i++) {
+        const int64_t t = start + i;
+        load_row(qf, elem_at(a->q, t * a->q_stride_token + h * a->q_stride_head, es), D, dtype);
+
+        for (int64_t j0 = 0; j0 < lp; j0 += TILE) {
+            float dots[TILE] = {0.0f};
+            for (int64_t d = 0; d < D; d++) {
+                const float qd = qf[d];
+                const float *restrict kd = kt + d * lp + j0;
+                for (int u = 0; u < TILE; u++)
+                    dots[u] += qd * kd[u];
+            }
+            for (int u = 0; u < TILE; u++)
+                p[j0 + u] = dots[u];
+        }
+
+        float row_max = -INFINITY;
+        for (int64_t j = 0; j < len; j++) {
+            p[j] *= a->scale;
+            if (p[j] > row_max) /* NaN logits skip the max but still poison the sum */
+                row_max = p[j];
+        }
+        float sum = 0.0f;
+        for (int64_t j = 0; j < len; j++) {
+            p[j] = expf(p[j] - row_max);
+            sum += p[j];
+        }
+        const float inv_sum = 1.0f / sum;
+
+        int64_t d0 = 0;
+        for (; d0 + TILE <= D; d0 += TILE) {
+            float sums[TILE] = {0.0f};
+            for (int64_t j = 0; j < len; j++) {
+                const float pj = p[j];
+                const float *restrict vj = vf + j * D + d0;
+                for (int u = 0; u < TILE; u++)
+                    sums[u] += pj * vj[u];
+            }
+            for (int u = 0; u < TILE; u++)
+                acc[d0 + u] = sums[u];
+        }
+        for (int64_t d = d0; d < D; d++) {
+            float sum_d = 0.0f;
+            for (int64_t j = 0; j < len; j++)
+                sum_d += p[j] * vf[j * D + d];
+            acc[d] = sum_d;
+        }
+        store_row(elem_at_mut(a->out, t * a->out_stride_token + h * a->out_stride_head, es), acc,
+                  inv_sum, D, dtype);
+
+        if (i == 0 && a->cls_attn != NULL) {
+            /* Sum over heads in the output itself, divide at the last head. */
+            const int64_t cs = a->cls_attn_stride;
+            for (int64_t j = 0; j < len; j++) {
+                float *c = a->cls_attn + (start + j) * cs;
+                const float prob = p[j] * inv_sum;
+                *c = h == 0 ? prob : *c + prob;
+                if (h == a->num_heads - 1)
+                    *c /= (float)a->num_heads;
+            }
+        }
+    }
+}
+
+ragvit_status ragvit_cpu_attention(const ragvit_attention_args *a)
+{
+    char msg[MESSAGE_SIZE] = "";
+    if (dtype_size(a->dtype) == 0)
+        return ragvit_fail(RAGVIT_STATUS_INVALID_DTYPE,
+                           "attention: q must be float16, bfloat16 or float32, got dtype code %d",
+                           (int)a->dtype);
+    if (a->num_seqs <= 0 || a->num_heads <= 0 || a->head_dim < 0)
+        return RAGVIT_STATUS_OK;
+
+    /* Size scratch by the longest valid sequence, not by max_seqlen: the
+     * latter is only an upper bound and may be far too generous. */
+    int64_t longest = 0;
+    for (int32_t s = 0; s < a->num_seqs; s++) {
+        int64_t start, end;
+        if (attention_seq_is_valid(a, s, &start, &end, msg) && end - start > longest)
+            longest = end - start;
+    }
+
+    if (longest > 0) {
+        const uint64_t D = (uint64_t)a->head_dim;
+        const uint64_t L = (uint64_t)round_up_tile(longest);
+        const uint64_t limit = SIZE_MAX / sizeof(float);
+        if (L > (limit - 2 * D) / (2 * D + 1))
+            return ragvit_fail(RAGVIT_STATUS_OUT_OF_MEMORY,
+                               "attention: scratch for a length of %lld with head_dim=%d is too large",
+                               (long long)longest, (int)a->head_dim);
+        const uint64_t count = 2 * L * D + L + 2 * D;
+        float *scratch = malloc((size_t)count * sizeof(float));
+        if (scratch == NULL)
+            return ragvit_fail(RAGVIT_STATUS_OUT_OF_MEMORY,
+                               "attention: could not allocate %llu bytes of CPU scratch",
+                               (unsigned long long)(count * sizeof(float)));
+        float *kt = scratch;
+        float *vf = kt + L * D;
+        float *p = vf + L * D;
+        float *qf = p + L;
+        float *acc = qf + D;
+
+        for (int32_t s = 0; s < a->num_seqs; s++) {
+            int64_t start, end;
+            if (!attention_seq_is_valid(a, s, &start, &end, NULL) || end == start)
+                continue;
+            for (int64_t h = 0; h < a->num_heads; h++)
+                attention_seq_head(a, start, end - start, h, kt, vf, p, qf, acc);
+        }
+        free(scratch);
+    }
+
+    if (msg[0] != '\0')
+        return ragvit_fail(RAGVIT_STATUS_INVALID_VALUE, "%s", msg);
+    return RAGVIT_STATUS_OK;
+}
+
+/* ---- pack ---- */
+
+ragvit_status ragvit_cpu_pack_count(const ragvit_pack_args *a)
+{
+    if (a->batch < 0 || a->seqlen < 0)
+        return ragvit_fail(RAGVIT_STATUS_INVALID_SHAPE,
+                           "pack: x must have non-negative B and N, got B=%lld, N=%lld",
+                           (long long)a->batch, (long long)a->seqlen);
+    if (a->seqlen > 0 && a->batch > INT32_MAX / a->seqlen)
+        return ragvit_fail(RAGVIT_STATUS_INVALID_SHAPE,
+                           "pack: x must hold at most 2^31-1 tokens (B*N) for int32 cu_seqlens, "
+                           "got B=%lld, N=%lld",
+                           (long long)a->batch, (long long)a->seqlen);
+
+    int64_t total = 0;
+    a->cu_seqlens[0] = 0;
+    for (int64_t b = 0; b < a->batch; b++) {
+        const uint8_t *keep = a->keep + b * a->keep_stride_b;
+        for (int64_t n = 0; n < a->seqlen; n++)
+            total += keep[n * a->keep_stride_n] != 0;
+        a->cu_seqlens[(b + 1) * a->cu_seqlens_stride] = (int32_t)total;
+    }
+    return RAGVIT_STATUS_OK;
+}
+
+ragvit_status ragvit_cpu_pack_gather(const ragvit_pack_args *a)
+{
+    char msg[MESSAGE_SIZE] = "";
+    const int64_t es = a->elem_size;
+    if (es <= 0)
+        return ragvit_fail(RAGVIT_STATUS_INVALID_DTYPE,
+                           "pack: x must have 2- or 4-byte elements, got %d bytes",
+                           (int)a->elem_size);
+    const size_t row_bytes = (size_t)(a->channels * es);
+
+    int64_t needed = 0; /* one past the last packed row any image wants */
+    for (int64_t b = 0; b < a->batch; b++) {
+        int64_t pos = a->cu_seqlens[b * a->cu_seqlens_stride];
+        if (pos < 0) {
+            if (msg[0] == '\0')
+                snprintf(msg, MESSAGE_SIZE,
+                         "pack: cu_seqlens must be non-negative, got %lld at image %lld",
+                         (long long)pos, (long long)b);
+            continue;
+        }
+        const uint8_t *keep = a->keep + b * a->keep_stride_b;
+        for (int64_t n = 0; n < a->seqlen; n++) {
+            if (keep[n * a->keep_stride_n] == 0)
+                continue;
+            if (pos < a->capacity) {
+                memcpy(elem_at_mut(a->out, pos * a->out_stride_token, es),
+                       elem_at(a->x, b * a->x_stride_b + n * a->x_stride_n, es), row_bytes);
+                if (a->indices_out != NULL)
+                    a->indices_out[pos * a->indices_stride] = (int32_t)n;
+            }
+            pos++;
+        }
+        if (pos > needed)
+            needed = pos;
+    }
+
+    if (needed > a->capacity && msg[0] == '\0')
+        snprintf(msg, MESSAGE_SIZE,
+                 "pack: out must have room for every kept token (capacity %lld), "
+                 "got %lld kept tokens",
+                 (long long)a->capacity, (long long)needed);
+    if (msg[0] != '\0')
+        return ragvit_fail(RAGVIT_STATUS_INVALID_VALUE, "%s", msg);
+    return RAGVIT_STATUS_OK;
+}
+
+/* ---- unpack ---- */
+
+/* Stores `count` copies of one element whose bit pattern is `bits`. */
+static void unpack_fill_row(void *row, int64_t count, int64_t es, uint32_t bits)
+{
+    if (es == 4) {
+        uint32_t *r = row;
+        for (int64_t c = 0; c < count; c++)
+            r[c] = bits;
+    } else {
+        uint16_t *r = row;
+        for (int64_t c = 0; c < count; c++)
+            r[c] = (uint16_t)bits;
+    }
+}
+
+ragvit_status ragvit_cpu_unpack(const ragvit_unpack_args *a)
+{
+    char msg[MESSAGE_SIZE] = "";
+    const int64_t es = dtype_size(a->dtype);
+    uint32_t fill_bits;
+    switch (a->dtype) {
+    case RAGVIT_DTYPE_F16:
+        fill_bits = float_to_f16(double_to_float_odd(a->fill));
+        break;
+    case RAGVIT_DTYPE_BF16:
+        fill_bits = float_to_bf16(double_to_float_odd(a->fill));
+        break;
+    case RAGVIT_DTYPE_F32:
+        fill_bits = float_bits((float)a->fill);
+        break;
+    default:
+        return ragvit_fail(RAGVIT_STATUS_INVALID_DTYPE,
+                           "unpack: packed must be float16, bfloat16 or float32, got dtype code %d",
+                           (int)a->dtype);
+    }
+    const int64_t N = a->seqlen, C = a->channels;
+    const size_t row_bytes = (size_t)(C * es);
+
+    for (int64_t b = 0; b < a->batch; b++) {
+        const int64_t start = a->cu_seqlens[b * a->cu_seqlens_stride];
+        const int64_t end = a->cu_seqlens[(b + 1) * a->cu_seqlens_stride];
+        int64_t copied = 0; /* rows [0, copied) come from packed (no indices) */
+        int64_t len = 0;
+        if (start < 0 || end < start || end > a->total_tokens) {
+            if (msg[0] == '\0')
+                snprintf(msg, MESSAGE_SIZE,
+                         "unpack: cu_seqlens must be non-decreasing within [0, T=%lld], "
+                         "got %lld, %lld at image %lld",
+                         (long long)a->total_tokens, (long long)start, (long long)end,
+                         (long long)b);
+        } else {
+            len = end - start;
+            if (len > N) {
+                if (msg[0] == '\0')
+                    snprintf(msg, MESSAGE_SIZE,
+                             "unpack: every length must be <= N=%lld, got %lld at image %lld",
+                             (long long)N, (long long)len, (long long)b);
+                len = N;
+            }
+            if (a->indices == NULL)
+                copied = len;
+        }
+
+        for (int64_t j = 0; j < copied; j++)
+            memcpy(elem_at_mut(a->out, b * a->out_stride_b + j * a->out_stride_n, es),
+                   elem_at(a->packed, (start + j) * a->packed_stride_token, es), row_bytes);
+        for (int64_t j = copied; j < N; j++)
+            unpack_fill_row(elem_at_mut(a->out, b * a->out_stride_b + j * a->out_stride_n, es), C,
+                            es, fill_bits);
+
+        if (a->indices == NULL)
+            continue;
+        for (int64_t t = start; t < start + len; t++) {
+            const int64_t n = a->indices[t * a->indices_stride];
+            if (n < 0 || n >= N) {
+                if (msg[0] == '\0')
+                    snprintf(msg, MESSAGE_SIZE,
+                             "unpack: indices must lie in [0, N=%lld), got %lld at token %lld",
+                             (long long)N, (long long)n, (long long)t);
+                continue;
+            }
+            memcpy(elem_at_mut(a->out, b * a->out_stride_b + n * a->out_stride_n, es),
+                   elem_at(a->packed, t * a->packed_stride_token, es), row_bytes);
+        }
+    }
+
+    if (msg[0] != '\0')
+        return ragvit_fail(RAGVIT_STATUS_INVALID_VALUE, "%s", msg);
+    return RAGVIT_STATUS_OK;
+}

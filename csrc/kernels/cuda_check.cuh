@@ -1,0 +1,64 @@
+/* cuda_check.cuh — error plumbing shared by every kernel file: CUDA_TRY turns a
+ * cudaError_t into a ragvit_status (message "<name>: <string> (<expr> @
+ * <file>:<line>)" recorded by ragvit_cuda_fail), RAGVIT_TRY forwards a status,
+ * and cuda_device_guard switches to a device for one launcher call.
+ * Decision: a constructor cannot return a status, so the guard does nothing
+ * until enter() (used as RAGVIT_TRY(guard.enter(id))); its destructor restores
+ * the caller's device on every return path, ignoring errors. */
+#ifndef RAGVIT_CUDA_CHECK_CUH
+#define RAGVIT_CUDA_CHECK_CUH
+
+/* Kernel files are only ever compiled with nvcc for a CUDA build; make the
+ * CUDA half of launch.h visible even if the build forgot the define. */
+#ifndef RAGVIT_WITH_CUDA
+#define RAGVIT_WITH_CUDA 1
+#endif
+
+#include <cuda_runtime.h>
+
+#include "launch.h"
+
+#define CUDA_TRY(x)                                                          \
+    do {                                                                     \
+        cudaError_t e_ = (x);                                                \
+        if (e_ != cudaSuccess)                                               \
+            return ragvit_cuda_fail((int)e_, #x, __FILE__, __LINE__);        \
+    } while (0)
+
+#ifndef RAGVIT_TRY
+#define RAGVIT_TRY(x)                                                        \
+    do {                                                                     \
+        ragvit_status s_ = (x);                                              \
+        if (s_ != RAGVIT_STATUS_OK)                                          \
+            return s_;                                                       \
+    } while (0)
+#endif
+
+/* Sets the current device for the lifetime of one launcher call. */
+class cuda_device_guard {
+  public:
+    cuda_device_guard() : previous_(-1) {}
+    ~cuda_device_guard() {
+        if (previous_ >= 0)
+            (void)cudaSetDevice(previous_); /* restoring a device that was current cannot
+                                               sensibly fail; nothing to report to */
+    }
+    cuda_device_guard(const cuda_device_guard &) = delete;
+    cuda_device_guard &operator=(const cuda_device_guard &) = delete;
+
+    /* Makes `device` current; cudaSetDevice only when it is not already. */
+    ragvit_status enter(int device) {
+        int current = 0;
+        CUDA_TRY(cudaGetDevice(&current));
+        if (current != device) {
+            CUDA_TRY(cudaSetDevice(device));
+            previous_ = current;
+        }
+        return RAGVIT_STATUS_OK;
+    }
+
+  private:
+    int previous_;
+};
+
+#endif /* RAGVIT_CUDA_CHECK_CUH */

@@ -1,0 +1,171 @@
+/* cuda_common.cu — per-device state and the small host helpers every op shares:
+ * device count, one-time device init (SM count, compute capability, opt-in
+ * shared memory, the one-word error flag, a __device__ global), error-flag and int32 read-back,
+ * cross-stream waits, the CUDA error -> ragvit_status mapping, and an empty
+ * kernel for the launch-floor benchmark (grid = (1), block = (1)).
+ * Decision: every function that touches a device sets it for the call and
+ * restores the caller's, so no caller ever sees its current device change.
+ * Covered by tests/test_interop.py and every CUDA case of tests/test_ops.py. */
+#include <string.h>
+
+#include "cuda_check.cuh"
+
+/* One-time per-device setup of ragged_attention.cu (cudaFuncSetAttribute). */
+extern "C" ragvit_status ragged_attention_init(const ragvit_device_info *dev);
+
+// ---- device helpers ----
+
+/* Short file name for messages: the build passes absolute paths. */
+static const char *cuda_common_basename(const char *path) {
+    const char *slash = strrchr(path, '/');
+    return slash != NULL ? slash + 1 : path;
+}
+
+// ---- kernels ----
+
+/* RAGVIT_ERROR_* bits that kernels OR in (one word per device). */
+static __device__ unsigned int cuda_common_error_flag;
+
+static __global__ void cuda_common_empty_kernel() {}
+
+// ---- launcher ----
+
+extern "C" ragvit_status ragvit_cuda_fail(int error, const char *expr, const char *file,
+                                          int line) {
+    const cudaError_t e = (cudaError_t)error;
+    /* Clears the non-sticky last-error state so the next CUDA_TRY(cudaGetLastError())
+     * does not report this failure a second time (sticky errors stay). */
+    (void)cudaGetLastError();
+    const ragvit_status status = e == cudaErrorMemoryAllocation ? RAGVIT_STATUS_OUT_OF_MEMORY
+                                                                : RAGVIT_STATUS_CUDA_ERROR;
+    return ragvit_fail(status, "%s: %s (%s @ %s:%d)", cudaGetErrorName(e), cudaGetErrorString(e),
+                       expr, cuda_common_basename(file), line);
+}
+
+extern "C" ragvit_status ragvit_cuda_device_count(int32_t *count) {
+    int n = 0;
+    *count = 0;
+    const cudaError_t e = cudaGetDeviceCount(&n);
+    if (e == cudaErrorNoDevice || e == cudaErrorInsufficientDriver) {
+        (void)cudaGetLastError();
+        return RAGVIT_STATUS_OK;
+    }
+    CUDA_TRY(e);
+    *count = (int32_t)n;
+    return RAGVIT_STATUS_OK;
+}
+
+extern "C" ragvit_status ragvit_cuda_device_init(int32_t device_id, ragvit_device_info *info) {
+    cuda_device_guard guard;
+    RAGVIT_TRY(guard.enter(device_id));
+
+    int sm_count = 0, cc_major = 0, cc_minor = 0, smem_optin = 0;
+    CUDA_TRY(cudaDeviceGetAttribute(&sm_count, cudaDevAttrMultiProcessorCount, device_id));
+    CUDA_TRY(cudaDeviceGetAttribute(&cc_major, cudaDevAttrComputeCapabilityMajor, device_id));
+    CUDA_TRY(cudaDeviceGetAttribute(&cc_minor, cudaDevAttrComputeCapabilityMinor, device_id));
+    CUDA_TRY(cudaDeviceGetAttribute(&smem_optin, cudaDevAttrMaxSharedMemoryPerBlockOptin,
+                                    device_id));
+
+    ragvit_device_info filled;
+    memset(&filled, 0, sizeof filled);
+    filled.device_id = device_id;
+    filled.sm_count = sm_count;
+    filled.cc_major = cc_major;
+    filled.cc_minor = cc_minor;
+    filled.smem_per_block_optin = smem_optin;
+
+    /* A __device__ word is zero when the module loads on each device: no
+     * cudaMalloc/cudaMemset here, so a first call inside graph capture works. */
+    void *flag = NULL;
+    CUDA_TRY(cudaGetSymbolAddress(&flag, cuda_common_error_flag));
+    filled.error_flag = (unsigned int *)flag;
+
+    RAGVIT_TRY(ragged_attention_init(&filled));
+
+    filled.is_initialized = 1; /* published last: a half-filled info never looks valid */
+    *info = filled;
+    return RAGVIT_STATUS_OK;
+}
+
+extern "C" void ragvit_cuda_device_release(ragvit_device_info *info) {
+    /* The flag is a module global: nothing to free. */
+    memset(info, 0, sizeof *info);
+}
+
+extern "C" ragvit_status ragvit_cuda_read_error_flag(const ragvit_device_info *dev, void *stream,
+                                                     unsigned int *value) {
+    *value = 0;
+    if (!dev->is_initialized || dev->error_flag == NULL)
+        return ragvit_fail(RAGVIT_STATUS_CUDA_ERROR,
+                           "ragvit: device %d must be initialized before reading its error flag",
+                           (int)dev->device_id);
+    cuda_device_guard guard;
+    RAGVIT_TRY(guard.enter(dev->device_id));
+    const cudaStream_t s = (cudaStream_t)stream;
+    unsigned int bits = 0;
+    CUDA_TRY(cudaStreamSynchronize(s));
+    CUDA_TRY(cudaMemcpyAsync(&bits, dev->error_flag, sizeof bits, cudaMemcpyDeviceToHost, s));
+    CUDA_TRY(cudaStreamSynchronize(s));
+    if (bits != 0) {
+        /* Synchronized so that the next op, whatever its stream, sees 0. */
+        CUDA_TRY(cudaMemsetAsync(dev->error_flag, 0, sizeof(unsigned int), s));
+        CUDA_TRY(cudaStreamSynchronize(s));
+    }
+    *value = bits;
+    return RAGVIT_STATUS_OK;
+}
+
+extern "C" ragvit_status ragvit_cuda_read_int32(int32_t device_id, const int32_t *src,
+                                                void *stream, int32_t *value) {
+    cuda_device_guard guard;
+    RAGVIT_TRY(guard.enter(device_id));
+    const cudaStream_t s = (cudaStream_t)stream;
+    int32_t host = 0;
+    CUDA_TRY(cudaMemcpyAsync(&host, src, sizeof host, cudaMemcpyDeviceToHost, s));
+    CUDA_TRY(cudaStreamSynchronize(s));
+    *value = host;
+    return RAGVIT_STATUS_OK;
+}
+
+extern "C" ragvit_status ragvit_cuda_pointer_device(const void *ptr, int32_t *device_id) {
+    cudaPointerAttributes attr;
+    CUDA_TRY(cudaPointerGetAttributes(&attr, ptr));
+    if (attr.type != cudaMemoryTypeDevice && attr.type != cudaMemoryTypeManaged)
+        return ragvit_fail(RAGVIT_STATUS_NOT_IMPORTABLE,
+                           "ragvit: CUDA Array Interface data must be device memory, got a %s "
+                           "pointer",
+                           attr.type == cudaMemoryTypeHost ? "pinned host" : "host");
+    *device_id = (int32_t)attr.device;
+    return RAGVIT_STATUS_OK;
+}
+
+extern "C" ragvit_status ragvit_cuda_stream_wait(int32_t device_id, void *consumer,
+                                                 void *producer) {
+    if (consumer == producer)
+        return RAGVIT_STATUS_OK;
+    cuda_device_guard guard;
+    RAGVIT_TRY(guard.enter(device_id));
+    cudaEvent_t event = NULL;
+    CUDA_TRY(cudaEventCreateWithFlags(&event, cudaEventDisableTiming));
+    /* The event is destroyed on every path; destruction is deferred by CUDA
+     * until the wait has been satisfied. */
+    cudaError_t e = cudaEventRecord(event, (cudaStream_t)producer);
+    const char *expr = "cudaEventRecord(event, producer)";
+    if (e == cudaSuccess) {
+        e = cudaStreamWaitEvent((cudaStream_t)consumer, event, 0);
+        expr = "cudaStreamWaitEvent(consumer, event, 0)";
+    }
+    const cudaError_t destroyed = cudaEventDestroy(event);
+    if (e != cudaSuccess)
+        return ragvit_cuda_fail((int)e, expr, __FILE__, __LINE__);
+    CUDA_TRY(destroyed);
+    return RAGVIT_STATUS_OK;
+}
+
+extern "C" ragvit_status ragvit_cuda_launch_empty(const ragvit_device_info *dev, void *stream) {
+    cuda_device_guard guard;
+    RAGVIT_TRY(guard.enter(dev->device_id));
+    cuda_common_empty_kernel<<<1, 1, 0, (cudaStream_t)stream>>>();
+    CUDA_TRY(cudaGetLastError());
+    return RAGVIT_STATUS_OK;
+}
