@@ -75,7 +75,7 @@ ragvit_status ragvit_attention_forward(ragvit_context *ctx, const ragvit_tensor 
                                        const ragvit_tensor *cls_attn, const ragvit_tensor *q,
                                        const ragvit_tensor *k, const ragvit_tensor *v,
                                        const ragvit_tensor *cu_seqlens, int64_t max_seqlen,
-                                       double scale, void *stream) {
+                                       const double *scale_or_null, void *stream) {
     int32_t device_type = 0, device_id = 0;
     TRY(attention_check(out, cls_attn, q, k, v, cu_seqlens, &device_type, &device_id));
     int64_t total_tokens = q->shape[0];
@@ -83,9 +83,8 @@ ragvit_status ragvit_attention_forward(ragvit_context *ctx, const ragvit_tensor 
         return ragvit_fail(RAGVIT_STATUS_INVALID_VALUE,
                            "%s: max_seqlen must be in [0, 2**31), got %" PRId64, op, max_seqlen);
     }
-    if (isnan(scale)) {
-        scale = 1.0 / sqrt((double)q->shape[2]);
-    } else if (!(scale > 0.0) || isinf(scale)) {
+    double scale = scale_or_null ? *scale_or_null : 1.0 / sqrt((double)q->shape[2]);
+    if (!(scale > 0.0) || isinf(scale)) {
         return ragvit_fail(RAGVIT_STATUS_INVALID_VALUE,
                            "%s: scale must be finite and > 0, got %g", op, scale);
     }

@@ -642,8 +642,11 @@ static int import_arg(call_state *cs, PyObject *obj, const char *name, ragvit_te
     return raise_status(RAGVIT_STATUS_INVALID_TYPE);
 }
 
-/* Runs the deleters of consumed capsules; safe to call more than once. */
+/* Runs the deleters of consumed capsules; safe to call more than once. A
+ * pending exception is set aside meanwhile: a deleter may run Python code. */
 static void release_slots(call_state *cs) {
+    PyObject *type, *value, *traceback;
+    PyErr_Fetch(&type, &value, &traceback);
     for (int i = 0; i < cs->slot_count; i++) {
         import_slot *slot = &cs->slots[i];
         if (slot->versioned && slot->versioned->deleter) slot->versioned->deleter(slot->versioned);
@@ -652,6 +655,7 @@ static void release_slots(call_state *cs) {
         memset(slot, 0, sizeof *slot);
     }
     cs->slot_count = 0;
+    PyErr_Restore(type, value, traceback);
 }
 
 /* After all imports: the call runs on cs->stream; wait for CAI producers. */
@@ -814,7 +818,7 @@ static PyObject *py_attention(PyObject *module, PyObject *const *args, Py_ssize_
     call_init(&cs, module, "attention");
     if (parse_args(cs.op, args, nargs, kwnames, names, 9, 5, 4, values)) return NULL;
     if (parse_max_seqlen(&cs, values[4], &max_seqlen)) return NULL;
-    if (parse_float(&cs, values[5], "scale", NAN, &scale)) return NULL;
+    if (parse_float(&cs, values[5], "scale", 0.0, &scale)) return NULL;
     if (parse_stream(&cs, values[8])) return NULL;
     if (import_arg(&cs, values[0], "q", &q) || import_arg(&cs, values[1], "k", &k) ||
         import_arg(&cs, values[2], "v", &v) || import_arg(&cs, values[3], "cu_seqlens", &cu) ||
@@ -832,8 +836,8 @@ static PyObject *py_attention(PyObject *module, PyObject *const *args, Py_ssize_
         Py_INCREF(out_obj);
     }
     if (finish_streams(&cs)) goto done;
-    RAISE_IF(ragvit_attention_forward(&cs.st->ctx, &out, &cls, &q, &k, &v, &cu, max_seqlen, scale,
-                                      cs.stream));
+    RAISE_IF(ragvit_attention_forward(&cs.st->ctx, &out, &cls, &q, &k, &v, &cu, max_seqlen,
+                                      values[5] ? &scale : NULL, cs.stream));
     result = out_obj;
     out_obj = NULL;
 done:

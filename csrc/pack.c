@@ -131,11 +131,18 @@ ragvit_status ragvit_pack_count(ragvit_context *ctx, const ragvit_tensor *cu_seq
 }
 
 /* Runs the optional count step and the gather step on validated args. */
-static ragvit_status pack_run(ragvit_context *ctx, const ragvit_pack_args *a, int do_count,
-                              int32_t device_type, int32_t device_id, void *stream) {
-    static const char op[] = "pack";
+static ragvit_status pack_run(const char *op, ragvit_context *ctx, const ragvit_pack_args *a,
+                              int do_count, int32_t device_type, int32_t device_id, void *stream) {
     if (device_type == RAGVIT_DEVICE_CPU) {
+        /* On the host a refused call writes no packed row: check capacity first. */
         if (do_count) TRY(ragvit_cpu_pack_count(a));
+        int64_t total = a->cu_seqlens[a->batch * a->cu_seqlens_stride];
+        if (total > a->capacity) {
+            return ragvit_fail(RAGVIT_STATUS_INVALID_VALUE,
+                               "%s: out must have room for every kept token (capacity %" PRId64
+                               "), got %" PRId64 " kept tokens",
+                               op, a->capacity, total);
+        }
         return ragvit_cpu_pack_gather(a);
     }
 #ifdef RAGVIT_WITH_CUDA
@@ -165,7 +172,7 @@ ragvit_status ragvit_pack_gather(ragvit_context *ctx, const ragvit_tensor *out,
     ragvit_pack_args a = {0};
     TRY(pack_gather_check(op, &a, out, indices_out, x, keep, cu_seqlens));
     TRY(tensor_check_devices(op, names, all, 5, &device_type, &device_id));
-    return pack_run(ctx, &a, 0, device_type, device_id, stream);
+    return pack_run(op, ctx, &a, 0, device_type, device_id, stream);
 }
 
 ragvit_status ragvit_pack_into(ragvit_context *ctx, const ragvit_tensor *out,
@@ -183,7 +190,26 @@ ragvit_status ragvit_pack_into(ragvit_context *ctx, const ragvit_tensor *out,
     TRY(tensor_check_no_alias(op, "out", out, "cu_seqlens", cu_seqlens_out));
     TRY(tensor_check_no_alias(op, "indices", indices_out, "cu_seqlens", cu_seqlens_out));
     TRY(tensor_check_devices(op, names, all, 5, &device_type, &device_id));
-    return pack_run(ctx, &a, 1, device_type, device_id, stream);
+    return pack_run(op, ctx, &a, 1, device_type, device_id, stream);
+}
+
+/* Host indices of the tokens inside sequences must lie in [0, N). */
+static ragvit_status unpack_check_indices_host(const char *op, const ragvit_tensor *indices,
+                                               const ragvit_tensor *cu_seqlens, int64_t n) {
+    if (!indices->is_present) return RAGVIT_STATUS_OK;
+    const int32_t *cu = (const int32_t *)cu_seqlens->data;
+    const int32_t *idx = (const int32_t *)indices->data;
+    int64_t num_seqs = cu_seqlens->shape[0] - 1, stride = cu_seqlens->strides[0];
+    for (int64_t t = cu[0]; t < cu[num_seqs * stride]; t++) {
+        int32_t value = idx[t * indices->strides[0]];
+        if (value < 0 || value >= n) {
+            return ragvit_fail(RAGVIT_STATUS_INVALID_VALUE,
+                               "%s: indices must lie in [0, N=%" PRId64 "), got %" PRId32
+                               " at token %" PRId64,
+                               op, n, value, t);
+        }
+    }
+    return RAGVIT_STATUS_OK;
 }
 
 ragvit_status ragvit_unpack_forward(ragvit_context *ctx, const ragvit_tensor *out,
@@ -218,6 +244,7 @@ ragvit_status ragvit_unpack_forward(ragvit_context *ctx, const ragvit_tensor *ou
     if (device_type == RAGVIT_DEVICE_CPU) {
         TRY(tensor_check_cu_seqlens_host(op, cu_seqlens, packed->shape[0], out->shape[1], "N",
                                          NULL));
+        TRY(unpack_check_indices_host(op, indices, cu_seqlens, out->shape[1]));
     }
     ragvit_unpack_args a = {
         .out = out->data,

@@ -130,13 +130,13 @@ ragvit_status ragvit_stream_wait(int32_t device_id, void *consumer, void *produc
  * strides; cu_seqlens: (S+1,) int32; cls_attn: optional (T,) float32;
  * max_seqlen: upper bound on lengths, or RAGVIT_MAX_SEQLEN_AUTO to derive it
  * (CPU: read from cu_seqlens; CUDA: T, since lengths live on the device);
- * scale: NaN means 1/sqrt(D), otherwise finite and > 0. */
+ * scale: NULL means 1/sqrt(D), otherwise finite and > 0. */
 #define RAGVIT_MAX_SEQLEN_AUTO INT64_MIN
 ragvit_status ragvit_attention_forward(ragvit_context *ctx, const ragvit_tensor *out,
                                        const ragvit_tensor *cls_attn, const ragvit_tensor *q,
                                        const ragvit_tensor *k, const ragvit_tensor *v,
                                        const ragvit_tensor *cu_seqlens, int64_t max_seqlen,
-                                       double scale, void *stream);
+                                       const double *scale, void *stream);
 
 /* ---- pack.c ----
  * Step 1 of pack: cu_seqlens_out (B+1,) int32 from keep (B, N) bool/uint8. */

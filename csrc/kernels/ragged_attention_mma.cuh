@@ -1,0 +1,805 @@
+/* ragged_attention_mma.cuh — tensor-core ragged attention for fp16/bf16 (fp32 accumulation),
+ * D in {32, 64, 80, 96, 128}; included by ragged_attention.cu after launch.h and cuda_check.cuh.
+ * grid = (query tiles, H [+1 when cls_attn], min(S, 65535)), block = W warps (W = 1..4, fewer
+ * when the grid would be small); warp w owns 16 query rows of the CTA's 16*W-row tile. Per
+ * 64-key tile: cp.async (zero-filled past the sequence end) into padded shared rows (D + 8
+ * halves: conflict-free ldmatrix), S = Q K^T and O += P V by mma.sync m16n8k16, online softmax
+ * in base 2 with scale*log2(e) folded in; the next K (V) tile loads while softmax + PV (QK) run.
+ * cls_attn: blocks (0, H, s) do it, in CUDA cores, in the same launch: per head the first
+ * query's max and sum over all keys (one warp a head), then one thread a key sums the head
+ * probabilities in head order: deterministic, no atomics, no zeroing pass, no inter-block
+ * dependency. Covered by dev/test_attention_mma.cu and tests/test_ops.py. */
+#ifndef RAGVIT_RAGGED_ATTENTION_MMA_CUH
+#define RAGVIT_RAGGED_ATTENTION_MMA_CUH
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+#define RAGGED_ATTENTION_MMA_KEYS 64       /* keys per K/V tile */
+#define RAGGED_ATTENTION_MMA_MAX_WARPS 4   /* 16 query rows per warp */
+#define RAGGED_ATTENTION_MMA_MAX_STAGES 4  /* K/V tiles in flight */
+#define RAGGED_ATTENTION_MMA_MAX_HEADS 1024 /* cls keeps 8 bytes a head in shared memory */
+#define RAGGED_ATTENTION_MMA_MAX_GRID_YZ 65535
+#define RAGGED_ATTENTION_MMA_LOG2E 1.4426950408889634f
+
+// ---- device helpers ----
+
+static __device__ __forceinline__ uint32_t ragged_attention_mma_smem_addr(const void *p) {
+    return (uint32_t)__cvta_generic_to_shared(p);
+}
+
+/* 16-byte global -> shared copy; is_valid == false writes 16 zero bytes and reads nothing. */
+static __device__ __forceinline__ void ragged_attention_mma_cp_async16(uint32_t dst,
+                                                                      const void *src,
+                                                                      bool is_valid) {
+    const int src_bytes = is_valid ? 16 : 0;
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst),
+                 "l"(__cvta_generic_to_global(src)), "r"(src_bytes)
+                 : "memory");
+}
+
+static __device__ __forceinline__ void ragged_attention_mma_cp_async_commit() {
+    asm volatile("cp.async.commit_group;\n" ::: "memory");
+}
+
+/* Waits until at most N of this thread's committed groups are still in flight. */
+template <int N>
+static __device__ __forceinline__ void ragged_attention_mma_cp_async_wait() {
+    asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
+}
+
+static __device__ __forceinline__ void ragged_attention_mma_ldmatrix_x4(uint32_t r[4],
+                                                                       uint32_t addr) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(addr)
+                 : "memory");
+}
+
+static __device__ __forceinline__ void ragged_attention_mma_ldmatrix_x4_trans(uint32_t r[4],
+                                                                             uint32_t addr) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(addr)
+                 : "memory");
+}
+
+/* Per-dtype pieces: pack two floats (lower column in the low half), unpack, and
+ * c[0..3] += A (16x16, row) * B (16x8, col) with fp32 accumulators. */
+template <typename Elem>
+struct ragged_attention_mma_elem;
+
+template <>
+struct ragged_attention_mma_elem<__half> {
+    static __device__ __forceinline__ uint32_t pack(float lo, float hi) {
+        const __half2 h = __floats2half2_rn(lo, hi);
+        uint32_t u;
+        memcpy(&u, &h, sizeof u);
+        return u;
+    }
+    static __device__ __forceinline__ float2 unpack(uint32_t u) {
+        __half2 h;
+        memcpy(&h, &u, sizeof u);
+        return __half22float2(h);
+    }
+    static __device__ __forceinline__ void mma(float c[4], const uint32_t a[4], uint32_t b0,
+                                               uint32_t b1) {
+        asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, "
+            "{%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};\n"
+            : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+            : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+    }
+};
+
+template <>
+struct ragged_attention_mma_elem<__nv_bfloat16> {
+    static __device__ __forceinline__ uint32_t pack(float lo, float hi) {
+        const __nv_bfloat162 h = __floats2bfloat162_rn(lo, hi);
+        uint32_t u;
+        memcpy(&u, &h, sizeof u);
+        return u;
+    }
+    static __device__ __forceinline__ float2 unpack(uint32_t u) {
+        __nv_bfloat162 h;
+        memcpy(&h, &u, sizeof u);
+        return __bfloat1622float2(h);
+    }
+    static __device__ __forceinline__ void mma(float c[4], const uint32_t a[4], uint32_t b0,
+                                               uint32_t b1) {
+        asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, "
+            "{%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};\n"
+            : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+            : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+    }
+};
+
+/* Copies `rows` rows of D elements (src row r at src + r * stride) into shared rows of
+ * D + 8 elements; rows >= valid_rows are zero-filled (P = 0 must never meet garbage V). */
+template <typename Elem, int D>
+static __device__ __forceinline__ void ragged_attention_mma_load_rows(Elem *dst, const Elem *src,
+                                                                     int64_t stride,
+                                                                     int valid_rows, int rows) {
+    constexpr int kChunks = D / 8; /* 16-byte chunks per row */
+    constexpr int kLds = D + 8;
+    for (int c = threadIdx.x; c < rows * kChunks; c += blockDim.x) {
+        const int r = c / kChunks;
+        const int col = c - r * kChunks;
+        const bool is_valid = r < valid_rows;
+        /* row 0 exists whenever this is called; an invalid chunk reads nothing anyway */
+        const Elem *g = src + (is_valid ? (int64_t)r * stride : (int64_t)0) + col * 8;
+        ragged_attention_mma_cp_async16(ragged_attention_mma_smem_addr(dst + r * kLds + col * 8),
+                                        g, is_valid);
+    }
+}
+
+/* Runtime form of cp.async.wait_group for ring depths up to 8. */
+static __device__ __forceinline__ void ragged_attention_mma_cp_async_wait_pending(int n) {
+    switch (n) {
+    case 0: ragged_attention_mma_cp_async_wait<0>(); break;
+    case 1: ragged_attention_mma_cp_async_wait<1>(); break;
+    case 2: ragged_attention_mma_cp_async_wait<2>(); break;
+    case 3: ragged_attention_mma_cp_async_wait<3>(); break;
+    case 4: ragged_attention_mma_cp_async_wait<4>(); break;
+    case 5: ragged_attention_mma_cp_async_wait<5>(); break;
+    default: ragged_attention_mma_cp_async_wait<6>(); break;
+    }
+}
+
+/* K and V rows [key0, key0 + 64) of one key tile into one stage (K rows, then V rows). */
+template <typename Elem, int D>
+static __device__ __forceinline__ void ragged_attention_mma_load_kv(Elem *stage, const Elem *k,
+                                                                   int64_t k_stride,
+                                                                   const Elem *v,
+                                                                   int64_t v_stride, int key0,
+                                                                   int len) {
+    constexpr int kKeys = RAGGED_ATTENTION_MMA_KEYS;
+    const int valid = min(kKeys, len - key0);
+    ragged_attention_mma_load_rows<Elem, D>(stage, k + (int64_t)key0 * k_stride, k_stride, valid,
+                                            kKeys);
+    ragged_attention_mma_load_rows<Elem, D>(stage + kKeys * (D + 8),
+                                            v + (int64_t)key0 * v_stride, v_stride, valid, kKeys);
+}
+
+/* One query tile (rows q0 .. q0 + 16 * warps - 1) of one (sequence, head). q, k, v, out
+ * point at the sequence's first token of this head; rows/keys >= len are never read from
+ * global memory and never written. Key tiles stream through a ring of num_stages stages
+ * (cp.async group g = key tile g, the first also holding Q): tile t + num_stages - 1 is in
+ * flight while tile t is consumed, so one barrier per tile suffices. Block-uniform. */
+template <typename Elem, int D>
+static __device__ __forceinline__ void ragged_attention_mma_tile(
+    Elem *s_q, Elem *s_kv, int num_stages, Elem *out, int64_t out_stride, const Elem *q,
+    int64_t q_stride, const Elem *k, int64_t k_stride, const Elem *v, int64_t v_stride, int q0,
+    int len, float scale_log2) {
+    using ops = ragged_attention_mma_elem<Elem>;
+    constexpr int kKeys = RAGGED_ATTENTION_MMA_KEYS;
+    constexpr int kLds = D + 8;
+    constexpr int kStage = 2 * kKeys * kLds; /* elements per ring stage */
+    const int warp = threadIdx.x >> 5;
+    const int lane = threadIdx.x & 31;
+    const int group = lane >> 2; /* mma groupID: rows group and group + 8 */
+    const int tig = lane & 3;    /* thread in group: columns 2 * tig, 2 * tig + 1 */
+    const int rows = blockDim.x >> 1; /* 16 per warp */
+    const int num_tiles = (len + kKeys - 1) / kKeys;
+    const int warp_row0 = q0 + warp * 16;
+    const bool is_active = warp_row0 < len; /* warp-uniform */
+
+    /* ldmatrix lane -> row/column offsets. A (Q) and V^T: matrices ordered (r0-7, c0-7),
+     * (r8-15, c0-7), (r0-7, c8-15), (r8-15, c8-15). K: (n0-7, k0-7), (n0-7, k8-15),
+     * (n8-15, k0-7), (n8-15, k8-15), i.e. b0b1 of two 8-key blocks. */
+    const int a_row = (lane & 7) + ((lane >> 3) & 1) * 8;
+    const int a_col = (lane >> 4) * 8;
+    const int k_row = (lane & 7) + (lane >> 4) * 8;
+    const int k_col = ((lane >> 3) & 1) * 8;
+
+    __syncthreads(); /* this block's previous tile may still read shared memory */
+    ragged_attention_mma_load_rows<Elem, D>(s_q, q + (int64_t)q0 * q_stride, q_stride,
+                                            min(rows, len - q0), rows);
+    for (int st = 0; st < num_stages - 1; ++st) {
+        if (st < num_tiles)
+            ragged_attention_mma_load_kv<Elem, D>(s_kv + st * kStage, k, k_stride, v, v_stride,
+                                                  st * kKeys, len);
+        ragged_attention_mma_cp_async_commit(); /* group st: key tile st (+ Q), maybe empty */
+    }
+
+    uint32_t q_frag[D / 16][4];
+    float o_acc[D / 8][4];
+#pragma unroll
+    for (int i = 0; i < D / 8; ++i)
+        o_acc[i][0] = o_acc[i][1] = o_acc[i][2] = o_acc[i][3] = 0.0f;
+    /* running max (base-2 scaled) and this thread's partial row sums, rows group, group + 8 */
+    float row_max0 = -INFINITY, row_max1 = -INFINITY;
+    float row_sum0 = 0.0f, row_sum1 = 0.0f;
+
+    int stage = 0;              /* holds key tile t */
+    int fill = num_stages - 1; /* receives key tile t + num_stages - 1 (it held tile t - 1) */
+    for (int t = 0; t < num_tiles; ++t) {
+        const int num_keys = min(kKeys, len - t * kKeys); /* >= 1 */
+        ragged_attention_mma_cp_async_wait_pending(num_stages - 2); /* tile t landed */
+        __syncthreads(); /* ... for every thread's copies; tile t - 1 fully consumed */
+        if (t + num_stages - 1 < num_tiles)
+            ragged_attention_mma_load_kv<Elem, D>(s_kv + fill * kStage, k, k_stride, v,
+                                                  v_stride, (t + num_stages - 1) * kKeys, len);
+        ragged_attention_mma_cp_async_commit();
+        const Elem *s_k = s_kv + stage * kStage;
+        const Elem *s_v = s_k + kKeys * kLds;
+        stage = stage + 1 == num_stages ? 0 : stage + 1;
+        fill = fill + 1 == num_stages ? 0 : fill + 1;
+        if (!is_active)
+            continue;
+
+        if (t == 0) {
+#pragma unroll
+            for (int kk = 0; kk < D / 16; ++kk)
+                ragged_attention_mma_ldmatrix_x4(
+                    q_frag[kk], ragged_attention_mma_smem_addr(s_q + (warp * 16 + a_row) * kLds +
+                                                               kk * 16 + a_col));
+        }
+        float s_acc[kKeys / 8][4];
+#pragma unroll
+        for (int n = 0; n < kKeys / 8; ++n)
+            s_acc[n][0] = s_acc[n][1] = s_acc[n][2] = s_acc[n][3] = 0.0f;
+#pragma unroll
+        for (int kk = 0; kk < D / 16; ++kk) {
+#pragma unroll
+            for (int n2 = 0; n2 < kKeys / 16; ++n2) {
+                if (n2 * 16 < num_keys) { /* all-masked key pairs: skip, -inf below */
+                    uint32_t b[4];
+                    ragged_attention_mma_ldmatrix_x4(
+                        b, ragged_attention_mma_smem_addr(s_k + (n2 * 16 + k_row) * kLds +
+                                                          kk * 16 + k_col));
+                    ops::mma(s_acc[2 * n2], q_frag[kk], b[0], b[1]);
+                    ops::mma(s_acc[2 * n2 + 1], q_frag[kk], b[2], b[3]);
+                }
+            }
+        }
+
+        if (num_keys < kKeys) {
+#pragma unroll
+            for (int n = 0; n < kKeys / 8; ++n)
+#pragma unroll
+                for (int e = 0; e < 4; ++e)
+                    if (n * 8 + 2 * tig + (e & 1) >= num_keys)
+                        s_acc[n][e] = -INFINITY;
+        }
+        float mx0 = -INFINITY, mx1 = -INFINITY;
+#pragma unroll
+        for (int n = 0; n < kKeys / 8; ++n) {
+            mx0 = fmaxf(mx0, fmaxf(s_acc[n][0], s_acc[n][1]));
+            mx1 = fmaxf(mx1, fmaxf(s_acc[n][2], s_acc[n][3]));
+        }
+        /* the quad (lanes 4g .. 4g + 3) shares rows g and g + 8 */
+        mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 1));
+        mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 1));
+        mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 2));
+        mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 2));
+        /* key t * 64 is valid, so both maxima are finite; scale_log2 > 0 commutes with max */
+        const float m0 = fmaxf(row_max0, mx0 * scale_log2);
+        const float m1 = fmaxf(row_max1, mx1 * scale_log2);
+        float sum0 = 0.0f, sum1 = 0.0f;
+#pragma unroll
+        for (int n = 0; n < kKeys / 8; ++n) {
+            s_acc[n][0] = exp2f(fmaf(s_acc[n][0], scale_log2, -m0));
+            s_acc[n][1] = exp2f(fmaf(s_acc[n][1], scale_log2, -m0));
+            s_acc[n][2] = exp2f(fmaf(s_acc[n][2], scale_log2, -m1));
+            s_acc[n][3] = exp2f(fmaf(s_acc[n][3], scale_log2, -m1));
+            sum0 += s_acc[n][0] + s_acc[n][1];
+            sum1 += s_acc[n][2] + s_acc[n][3];
+        }
+        if (t == 0) { /* single-tile sequences never rescale */
+            row_sum0 = sum0;
+            row_sum1 = sum1;
+        } else {
+            const float alpha0 = exp2f(row_max0 - m0);
+            const float alpha1 = exp2f(row_max1 - m1);
+            row_sum0 = fmaf(row_sum0, alpha0, sum0);
+            row_sum1 = fmaf(row_sum1, alpha1, sum1);
+#pragma unroll
+            for (int i = 0; i < D / 8; ++i) {
+                o_acc[i][0] *= alpha0;
+                o_acc[i][1] *= alpha0;
+                o_acc[i][2] *= alpha1;
+                o_acc[i][3] *= alpha1;
+            }
+        }
+        row_max0 = m0;
+        row_max1 = m1;
+
+#pragma unroll
+        for (int j = 0; j < kKeys / 16; ++j) {
+            if (j * 16 < num_keys) {
+                /* the C fragments of key blocks 2j, 2j+1 are the A fragment of k-step j */
+                uint32_t p_frag[4];
+                p_frag[0] = ops::pack(s_acc[2 * j][0], s_acc[2 * j][1]);
+                p_frag[1] = ops::pack(s_acc[2 * j][2], s_acc[2 * j][3]);
+                p_frag[2] = ops::pack(s_acc[2 * j + 1][0], s_acc[2 * j + 1][1]);
+                p_frag[3] = ops::pack(s_acc[2 * j + 1][2], s_acc[2 * j + 1][3]);
+#pragma unroll
+                for (int dn = 0; dn < D / 16; ++dn) {
+                    uint32_t b[4];
+                    ragged_attention_mma_ldmatrix_x4_trans(
+                        b, ragged_attention_mma_smem_addr(s_v + (j * 16 + a_row) * kLds +
+                                                          dn * 16 + a_col));
+                    ops::mma(o_acc[2 * dn], p_frag, b[0], b[1]);
+                    ops::mma(o_acc[2 * dn + 1], p_frag, b[2], b[3]);
+                }
+            }
+        }
+    }
+    ragged_attention_mma_cp_async_wait<0>(); /* only empty groups can be left */
+
+    if (is_active) {
+        row_sum0 += __shfl_xor_sync(0xffffffffu, row_sum0, 1);
+        row_sum1 += __shfl_xor_sync(0xffffffffu, row_sum1, 1);
+        row_sum0 += __shfl_xor_sync(0xffffffffu, row_sum0, 2);
+        row_sum1 += __shfl_xor_sync(0xffffffffu, row_sum1, 2);
+        const float inv0 = __fdividef(1.0f, row_sum0);
+        const float inv1 = __fdividef(1.0f, row_sum1);
+        /* Stage through this warp's own Q rows (only it reads them, already in q_frag) so
+         * the global stores are whole 16-byte chunks. */
+        Elem *s_o = s_q + warp * 16 * kLds;
+#pragma unroll
+        for (int i = 0; i < D / 8; ++i) {
+            const int col = i * 8 + 2 * tig;
+            *reinterpret_cast<uint32_t *>(s_o + group * kLds + col) =
+                ops::pack(o_acc[i][0] * inv0, o_acc[i][1] * inv0);
+            *reinterpret_cast<uint32_t *>(s_o + (group + 8) * kLds + col) =
+                ops::pack(o_acc[i][2] * inv1, o_acc[i][3] * inv1);
+        }
+        __syncwarp();
+        constexpr int kChunks = D / 8;
+#pragma unroll
+        for (int c = lane; c < 16 * kChunks; c += 32) {
+            const int r = c / kChunks;
+            const int col = (c - r * kChunks) * 8;
+            if (warp_row0 + r < len)
+                *reinterpret_cast<uint4 *>(out + (int64_t)(warp_row0 + r) * out_stride + col) =
+                    *reinterpret_cast<const uint4 *>(s_o + r * kLds + col);
+        }
+    }
+}
+
+/* fp32 dot product of D elements held as packed pairs in registers and a shared row. */
+template <typename Elem, int D>
+static __device__ __forceinline__ float ragged_attention_mma_dot(const uint32_t (&x)[D / 2],
+                                                                const Elem *row) {
+    using ops = ragged_attention_mma_elem<Elem>;
+    float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+#pragma unroll
+    for (int c = 0; c < D / 8; ++c) {
+        const uint4 y = *reinterpret_cast<const uint4 *>(row + c * 8);
+        const uint32_t yw[4] = {y.x, y.y, y.z, y.w};
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+            const float2 xf = ops::unpack(x[c * 4 + i]);
+            const float2 yf = ops::unpack(yw[i]);
+            acc[(i & 1) * 2] = fmaf(xf.x, yf.x, acc[(i & 1) * 2]);
+            acc[(i & 1) * 2 + 1] = fmaf(xf.y, yf.y, acc[(i & 1) * 2 + 1]);
+        }
+    }
+    return (acc[0] + acc[1]) + (acc[2] + acc[3]);
+}
+
+/* Step i of the cls stream -> (head, key tile): pass 1 walks heads outer, pass 2 key tiles
+ * outer, so each thread's key sees the heads in order. */
+static __device__ __forceinline__ void ragged_attention_mma_cls_step(int i, int pass_steps,
+                                                                    int num_tiles,
+                                                                    int num_heads, int *head,
+                                                                    int *tile) {
+    if (i < pass_steps) {
+        *head = i / num_tiles;
+        *tile = i - *head * num_tiles;
+    } else {
+        *tile = (i - pass_steps) / num_heads;
+        *head = i - pass_steps - *tile * num_heads;
+    }
+}
+
+/* cls_attn of one sequence: cls[j * cls_stride] = mean over heads of softmax_j of the first
+ * query's scores. Key tiles of blockDim.x keys of one head stream through a ring of shared
+ * buffers (cp.async, like the attention). Pass 1 (head by head): thread i scores key
+ * t * blockDim.x + i and keeps an online (max, sum); an xor butterfly and a fixed-order
+ * merge over warps give the head's stats. Pass 2 (tile by tile, heads inner): thread i
+ * rescores its key and adds the head probabilities in head order, then stores the mean.
+ * Both passes compute the same fp32 score bit for bit, so p <= 1; no atomics, so the result
+ * is reproducible for a given block size. q, k point at the sequence's first token, head 0. */
+template <typename Elem, int D>
+static __device__ __forceinline__ void ragged_attention_mma_cls(
+    unsigned char *smem, int smem_bytes, float *cls, int64_t cls_stride, const Elem *q,
+    int64_t q_head, const Elem *k, int64_t k_stride, int64_t k_head, int num_heads, int len,
+    float scale_log2) {
+    constexpr int kLds = D + 8;
+    const int tid = threadIdx.x;
+    const int keys = blockDim.x; /* keys per tile: one per thread */
+    const int lane = tid & 31;
+    const int warp = tid >> 5;
+    const int num_warps = keys >> 5;
+    /* smem: [ring of num_bufs tiles][stats: (max, 1/sum) per head][red: 2 x warps x 2] */
+    const int stats_floats = 2 * num_heads + 4 * num_warps;
+    float *s_stats = reinterpret_cast<float *>(smem + smem_bytes) - stats_floats;
+    float *s_red = s_stats + 2 * num_heads;
+    const int tile_elems = keys * kLds;
+    const int num_bufs =
+        min(8, (smem_bytes - stats_floats * 4) / (tile_elems * (int)sizeof(Elem))); /* >= 2 */
+    Elem *ring = reinterpret_cast<Elem *>(smem);
+    const int num_tiles = (len + keys - 1) / keys;
+    const int pass_steps = num_heads * num_tiles;
+    const int num_steps = 2 * pass_steps;
+    const float inv_heads = __fdividef(1.0f, (float)num_heads);
+
+    __syncthreads(); /* the previous user of shared memory is done */
+    for (int b = 0; b < num_bufs - 1; ++b) {
+        if (b < num_steps) {
+            int h, t;
+            ragged_attention_mma_cls_step(b, pass_steps, num_tiles, num_heads, &h, &t);
+            ragged_attention_mma_load_rows<Elem, D>(ring + b * tile_elems,
+                                                    k + h * k_head + (int64_t)t * keys * k_stride,
+                                                    k_stride, min(keys, len - t * keys), keys);
+        }
+        ragged_attention_mma_cp_async_commit();
+    }
+
+    float m = -INFINITY, l = 0.0f, acc = 0.0f;
+    int buf = 0, fill = num_bufs - 1;
+    for (int i = 0; i < num_steps; ++i) {
+        int h, t;
+        ragged_attention_mma_cls_step(i, pass_steps, num_tiles, num_heads, &h, &t);
+        uint32_t qh[D / 2];
+#pragma unroll
+        for (int c = 0; c < D / 8; ++c) {
+            const uint4 u = __ldg(reinterpret_cast<const uint4 *>(q + h * q_head) + c);
+            qh[4 * c] = u.x;
+            qh[4 * c + 1] = u.y;
+            qh[4 * c + 2] = u.z;
+            qh[4 * c + 3] = u.w;
+        }
+        ragged_attention_mma_cp_async_wait_pending(num_bufs - 2); /* step i landed */
+        __syncthreads();
+        /* Merge the warps' (max, sum) of the head that just ended, in warp order. */
+        if ((i < pass_steps && t == 0 && h > 0) || i == pass_steps) {
+            if (tid == 0) {
+                const int done = i == pass_steps ? num_heads - 1 : h - 1;
+                const float *red = s_red + (done & 1) * num_warps * 2;
+                float mm = -INFINITY, ll = 0.0f;
+                for (int w = 0; w < num_warps; ++w) {
+                    const float wm = red[2 * w];
+                    if (wm == -INFINITY)
+                        continue; /* that warp had no key */
+                    const float m_new = fmaxf(mm, wm);
+                    ll = ll * exp2f(mm - m_new) + red[2 * w + 1] * exp2f(wm - m_new);
+                    mm = m_new;
+                }
+                s_stats[2 * done] = mm;
+                s_stats[2 * done + 1] = __fdividef(1.0f, ll);
+            }
+            if (i == pass_steps)
+                __syncthreads(); /* pass 2 reads the last head's stats right away */
+        }
+        {
+            const int next = i + num_bufs - 1;
+            if (next < num_steps) {
+                int nh, nt;
+                ragged_attention_mma_cls_step(next, pass_steps, num_tiles, num_heads, &nh, &nt);
+                ragged_attention_mma_load_rows<Elem, D>(
+                    ring + fill * tile_elems, k + nh * k_head + (int64_t)nt * keys * k_stride,
+                    k_stride, min(keys, len - nt * keys), keys);
+            }
+            ragged_attention_mma_cp_async_commit();
+        }
+        const int j = t * keys + tid;
+        float x = -INFINITY;
+        if (j < len)
+            x = ragged_attention_mma_dot<Elem, D>(qh, ring + buf * tile_elems + tid * kLds) *
+                scale_log2;
+        buf = buf + 1 == num_bufs ? 0 : buf + 1;
+        fill = fill + 1 == num_bufs ? 0 : fill + 1;
+
+        if (i < pass_steps) {
+            if (t == 0) {
+                m = -INFINITY;
+                l = 0.0f;
+            }
+            if (j < len) {
+                const float m_new = fmaxf(m, x);
+                l = l * exp2f(m - m_new) + exp2f(x - m_new);
+                m = m_new;
+            }
+            if (t == num_tiles - 1) { /* block-uniform */
+#pragma unroll
+                for (int offset = 16; offset > 0; offset >>= 1) {
+                    const float m_other = __shfl_xor_sync(0xffffffffu, m, offset);
+                    const float l_other = __shfl_xor_sync(0xffffffffu, l, offset);
+                    const float m_new = fmaxf(m, m_other);
+                    if (m_new != -INFINITY) /* both lanes empty: keep (-inf, 0) */
+                        l = l * exp2f(m - m_new) + l_other * exp2f(m_other - m_new);
+                    m = m_new;
+                }
+                if (lane == 0) {
+                    s_red[((h & 1) * num_warps + warp) * 2] = m;
+                    s_red[((h & 1) * num_warps + warp) * 2 + 1] = l;
+                }
+            }
+        } else {
+            if (h == 0)
+                acc = 0.0f;
+            if (j < len) {
+                acc = fmaf(exp2f(x - s_stats[2 * h]), s_stats[2 * h + 1], acc);
+                if (h == num_heads - 1)
+                    cls[j * cls_stride] = acc * inv_heads;
+            }
+        }
+    }
+    ragged_attention_mma_cp_async_wait<0>(); /* only empty groups can be left */
+}
+
+// ---- kernels ----
+
+/* Block (x, y, z): query tiles x, x + gridDim.x, ... of head y of sequences z, z + gridDim.z,
+ * ...; y == num_heads (present only with cls_attn) computes cls_attn in block x == 0. Every
+ * branch and loop bound is uniform across the block, so all threads reach each barrier.
+ * smem: Q rows (16 per warp), then num_stages stages of 64 K rows and 64 V rows, each row
+ * D + 8 elements. Min blocks 4 (D <= 64) caps registers at 128 without spills; larger D
+ * need ~160-180. */
+template <typename Elem, int D>
+static __global__ void __launch_bounds__(RAGGED_ATTENTION_MMA_MAX_WARPS * 32, D <= 64 ? 4 : 2)
+    ragged_attention_mma_kernel(const ragvit_attention_args a, int max_len, int num_stages,
+                                int smem_bytes) {
+    extern __shared__ __align__(16) unsigned char ragged_attention_mma_smem[];
+    const int rows = blockDim.x >> 1;
+    Elem *s_q = reinterpret_cast<Elem *>(ragged_attention_mma_smem);
+    Elem *s_kv = s_q + rows * (D + 8);
+    const int h = blockIdx.y;
+    const float scale_log2 = a.scale * RAGGED_ATTENTION_MMA_LOG2E;
+    const Elem *q_all = static_cast<const Elem *>(a.q);
+    const Elem *k_all = static_cast<const Elem *>(a.k);
+    const Elem *v_all = static_cast<const Elem *>(a.v);
+    Elem *out_all = static_cast<Elem *>(a.out);
+
+    for (int s = blockIdx.z; s < a.num_seqs; s += gridDim.z) {
+        const int start = __ldg(a.cu_seqlens + s);
+        const int end = __ldg(a.cu_seqlens + s + 1);
+        const bool is_bad = start < 0 || end < start || (int64_t)end > a.total_tokens;
+        if (is_bad || end - start > max_len) {
+            if (blockIdx.x == 0 && h == 0 && threadIdx.x == 0 && a.error_flag != NULL)
+                atomicOr(a.error_flag,
+                         is_bad ? RAGVIT_ERROR_BAD_CU_SEQLENS : RAGVIT_ERROR_SEQLEN_OVER_MAX);
+            continue;
+        }
+        const int len = end - start;
+        if (h == a.num_heads) {
+            if (blockIdx.x == 0 && len > 0)
+                ragged_attention_mma_cls<Elem, D>(
+                    ragged_attention_mma_smem, smem_bytes,
+                    a.cls_attn + (int64_t)start * a.cls_attn_stride, a.cls_attn_stride,
+                    q_all + (int64_t)start * a.q_stride_token, a.q_stride_head,
+                    k_all + (int64_t)start * a.k_stride_token, a.k_stride_token, a.k_stride_head,
+                    a.num_heads, len, scale_log2);
+            continue;
+        }
+        for (int q0 = blockIdx.x * rows; q0 < len; q0 += gridDim.x * rows)
+            ragged_attention_mma_tile<Elem, D>(
+                s_q, s_kv, num_stages,
+                out_all + (int64_t)start * a.out_stride_token + (int64_t)h * a.out_stride_head,
+                a.out_stride_token,
+                q_all + (int64_t)start * a.q_stride_token + (int64_t)h * a.q_stride_head,
+                a.q_stride_token,
+                k_all + (int64_t)start * a.k_stride_token + (int64_t)h * a.k_stride_head,
+                a.k_stride_token,
+                v_all + (int64_t)start * a.v_stride_token + (int64_t)h * a.v_stride_head,
+                a.v_stride_token, q0, len, scale_log2);
+    }
+}
+
+// ---- launcher ----
+
+/* Launch shape: warps per block (16 query rows each), K/V ring stages, grid, smem bytes. */
+typedef struct {
+    int num_warps;
+    int num_stages;
+    int max_len;
+    int smem_bytes;
+    dim3 grid;
+} ragged_attention_mma_plan;
+
+static int64_t ragged_attention_mma_smem_bytes(int head_dim, int num_warps, int num_stages,
+                                               int num_heads, bool has_cls) {
+    const int64_t row_bytes = (int64_t)(head_dim + 8) * 2;
+    int64_t bytes = (16 * num_warps + 2 * RAGGED_ATTENTION_MMA_KEYS * num_stages) * row_bytes;
+    if (has_cls) { /* >= 2 ring tiles of blockDim.x keys, plus per-head stats */
+        const int64_t cls_bytes =
+            2 * 32 * num_warps * row_bytes + 4 * (2 * (int64_t)num_heads + 4 * num_warps);
+        bytes = cls_bytes > bytes ? cls_bytes : bytes;
+    }
+    return bytes;
+}
+
+/* Most dynamic shared memory any plan asks for (ragged_attention_mma_init opts in to it). */
+static int64_t ragged_attention_mma_smem_max(int head_dim) {
+    const int64_t a = ragged_attention_mma_smem_bytes(head_dim, RAGGED_ATTENTION_MMA_MAX_WARPS,
+                                                      RAGGED_ATTENTION_MMA_MAX_STAGES, 1, false);
+    const int64_t c = ragged_attention_mma_smem_bytes(head_dim, RAGGED_ATTENTION_MMA_MAX_WARPS,
+                                                      2, RAGGED_ATTENTION_MMA_MAX_HEADS, true);
+    return a > c ? a : c;
+}
+
+/* Chooses the launch shape; num_warps / num_stages > 0 force a value (benchmarks). */
+static ragged_attention_mma_plan ragged_attention_mma_make_plan(const ragvit_attention_args *a,
+                                                                const ragvit_device_info *dev,
+                                                                int num_warps, int num_stages) {
+    /* max_seqlen only sizes the grid; a length above it is skipped and flagged */
+    int64_t max_len = a->max_seqlen > 0 ? a->max_seqlen : a->total_tokens;
+    if (max_len > INT32_MAX)
+        max_len = INT32_MAX;
+    if (max_len < 1)
+        max_len = 1;
+    const int64_t sm_count = dev != NULL && dev->sm_count > 0 ? dev->sm_count : 132;
+    int64_t smem_limit =
+        dev != NULL && dev->smem_per_block_optin > 0 ? dev->smem_per_block_optin : 48 * 1024;
+    if (smem_limit > ragged_attention_mma_smem_max(a->head_dim))
+        smem_limit = ragged_attention_mma_smem_max(a->head_dim); /* what init opted in to */
+    const int64_t heads = a->num_heads;
+    const int64_t seqs = a->num_seqs;
+    const bool has_cls = a->cls_attn != NULL;
+    const int64_t key_tiles = (max_len + RAGGED_ATTENTION_MMA_KEYS - 1) / RAGGED_ATTENTION_MMA_KEYS;
+
+    /* Fewer warps per block (shorter query tiles) until the grid has about two blocks per
+     * SM: batch 1 of 197 tokens with H = 6 gets 13 x 6 one-warp blocks instead of 4 x 6. */
+    if (num_warps <= 0) {
+        num_warps = (int)((max_len + 15) / 16);
+        if (num_warps > RAGGED_ATTENTION_MMA_MAX_WARPS)
+            num_warps = RAGGED_ATTENTION_MMA_MAX_WARPS;
+        while (num_warps > 1 &&
+               ((max_len + 16 * num_warps - 1) / (16 * num_warps)) * heads * seqs < 2 * sm_count)
+            --num_warps;
+    }
+    /* Few blocks: nothing else hides memory latency, so put up to 4 key tiles in flight.
+     * Many blocks: 2 stages (double buffering) keep 4 blocks per SM resident. */
+    if (num_stages <= 0) {
+        const int64_t blocks = ((max_len + 16 * num_warps - 1) / (16 * num_warps)) * heads * seqs;
+        num_stages = 2;
+        if (blocks <= 4 * sm_count)
+            num_stages = (int)(key_tiles < RAGGED_ATTENTION_MMA_MAX_STAGES
+                                   ? (key_tiles > 2 ? key_tiles : 2)
+                                   : RAGGED_ATTENTION_MMA_MAX_STAGES);
+    }
+    while (num_stages > 2 && ragged_attention_mma_smem_bytes(a->head_dim, num_warps, num_stages,
+                                                             a->num_heads, has_cls) > smem_limit)
+        --num_stages;
+    while (num_warps > 1 && ragged_attention_mma_smem_bytes(a->head_dim, num_warps, num_stages,
+                                                            a->num_heads, has_cls) > smem_limit)
+        --num_warps;
+
+    const int64_t grid_y = heads + (has_cls ? 1 : 0);
+    const int64_t grid_z =
+        seqs < RAGGED_ATTENTION_MMA_MAX_GRID_YZ ? seqs : RAGGED_ATTENTION_MMA_MAX_GRID_YZ;
+    int64_t grid_x = (max_len + 16 * num_warps - 1) / (16 * num_warps);
+    /* A loose max_seqlen (CUDA's default is T) must not launch millions of empty blocks:
+     * cap the grid near twice the real work (<= T / rows + S query tiles per head) and let
+     * blocks loop over the remaining query tiles. */
+    int64_t budget = 2 * (a->total_tokens / (16 * num_warps) + seqs) * grid_y;
+    if (budget < 64 * sm_count)
+        budget = 64 * sm_count;
+    if (grid_x * grid_y * grid_z > budget) {
+        grid_x = budget / (grid_y * grid_z);
+        if (grid_x < 1)
+            grid_x = 1;
+    }
+
+    ragged_attention_mma_plan plan;
+    plan.num_warps = num_warps;
+    plan.num_stages = num_stages;
+    plan.max_len = (int)max_len;
+    plan.smem_bytes = (int)ragged_attention_mma_smem_bytes(a->head_dim, num_warps, num_stages,
+                                                           a->num_heads, has_cls);
+    plan.grid = dim3((unsigned)grid_x, (unsigned)grid_y, (unsigned)grid_z);
+    return plan;
+}
+
+/* Whether the tensor-core path can run these arguments; when false the dispatcher runs the
+ * simple kernel. Needs fp16/bf16, a listed head_dim, 16-byte aligned rows (every base
+ * pointer % 16 == 0 and every token/head stride a multiple of 8 elements), at most
+ * RAGGED_ATTENTION_MMA_MAX_HEADS heads and, when dev is given, compute capability >= 8.0. */
+static bool ragged_attention_mma_supports(const ragvit_attention_args *a,
+                                          const ragvit_device_info *dev) {
+    if (a->dtype != RAGVIT_DTYPE_F16 && a->dtype != RAGVIT_DTYPE_BF16)
+        return false;
+    if (a->head_dim != 32 && a->head_dim != 64 && a->head_dim != 80 && a->head_dim != 96 &&
+        a->head_dim != 128)
+        return false;
+    if (a->num_heads < 1 || a->num_heads > RAGGED_ATTENTION_MMA_MAX_HEADS)
+        return false;
+    if (dev != NULL && dev->cc_major < 8)
+        return false;
+    const uintptr_t ptr_bits = (uintptr_t)a->q | (uintptr_t)a->k | (uintptr_t)a->v |
+                               (uintptr_t)a->out;
+    const int64_t stride_bits = a->q_stride_token | a->q_stride_head | a->k_stride_token |
+                                a->k_stride_head | a->v_stride_token | a->v_stride_head |
+                                a->out_stride_token | a->out_stride_head;
+    return (ptr_bits & 15u) == 0 && (stride_bits & 7) == 0;
+}
+
+template <typename Elem, int D>
+static ragvit_status ragged_attention_mma_launch_hdim(const ragvit_attention_args *a,
+                                                      const ragged_attention_mma_plan *plan,
+                                                      cudaStream_t stream) {
+    ragged_attention_mma_kernel<Elem, D>
+        <<<plan->grid, 32 * plan->num_warps, (size_t)plan->smem_bytes, stream>>>(
+            *a, plan->max_len, plan->num_stages, plan->smem_bytes);
+    CUDA_TRY(cudaGetLastError());
+    return RAGVIT_STATUS_OK;
+}
+
+/* Launches with an explicit plan (from ragged_attention_mma_make_plan). */
+static ragvit_status ragged_attention_mma_launch_plan(const ragvit_attention_args *a,
+                                                      const ragged_attention_mma_plan *plan,
+                                                      cudaStream_t stream) {
+    const bool is_bf16 = a->dtype == RAGVIT_DTYPE_BF16;
+    switch (a->head_dim) {
+    case 32:
+        return is_bf16 ? ragged_attention_mma_launch_hdim<__nv_bfloat16, 32>(a, plan, stream)
+                       : ragged_attention_mma_launch_hdim<__half, 32>(a, plan, stream);
+    case 64:
+        return is_bf16 ? ragged_attention_mma_launch_hdim<__nv_bfloat16, 64>(a, plan, stream)
+                       : ragged_attention_mma_launch_hdim<__half, 64>(a, plan, stream);
+    case 80:
+        return is_bf16 ? ragged_attention_mma_launch_hdim<__nv_bfloat16, 80>(a, plan, stream)
+                       : ragged_attention_mma_launch_hdim<__half, 80>(a, plan, stream);
+    case 96:
+        return is_bf16 ? ragged_attention_mma_launch_hdim<__nv_bfloat16, 96>(a, plan, stream)
+                       : ragged_attention_mma_launch_hdim<__half, 96>(a, plan, stream);
+    case 128:
+        return is_bf16 ? ragged_attention_mma_launch_hdim<__nv_bfloat16, 128>(a, plan, stream)
+                       : ragged_attention_mma_launch_hdim<__half, 128>(a, plan, stream);
+    default:
+        return ragvit_fail(RAGVIT_STATUS_INVALID_SHAPE,
+                           "attention: head_dim must be one of 32, 64, 80, 96, 128, got %d",
+                           (int)a->head_dim);
+    }
+}
+
+/* Launches for F16/BF16 (the caller checked ragged_attention_mma_supports, set the device,
+ * ran ragged_attention_mma_init once, and guarantees num_seqs > 0); no allocation, no host
+ * sync. */
+static ragvit_status ragged_attention_mma_launch(const ragvit_attention_args *a,
+                                                 const ragvit_device_info *dev,
+                                                 cudaStream_t stream) {
+    const ragged_attention_mma_plan plan = ragged_attention_mma_make_plan(a, dev, 0, 0);
+    return ragged_attention_mma_launch_plan(a, &plan, stream);
+}
+
+template <typename Elem, int D>
+static ragvit_status ragged_attention_mma_init_hdim(const ragvit_device_info *dev) {
+    int64_t bytes = ragged_attention_mma_smem_max(D);
+    if (bytes <= 48 * 1024)
+        return RAGVIT_STATUS_OK;
+    if (bytes > dev->smem_per_block_optin) /* the plans then stay under the device's limit */
+        bytes = dev->smem_per_block_optin;
+    CUDA_TRY(cudaFuncSetAttribute(ragged_attention_mma_kernel<Elem, D>,
+                                  cudaFuncAttributeMaxDynamicSharedMemorySize, (int)bytes));
+    return RAGVIT_STATUS_OK;
+}
+
+/* One-time per-device setup (the device is current): opt in to the dynamic shared memory
+ * the largest plan needs. Devices below sm_80 have no image and are skipped
+ * (ragged_attention_mma_supports refuses them). */
+static ragvit_status ragged_attention_mma_init(const ragvit_device_info *dev) {
+    if (dev->cc_major < 8)
+        return RAGVIT_STATUS_OK;
+    ragvit_status status = RAGVIT_STATUS_OK;
+#define RAGGED_ATTENTION_MMA_INIT(D)                                                         \
+    if ((status = ragged_attention_mma_init_hdim<__half, D>(dev)) != RAGVIT_STATUS_OK)      \
+        return status;                                                                       \
+    if ((status = ragged_attention_mma_init_hdim<__nv_bfloat16, D>(dev)) != RAGVIT_STATUS_OK) \
+        return status;
+    RAGGED_ATTENTION_MMA_INIT(32)
+    RAGGED_ATTENTION_MMA_INIT(64)
+    RAGGED_ATTENTION_MMA_INIT(80)
+    RAGGED_ATTENTION_MMA_INIT(96)
+    RAGGED_ATTENTION_MMA_INIT(128)
+#undef RAGGED_ATTENTION_MMA_INIT
+    return status;
+}
+
+#endif /* RAGVIT_RAGGED_ATTENTION_MMA_CUH */

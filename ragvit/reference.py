@@ -1,0 +1,250 @@
+"""Reference math for ragvit's tests and benchmarks (the spec, not a fast path).
+
+Attention is computed one sequence at a time in float64 on the CPU, with no
+padding and no masks, so it is correct by construction; rows that belong to no
+sequence come back as NaN so a caller cannot mistake them for results. The
+SDPA baseline (`padded_sdpa`) is what users run today: the ragged batch
+scattered into a zero-padded rectangle, a key-padding mask, and
+`torch.nn.functional.scaled_dot_product_attention` in the tested dtype.
+Shapes: S sequences, T packed tokens, H heads, D head_dim, B images, N tokens
+per padded image, C channels.
+
+This module imports torch and is imported lazily by tests and benchmarks only;
+`ragvit.ops` never imports it.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+
+__all__ = [
+    "attention_reference",
+    "cls_attn_reference",
+    "pack_reference",
+    "padded_sdpa",
+    "unpack_reference",
+]
+
+
+def _as_tensor(x: Any) -> torch.Tensor:
+    """Returns x as a torch tensor (NumPy arrays are wrapped without a copy)."""
+    if isinstance(x, torch.Tensor):
+        return x
+    return torch.as_tensor(x)
+
+
+def _bounds(cu_seqlens: Any, total_tokens: int) -> list[tuple[int, int]]:
+    """Host (start, end) pairs of every sequence, validated against the contract.
+
+    Args:
+        cu_seqlens: (S+1,) integer array, exclusive prefix sums of the lengths.
+        total_tokens: T, the number of packed rows.
+
+    Returns:
+        One (start, end) pair per sequence.
+
+    Raises:
+        ValueError: cu_seqlens is not 1-D with S+1 >= 1 entries, starts below 0,
+            decreases, or ends past total_tokens.
+    """
+    cu = _as_tensor(cu_seqlens).detach().to("cpu", torch.int64)
+    if cu.ndim != 1 or cu.numel() < 1:
+        raise ValueError(f"cu_seqlens must be 1-D with S+1 >= 1 entries, got {tuple(cu.shape)}")
+    values = cu.tolist()
+    if values[0] < 0:
+        raise ValueError(f"cu_seqlens[0] must be >= 0, got {values[0]}")
+    pairs = list(zip(values[:-1], values[1:], strict=True))
+    for s, (start, end) in enumerate(pairs):
+        if end < start:
+            raise ValueError(f"cu_seqlens must be non-decreasing, got {start} > {end} at {s}")
+    if values[-1] > total_tokens:
+        raise ValueError(f"cu_seqlens[-1] must be <= T={total_tokens}, got {values[-1]}")
+    return pairs
+
+
+def _check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+    if q.ndim != 3 or k.shape != q.shape or v.shape != q.shape:
+        raise ValueError(
+            f"q, k, v must all be (T, H, D), got {tuple(q.shape)}, {tuple(k.shape)}, "
+            f"{tuple(v.shape)}"
+        )
+
+
+def attention_reference(
+    q: Any, k: Any, v: Any, cu_seqlens: Any, scale: float | None = None
+) -> torch.Tensor:
+    """Per-sequence softmax attention in float64 on the CPU.
+
+    Args:
+        q, k, v: (T, H, D) arrays of any float dtype and any strides (torch
+            tensors on any device, or NumPy arrays); upcast to float64.
+        cu_seqlens: (S+1,) integer array, exclusive prefix sums of the lengths;
+            cu_seqlens[S] <= T.
+        scale: softmax scale; default 1/sqrt(D).
+
+    Returns:
+        (T, H, D) float64 CPU tensor; rows covered by no sequence are NaN.
+    """
+    q, k, v = (_as_tensor(t).detach().to("cpu", torch.float64) for t in (q, k, v))
+    _check_qkv(q, k, v)
+    total_tokens, _, head_dim = q.shape
+    if scale is None:
+        scale = 1.0 / math.sqrt(head_dim)
+    out = torch.full(q.shape, math.nan, dtype=torch.float64)
+    for start, end in _bounds(cu_seqlens, total_tokens):
+        if end == start:
+            continue
+        qs = q[start:end].transpose(0, 1)  # (H, L, D)
+        ks = k[start:end].transpose(0, 1)
+        vs = v[start:end].transpose(0, 1)
+        probs = torch.softmax((qs @ ks.transpose(1, 2)) * scale, dim=-1)  # (H, L, L)
+        out[start:end] = (probs @ vs).transpose(0, 1)
+    return out
+
+
+def cls_attn_reference(q: Any, k: Any, cu_seqlens: Any, scale: float | None = None) -> torch.Tensor:
+    """Head-mean softmax probabilities of each sequence's first query, in float64.
+
+    Args:
+        q, k: (T, H, D) arrays of any float dtype and any strides.
+        cu_seqlens: (S+1,) integer array, exclusive prefix sums of the lengths.
+        scale: softmax scale; default 1/sqrt(D).
+
+    Returns:
+        (T,) float64 CPU tensor: entry cu_seqlens[s] + j holds the mean over heads
+        of softmax_j(scale * q[cu_seqlens[s]] . k[cu_seqlens[s] + j]); rows covered
+        by no sequence are NaN.
+    """
+    q, k = (_as_tensor(t).detach().to("cpu", torch.float64) for t in (q, k))
+    _check_qkv(q, k, k)
+    total_tokens, _, head_dim = q.shape
+    if scale is None:
+        scale = 1.0 / math.sqrt(head_dim)
+    out = torch.full((total_tokens,), math.nan, dtype=torch.float64)
+    for start, end in _bounds(cu_seqlens, total_tokens):
+        if end == start:
+            continue
+        first = q[start]  # (H, D)
+        keys = k[start:end]  # (L, H, D)
+        scores = torch.einsum("hd,lhd->hl", first, keys) * scale
+        out[start:end] = torch.softmax(scores, dim=-1).mean(dim=0)
+    return out
+
+
+def pack_reference(x: Any, keep: Any) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Gathers the kept tokens of a padded batch, in order.
+
+    Args:
+        x: (B, N, C) tensor of any dtype and strides.
+        keep: (B, N) bool or integer mask; nonzero keeps the token.
+
+    Returns:
+        packed (T, C) of x's dtype, cu_seqlens (B+1,) int32 and indices (T,)
+        int32 (each packed token's position n within its image), all on x's
+        device.
+    """
+    x = _as_tensor(x)
+    keep = _as_tensor(keep).to(x.device) != 0
+    if x.ndim != 3 or keep.shape != x.shape[:2]:
+        raise ValueError(
+            f"x must be (B, N, C) and keep (B, N), got {tuple(x.shape)}, {tuple(keep.shape)}"
+        )
+    counts = keep.sum(dim=1, dtype=torch.int64)
+    cu_seqlens = torch.zeros(x.shape[0] + 1, dtype=torch.int32, device=x.device)
+    cu_seqlens[1:] = torch.cumsum(counts, dim=0).to(torch.int32)
+    packed = x[keep]  # row-major boolean indexing keeps image order and token order
+    indices = torch.nonzero(keep)[:, 1].to(torch.int32)
+    return packed, cu_seqlens, indices
+
+
+def unpack_reference(
+    packed: Any, cu_seqlens: Any, N: int, indices: Any = None, fill: float = 0.0
+) -> torch.Tensor:
+    """Scatters packed tokens back to a padded batch.
+
+    Args:
+        packed: (T, C) tensor; rows past cu_seqlens[B] are never read.
+        cu_seqlens: (B+1,) integer array; every length must be <= N.
+        N: tokens per padded image.
+        indices: optional (T,) integer array: packed token t lands at
+            out[b, indices[t]]; default: image b's tokens fill rows [0, len).
+        fill: value of every row not written from packed.
+
+    Returns:
+        (B, N, C) tensor of packed's dtype on packed's device.
+    """
+    packed = _as_tensor(packed)
+    if packed.ndim != 2:
+        raise ValueError(f"packed must be (T, C), got {tuple(packed.shape)}")
+    pairs = _bounds(cu_seqlens, packed.shape[0])
+    out = torch.full(
+        (len(pairs), N, packed.shape[1]), fill, dtype=packed.dtype, device=packed.device
+    )
+    idx = None
+    if indices is not None:
+        idx = _as_tensor(indices).detach().to(packed.device, torch.int64)
+    for b, (start, end) in enumerate(pairs):
+        if end - start > N:
+            raise ValueError(f"every length must be <= N={N}, got {end - start} at image {b}")
+        if idx is None:
+            out[b, : end - start] = packed[start:end]
+        else:
+            rows = idx[start:end]
+            if rows.numel() and (int(rows.min()) < 0 or int(rows.max()) >= N):
+                raise ValueError(f"indices must lie in [0, N={N}) for image {b}")
+            out[b, rows] = packed[start:end]
+    return out
+
+
+def padded_sdpa(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens: Any,
+    max_seqlen: int | None = None,
+    *,
+    scale: float | None = None,
+) -> torch.Tensor:
+    """The SDPA baseline: zero-padded batch, key-padding mask, in q's dtype.
+
+    Args:
+        q, k, v: (T, H, D) torch tensors of one float dtype on one device.
+        cu_seqlens: (S+1,) integer array, exclusive prefix sums of the lengths.
+        max_seqlen: padded length Lmax (>= every length); default: the longest.
+        scale: softmax scale; default 1/sqrt(D).
+
+    Returns:
+        (T, H, D) tensor of q's dtype on q's device, computed by
+        torch.nn.functional.scaled_dot_product_attention on (S, H, Lmax, D)
+        zero-padded inputs with a boolean (S, 1, 1, Lmax) key mask and gathered
+        back; rows covered by no sequence are NaN.
+    """
+    _check_qkv(q, k, v)
+    total_tokens, num_heads, head_dim = q.shape
+    pairs = _bounds(cu_seqlens, total_tokens)
+    lengths = [end - start for start, end in pairs]
+    longest = max(lengths, default=0)
+    if max_seqlen is None:
+        max_seqlen = longest
+    if max_seqlen < longest:
+        raise ValueError(f"max_seqlen must be >= every length ({longest}), got {max_seqlen}")
+    out = torch.full(q.shape, math.nan, dtype=q.dtype, device=q.device)
+    if longest == 0:
+        return out
+    num_seqs = len(pairs)
+    shape = (num_seqs, num_heads, max_seqlen, head_dim)
+    padded = [torch.zeros(shape, dtype=q.dtype, device=q.device) for _ in range(3)]
+    mask = torch.zeros((num_seqs, 1, 1, max_seqlen), dtype=torch.bool, device=q.device)
+    for s, (start, end) in enumerate(pairs):
+        for dst, src in zip(padded, (q, k, v), strict=True):
+            dst[s, :, : end - start] = src[start:end].transpose(0, 1)
+        mask[s, ..., : end - start] = True
+    result = torch.nn.functional.scaled_dot_product_attention(
+        padded[0], padded[1], padded[2], attn_mask=mask, scale=scale
+    )
+    for s, (start, end) in enumerate(pairs):
+        out[start:end] = result[s, :, : end - start].transpose(0, 1)
+    return out

@@ -1,0 +1,854 @@
+"""Tensor exchange: every import path, stride units, lifetimes, leaks, refusals.
+
+Paths: torch tensors (DLPack C exchange API), NumPy arrays, objects offering only
+versioned DLPack, only legacy DLPack (old signature with no max_version, or one
+that ignores it), DLPack capsules built by hand with ctypes (versioned and
+legacy, with byte_offset), and on CUDA only the CUDA Array Interface (v2, and v3
+with a 'stream' key). Inputs are views of a (T, 3, H, D) buffer and outputs
+views of a wider buffer, so a stride read in the wrong unit (DLPack counts
+elements, CAI bytes) or a write outside the view shows. The fakes count their
+calls, so no test can pass by silently taking another path.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import gc
+import math
+import os
+import sys
+import tracemalloc
+import weakref
+
+import numpy as np
+import pytest
+import torch
+from conftest import (
+    DTYPE_IDS,
+    INT32_POISON,
+    TOL,
+    covered_rows,
+    gpu_marks,
+    make_cu_seqlens,
+    make_qkv,
+    poison,
+    requires_cuda,
+    same_bits,
+    seed_note,
+)
+
+import ragvit
+from ragvit.reference import attention_reference, cls_attn_reference, pack_reference
+
+kDLCPU, kDLCUDA, kDLOpenCL = 1, 2, 4
+FLAG_READ_ONLY = 1
+
+# ---- fake producers ----
+
+
+def _export(array, stream, max_version):
+    """array.__dlpack__ with only the keywords that were given (NumPy wants no
+    stream at all on the CPU; torch takes both)."""
+    kwargs = {}
+    if stream is not None:
+        kwargs["stream"] = stream
+    if max_version is not None:
+        kwargs["max_version"] = max_version
+    return array.__dlpack__(**kwargs)
+
+
+class VersionedOnly:
+    """Offers DLPack >= 1.0 only: refuses a __dlpack__ call without max_version."""
+
+    def __init__(self, array):
+        self.array = array
+        self.calls = 0
+
+    def __dlpack_device__(self):
+        return self.array.__dlpack_device__()
+
+    def __dlpack__(self, *, stream=None, max_version=None, dl_device=None, copy=None):
+        if max_version is None or tuple(max_version)[0] < 1:
+            raise BufferError("VersionedOnly exports DLPack >= 1.0 capsules only")
+        self.calls += 1
+        return _export(self.array, stream, tuple(max_version))
+
+
+class LegacyOnly:
+    """A pre-1.0 producer: __dlpack__(stream=None) knows no max_version keyword and
+    returns a legacy "dltensor" capsule."""
+
+    def __init__(self, array):
+        self.array = array
+        self.calls = 0
+
+    def __dlpack_device__(self):
+        return self.array.__dlpack_device__()
+
+    def __dlpack__(self, stream=None):
+        self.calls += 1
+        return _export(self.array, stream, None)
+
+
+class LegacyIgnoringMaxVersion(LegacyOnly):
+    """Accepts max_version but still returns a legacy capsule (allowed by the spec)."""
+
+    def __dlpack__(self, stream=None, max_version=None, dl_device=None, copy=None):
+        self.calls += 1
+        return _export(self.array, stream, None)
+
+
+class CAIOnly:
+    """Offers only __cuda_array_interface__, copied from a torch CUDA tensor's."""
+
+    def __init__(self, tensor, *, version=2, stream=None, typestr=None, read_only=False):
+        self.tensor = tensor
+        self.version = version
+        self.stream = stream
+        self.typestr = typestr
+        self.read_only = read_only
+        self.calls = 0
+
+    @property
+    def __cuda_array_interface__(self):
+        self.calls += 1
+        source = self.tensor
+        if source.dtype == torch.bfloat16:  # what torch reports for bf16 is not portable
+            source = source.view(torch.float16)
+        cai = dict(source.__cuda_array_interface__)
+        cai.pop("stream", None)
+        cai["version"] = self.version
+        if self.version >= 3:
+            cai["stream"] = self.stream
+        if self.typestr is not None or self.tensor.dtype == torch.bfloat16:
+            cai["typestr"] = self.typestr or "<V2"
+        if self.read_only:
+            cai["data"] = (cai["data"][0], True)
+        return cai
+
+
+# ---- DLPack capsules built by hand (ctypes) ----
+
+
+class _DLDevice(ctypes.Structure):
+    _fields_ = [("device_type", ctypes.c_int32), ("device_id", ctypes.c_int32)]
+
+
+class _DLDataType(ctypes.Structure):
+    _fields_ = [("code", ctypes.c_uint8), ("bits", ctypes.c_uint8), ("lanes", ctypes.c_uint16)]
+
+
+class _DLTensor(ctypes.Structure):
+    _fields_ = [
+        ("data", ctypes.c_void_p),
+        ("device", _DLDevice),
+        ("ndim", ctypes.c_int32),
+        ("dtype", _DLDataType),
+        ("shape", ctypes.POINTER(ctypes.c_int64)),
+        ("strides", ctypes.POINTER(ctypes.c_int64)),
+        ("byte_offset", ctypes.c_uint64),
+    ]
+
+
+class _DLPackVersion(ctypes.Structure):
+    _fields_ = [("major", ctypes.c_uint32), ("minor", ctypes.c_uint32)]
+
+
+_DELETER = ctypes.CFUNCTYPE(None, ctypes.c_void_p)
+
+
+class _DLManagedTensorVersioned(ctypes.Structure):
+    _fields_ = [
+        ("version", _DLPackVersion),
+        ("manager_ctx", ctypes.c_void_p),
+        ("deleter", _DELETER),
+        ("flags", ctypes.c_uint64),
+        ("dl_tensor", _DLTensor),
+    ]
+
+
+class _DLManagedTensor(ctypes.Structure):
+    _fields_ = [
+        ("dl_tensor", _DLTensor),
+        ("manager_ctx", ctypes.c_void_p),
+        ("deleter", _DELETER),
+    ]
+
+
+# Private function pointers, so the shared ctypes.pythonapi entries stay untouched.
+_capsule_new = ctypes.PYFUNCTYPE(
+    ctypes.py_object, ctypes.c_void_p, ctypes.c_char_p, ctypes.c_void_p
+)(("PyCapsule_New", ctypes.pythonapi))
+_capsule_get_name = ctypes.PYFUNCTYPE(ctypes.c_char_p, ctypes.py_object)(
+    ("PyCapsule_GetName", ctypes.pythonapi)
+)
+
+# Capsule names must outlive their capsules: module-level constants do.
+_NAME_VERSIONED = b"dltensor_versioned"
+_NAME_LEGACY = b"dltensor"
+_NAME_USED_LEGACY = b"used_dltensor"
+_NAME_USED_VERSIONED = b"used_dltensor_versioned"
+_NAME_OTHER = b"not_a_tensor"
+
+_DL_DTYPES = {
+    torch.float32: (2, 32),
+    torch.float16: (2, 16),
+    torch.bfloat16: (4, 16),
+    torch.float64: (2, 64),
+    torch.int32: (0, 32),
+    torch.int64: (0, 64),
+    torch.uint8: (1, 8),
+    torch.bool: (6, 8),
+}
+
+
+class CtypesProducer:
+    """Builds a fresh DLPack capsule by hand on every __dlpack__ call.
+
+    The managed tensor lives in `live` until its deleter runs; the deleter
+    removes it (a second call for the same tensor raises inside the callback
+    and is counted in `bad_deletes`). `base`: a tensor whose data_ptr becomes
+    DLTensor.data, the view's offset inside it going to byte_offset.
+    """
+
+    def __init__(
+        self, tensor, *, versioned=True, lanes=1, device_type=None, major=1, flags=0, base=None
+    ):
+        self.tensor = tensor
+        self.base = base
+        self.versioned = versioned
+        self.lanes = lanes
+        self.device_type = device_type or (kDLCUDA if tensor.is_cuda else kDLCPU)
+        self.device_id = (tensor.device.index or 0) if tensor.is_cuda else 0
+        self.major = major
+        self.flags = flags
+        self.live = {}
+        self.calls = 0
+        self.deleted = 0
+        self.bad_deletes = 0
+        self.last_capsule = None
+        self._deleter = _DELETER(self._on_delete)
+
+    def _on_delete(self, address):
+        if self.live.pop(address, None) is None:
+            self.bad_deletes += 1
+        else:
+            self.deleted += 1
+
+    def __dlpack_device__(self):
+        return (self.device_type, self.device_id)
+
+    def __dlpack__(self, *, stream=None, max_version=None, dl_device=None, copy=None):
+        if self.versioned and (max_version is None or tuple(max_version)[0] < 1):
+            raise BufferError("this producer exports DLPack >= 1.0 capsules only")
+        t = self.tensor
+        shape = (ctypes.c_int64 * t.dim())(*t.shape)
+        strides = (ctypes.c_int64 * t.dim())(*t.stride())
+        code, bits = _DL_DTYPES[t.dtype]
+        data = t.data_ptr() if self.base is None else self.base.data_ptr()
+        dl = _DLTensor(
+            data=data,
+            device=_DLDevice(self.device_type, self.device_id),
+            ndim=t.dim(),
+            dtype=_DLDataType(code, bits, self.lanes),
+            shape=ctypes.cast(shape, ctypes.POINTER(ctypes.c_int64)),
+            strides=ctypes.cast(strides, ctypes.POINTER(ctypes.c_int64)),
+            byte_offset=t.data_ptr() - data,
+        )
+        if self.versioned:
+            managed = _DLManagedTensorVersioned(
+                version=_DLPackVersion(self.major, 0),
+                manager_ctx=None,
+                deleter=self._deleter,
+                flags=self.flags,
+                dl_tensor=dl,
+            )
+            name = _NAME_VERSIONED
+        else:
+            managed = _DLManagedTensor(dl_tensor=dl, manager_ctx=None, deleter=self._deleter)
+            name = _NAME_LEGACY
+        address = ctypes.addressof(managed)
+        self.live[address] = (managed, shape, strides)
+        self.calls += 1
+        # No capsule destructor: an unconsumed capsule leaks its struct into
+        # `live`, which the producer owns anyway.
+        self.last_capsule = _capsule_new(address, name, None)
+        return self.last_capsule
+
+
+def capsule_name(capsule) -> bytes:
+    return _capsule_get_name(capsule)
+
+
+class ReturnsThis:
+    """A producer whose __dlpack__ returns a fixed object (e.g. a used capsule)."""
+
+    def __init__(self, value, device=(kDLCPU, 0)):
+        self.value = value
+        self.device = device
+        self.calls = 0
+
+    def __dlpack_device__(self):
+        return self.device
+
+    def __dlpack__(self, *, stream=None, max_version=None, dl_device=None, copy=None):
+        self.calls += 1
+        return self.value
+
+
+# ---- paths ----
+
+CPU_PATHS = (
+    "torch",
+    "numpy",
+    "versioned",
+    "legacy",
+    "legacy_ignores_max_version",
+    "ctypes_versioned",
+    "ctypes_legacy",
+)
+CUDA_PATHS = (
+    "torch_cuda",
+    "versioned_cuda",
+    "legacy_cuda",
+    "ctypes_versioned_cuda",
+    "cai_v2",
+    "cai_v3",
+)
+FAKE_PATHS = (
+    "versioned",
+    "legacy",
+    "legacy_ignores_max_version",
+    "ctypes_versioned",
+    "ctypes_legacy",
+)
+
+
+def _path_device(path):
+    return "cuda" if path in CUDA_PATHS else "cpu"
+
+
+def _path_supports(path, dtype):
+    return not (dtype == torch.bfloat16 and (path == "numpy" or path.startswith("cai")))
+
+
+def wrap(path, t):
+    """t (a torch tensor on the path's device) as the path's producer object."""
+    kind = path[: -len("_cuda")] if path.endswith("_cuda") else path
+    if kind == "torch":
+        return t
+    if kind == "numpy":
+        return t.numpy()
+    backing = t.numpy() if t.device.type == "cpu" and t.dtype != torch.bfloat16 else t
+    if kind == "versioned":
+        return VersionedOnly(backing)
+    if kind == "legacy":
+        return LegacyOnly(backing)
+    if kind == "legacy_ignores_max_version":
+        return LegacyIgnoringMaxVersion(backing)
+    if kind == "ctypes_versioned":
+        return CtypesProducer(t, versioned=True)
+    if kind == "ctypes_legacy":
+        return CtypesProducer(t, versioned=False)
+    if kind == "cai_v2":
+        return CAIOnly(t, version=2)
+    if kind == "cai_v3":
+        # CAI v3 forbids stream 0; torch reports the legacy default stream as 0.
+        return CAIOnly(t, version=3, stream=torch.cuda.current_stream().cuda_stream or 1)
+    raise ValueError(path)
+
+
+def _assert_fakes_used(objects):
+    """Every fake producer among objects was asked for its data (and ctypes
+    capsules were consumed and deleted exactly once)."""
+    for obj in objects:
+        if hasattr(obj, "calls"):
+            assert obj.calls >= 1, f"{type(obj).__name__} was never asked for its data"
+        if isinstance(obj, CtypesProducer):
+            assert obj.bad_deletes == 0, "a DLPack deleter ran twice"
+            assert obj.deleted == obj.calls and not obj.live, "a consumed capsule was not deleted"
+            used = _NAME_USED_VERSIONED if obj.versioned else _NAME_USED_LEGACY
+            assert capsule_name(obj.last_capsule) == used, "capsule not renamed after use"
+
+
+def _path_params(dtypes=(torch.float32, torch.float16, torch.bfloat16)):
+    params = []
+    for path in CPU_PATHS + CUDA_PATHS:
+        marks = gpu_marks() if path in CUDA_PATHS else []
+        for dtype in dtypes:
+            if _path_supports(path, dtype):
+                params.append(
+                    pytest.param(path, dtype, marks=marks, id=f"{path}-{DTYPE_IDS[dtype]}")
+                )
+    return params
+
+
+def _check_out(out, q, k, v, cu_seqlens, seed, cls_attn=None):
+    note = seed_note(seed)
+    covered = covered_rows(cu_seqlens, q.shape[0])
+    assert covered.any()
+    got = out.detach().to("cpu", torch.float64)
+    expected = attention_reference(q, k, v, cu_seqlens)
+    assert torch.isnan(got[~covered]).all(), "rows outside every sequence were written" + note
+    torch.testing.assert_close(
+        got[covered], expected[covered], **TOL[q.dtype], msg=lambda m: m + note
+    )
+    if cls_attn is not None:
+        got_cls = cls_attn.detach().to("cpu", torch.float64)
+        exp_cls = cls_attn_reference(q, k, cu_seqlens)
+        assert torch.isnan(got_cls[~covered]).all()
+        torch.testing.assert_close(
+            got_cls[covered], exp_cls[covered], atol=1e-5, rtol=0, msg=lambda m: m + note
+        )
+
+
+def _qkv_problem(gen, dtype, device, lengths=(5, 0, 70, 1), tail=3, num_heads=2, head_dim=64):
+    """q, k, v views of one (T, 3, H, D) buffer, cu_seqlens, and poisoned outputs:
+    out = view [:, 0] of a (T, 2, H, D) buffer and cls_attn = every other entry
+    of a (2T,) buffer, so writes outside the views show."""
+    total = sum(lengths) + tail
+    q, k, v = make_qkv(gen, total, num_heads, head_dim, dtype, device, layout="qkv_view")
+    cu_seqlens = make_cu_seqlens(lengths, device)
+    out_buffer = poison((total, 2, num_heads, head_dim), dtype, device)
+    cls_buffer = poison((2 * total,), torch.float32, device)
+    return q, k, v, cu_seqlens, out_buffer, cls_buffer
+
+
+# ---- every path computes the right thing ----
+
+
+@pytest.mark.parametrize("path, dtype", _path_params())
+def test_attention_through_every_path(path, dtype, gen, seed):
+    device = _path_device(path)
+    q, k, v, cu_seqlens, out_buffer, cls_buffer = _qkv_problem(gen, dtype, device)
+    out, cls_attn = out_buffer[:, 0], cls_buffer[::2]
+    assert q.stride(0) == 3 * q.shape[1] * q.shape[2] and not out.is_contiguous()
+    args = [wrap(path, t) for t in (q, k, v, cu_seqlens, out, cls_attn)]
+    result = ragvit.attention(*args[:4], out=args[4], cls_attn=args[5])
+    assert result is args[4]
+    if device == "cuda":
+        torch.cuda.synchronize()
+    _assert_fakes_used(args)
+    _check_out(out, q, k, v, cu_seqlens, seed, cls_attn=cls_attn)
+    assert torch.isnan(out_buffer[:, 1]).all() and torch.isnan(cls_buffer[1::2]).all(), (
+        "a write landed outside the strided output views"
+    )
+
+
+ALL_PATHS = [pytest.param(p, id=p) for p in CPU_PATHS] + [
+    pytest.param(p, id=p, marks=gpu_marks()) for p in CUDA_PATHS
+]
+
+
+@pytest.mark.parametrize("path", ALL_PATHS)
+def test_pack_into_and_unpack_through_every_path(path, gen, seed):
+    device = _path_device(path)
+    note = seed_note(seed)
+    B, N, C = 3, 20, 30
+    big = torch.randint(-100, 101, (B, N, C + 4), generator=gen).to(torch.float16).to(device)
+    x = big[:, :, :C]  # row stride C + 4
+    mask = torch.rand((B, N), generator=gen) < 0.5
+    keep = mask.to(device)
+    exp_packed, exp_cu, exp_indices = pack_reference(x, keep)
+    total = int(exp_cu[-1])
+    capacity = B * N
+    out = poison((capacity, C), torch.float16, device)
+    cu_seqlens = poison((B + 1,), torch.int32, device)
+    indices = poison((capacity,), torch.int32, device)
+    args = [wrap(path, t) for t in (x, keep, out, cu_seqlens, indices)]
+    assert ragvit.pack_into(*args[:4], indices=args[4]) is None
+    if device == "cuda":
+        torch.cuda.synchronize()
+    _assert_fakes_used(args)
+    assert torch.equal(cu_seqlens.cpu(), exp_cu.cpu()), "cu_seqlens differ" + note
+    assert torch.equal(out[:total].cpu(), exp_packed.cpu()), "packed rows differ" + note
+    assert torch.isnan(out[total:]).all()
+    assert torch.equal(indices[:total].cpu(), exp_indices.cpu()), "indices differ" + note
+    assert (indices[total:] == INT32_POISON).all()
+
+    padded = poison((B, N, C), torch.float16, device)
+    uargs = [wrap(path, t) for t in (out, cu_seqlens, indices, padded)]
+    result = ragvit.unpack(uargs[0], uargs[1], N, indices=uargs[2], fill=-1.0, out=uargs[3])
+    assert result is uargs[3]
+    if device == "cuda":
+        torch.cuda.synchronize()
+    _assert_fakes_used(uargs)
+    expected = torch.where(keep[..., None], x, torch.full_like(x, -1.0))
+    assert torch.equal(padded.cpu(), expected.cpu()), "unpack differs" + note
+
+
+def test_mixed_producers_in_one_call(gen, seed):
+    q, k, v, cu_seqlens, out_buffer, cls_buffer = _qkv_problem(gen, torch.float32, "cpu")
+    out = out_buffer[:, 0]
+    args = [
+        q,
+        k.numpy(),
+        VersionedOnly(v.numpy()),
+        LegacyOnly(cu_seqlens.numpy()),
+        CtypesProducer(out),
+    ]
+    assert ragvit.attention(*args[:4], out=args[4]) is args[4]
+    _assert_fakes_used(args)
+    _check_out(out, q, k, v, cu_seqlens, seed)
+
+
+def test_torch_tensors_take_the_exchange_api(gen, seed):
+    if not hasattr(torch.Tensor, "__dlpack_c_exchange_api__"):
+        pytest.skip("this torch has no DLPack C exchange API")
+
+    class NoDlpack(torch.Tensor):
+        def __dlpack__(self, *args, **kwargs):
+            raise AssertionError("ragvit called __dlpack__ on a torch tensor")
+
+    q, k, v, cu_seqlens, out_buffer, _ = _qkv_problem(gen, torch.bfloat16, "cpu")
+    out = out_buffer[:, 0]
+    qs, ks, vs, cus, outs = (t.as_subclass(NoDlpack) for t in (q, k, v, cu_seqlens, out))
+    assert ragvit.attention(qs, ks, vs, cus, out=outs) is outs
+    _check_out(out, q, k, v, cu_seqlens, seed)
+
+
+def test_dlpack_byte_offset_is_honoured(gen, seed):
+    q, k, v, cu_seqlens, out_buffer, _ = _qkv_problem(gen, torch.float32, "cpu")
+    base = q.untyped_storage()  # DLTensor.data = start of the (T, 3, H, D) buffer
+    producers = [CtypesProducer(t, base=base) for t in (q, k, v)]
+    assert k.data_ptr() > base.data_ptr()  # k's and v's byte_offset are nonzero
+    out = out_buffer[:, 1]
+    out_producer = CtypesProducer(out, versioned=False, base=out_buffer.untyped_storage())
+    ragvit.attention(*producers, cu_seqlens, out=out_producer)
+    _assert_fakes_used(producers + [out_producer])
+    _check_out(out, q, k, v, cu_seqlens, seed)
+    assert torch.isnan(out_buffer[:, 0]).all(), "byte_offset ignored: wrote at the buffer start"
+
+
+# ---- outputs allocated by ragvit, lifetimes ----
+
+
+@pytest.mark.parametrize("path", ["torch", "numpy"])
+def test_allocated_output_outlives_the_inputs(path, gen, seed):
+    q, k, v, cu_seqlens, _, _ = _qkv_problem(gen, torch.float16, "cpu", tail=0)
+    keep = [t.clone() for t in (q, k, v, cu_seqlens)]
+    args = [wrap(path, t) for t in (q, k, v, cu_seqlens)]
+    refs = [weakref.ref(a) for a in args]
+    result = ragvit.attention(*args)
+    del args, q, k, v, cu_seqlens
+    gc.collect()
+    assert all(r() is None for r in refs), "ragvit kept an input alive after the call"
+    if path == "numpy":
+        assert isinstance(result, np.ndarray)
+    else:
+        assert isinstance(result, torch.Tensor)
+    out = torch.as_tensor(result)
+    garbage = [torch.full((4096,), math.nan) for _ in range(16)]  # reuse freed memory
+    covered = covered_rows(keep[3], keep[0].shape[0])
+    expected = attention_reference(*keep)[covered]
+    torch.testing.assert_close(
+        out.to(torch.float64)[covered],
+        expected,
+        **TOL[torch.float16],
+        msg=lambda m: m + seed_note(seed),
+    )
+    del garbage
+
+
+@pytest.mark.parametrize("path", [p for p in FAKE_PATHS + ("numpy",)])
+def test_producer_deleted_right_after_the_call(path, gen, seed):
+    q, k, v, cu_seqlens, out_buffer, _ = _qkv_problem(gen, torch.float32, "cpu")
+    out = out_buffer[:, 0]
+    copies = [t.clone() for t in (q, k, v)]
+    args = [wrap(path, t) for t in (q, k, v, cu_seqlens)]
+    producer_refs = [weakref.ref(a) for a in args]
+    backing_refs = [weakref.ref(a.array) for a in args if hasattr(a, "array")]
+    ragvit.attention(*args, out=out)
+    _assert_fakes_used(args)
+    del args
+    gc.collect()
+    assert all(r() is None for r in producer_refs), "a producer outlived the call"
+    assert all(r() is None for r in backing_refs), "an exported array was never released"
+    _check_out(out, *copies, cu_seqlens, seed)
+
+
+# ---- no leaks over 10,000 calls ----
+
+
+def _rss_bytes():
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError):
+        return None
+
+
+LEAK_PATHS = [pytest.param(p, id=p) for p in CPU_PATHS] + [
+    pytest.param(p, id=p, marks=gpu_marks()) for p in ("torch_cuda", "cai_v2", "cai_v3")
+]
+
+
+@pytest.mark.parametrize("path", LEAK_PATHS)
+def test_no_refcount_or_memory_growth_over_10k_calls(path):
+    device = _path_device(path)
+    gen = torch.Generator().manual_seed(11)
+    q, k, v = make_qkv(gen, 8, 1, 32, torch.float32, device)
+    cu_seqlens = make_cu_seqlens([3, 5], device)
+    out = poison(q.shape, torch.float32, device)
+    if path.startswith("ctypes"):
+        # Building capsules by hand is slow in Python: q and out take that path.
+        args = [wrap(path, q), k, v, cu_seqlens, wrap(path, out)]
+    else:
+        args = [wrap(path, t) for t in (q, k, v, cu_seqlens, out)]
+    watched = list(args) + [a.array for a in args if hasattr(a, "array")]
+
+    def call():
+        ragvit.attention(args[0], args[1], args[2], args[3], out=args[4])
+
+    for _ in range(200):
+        call()
+    gc.collect()
+    counts = [sys.getrefcount(o) for o in watched]
+    rss_before = _rss_bytes()
+    tracemalloc.start()
+    try:
+        traced_before = tracemalloc.get_traced_memory()[0]
+        for _ in range(10_000):
+            call()
+        gc.collect()
+        traced_growth = tracemalloc.get_traced_memory()[0] - traced_before
+    finally:
+        tracemalloc.stop()
+    if device == "cuda":
+        torch.cuda.synchronize()
+    rss_after = _rss_bytes()
+    assert [sys.getrefcount(o) for o in watched] == counts, "reference counts changed"
+    assert traced_growth < 64 * 1024, f"Python heap grew by {traced_growth} bytes"
+    if rss_before is not None:
+        growth = rss_after - rss_before
+        assert growth < 4 * 1024 * 1024, f"RSS grew by {growth} bytes over 10k calls"
+    for a in args:
+        if hasattr(a, "calls"):
+            assert a.calls >= 10_200, "the producer was not asked on every call"
+    _assert_fakes_used(args)
+    torch.testing.assert_close(
+        out[:8].double().cpu(), attention_reference(q, k, v, cu_seqlens)[:8], **TOL[torch.float32]
+    )
+
+
+# ---- refusals ----
+
+
+def _refusal_problem(device="cpu"):
+    gen = torch.Generator().manual_seed(5)
+    q, k, v = make_qkv(gen, 12, 2, 32, torch.float32, device)
+    return q, k, v, make_cu_seqlens([5, 7], device), poison(q.shape, torch.float32, device)
+
+
+def _pointer_capsule(name):
+    keepalive = ctypes.create_string_buffer(256)
+    return _capsule_new(ctypes.addressof(keepalive), name, None), keepalive
+
+
+@pytest.mark.parametrize(
+    "name",
+    [_NAME_USED_LEGACY, _NAME_USED_VERSIONED, _NAME_OTHER],
+    ids=["used_dltensor", "used_dltensor_versioned", "other_name"],
+)
+def test_consumed_or_foreign_capsule_is_refused(name):
+    q, k, v, cu_seqlens, out = _refusal_problem()
+    capsule, keepalive = _pointer_capsule(name)
+    producer = ReturnsThis(capsule)
+    with pytest.raises(BufferError, match=r"capsule|used_dltensor|unconsumed"):
+        ragvit.attention(producer, k, v, cu_seqlens, out=out)
+    assert producer.calls >= 1
+    assert torch.isnan(out).all()
+    assert capsule_name(capsule) == name, "a refused capsule must not be renamed"
+    del keepalive
+
+
+@pytest.mark.parametrize("versioned", [True, False], ids=["versioned", "legacy"])
+def test_capsule_consumed_by_someone_else_is_refused(versioned):
+    q, k, v, cu_seqlens, out = _refusal_problem()
+    array = q.numpy()
+    capsule = array.__dlpack__(max_version=(1, 0)) if versioned else array.__dlpack__()
+    torch.from_dlpack(capsule)  # the first consumer renames it "used_*"
+    assert capsule_name(capsule).startswith(b"used_")
+    with pytest.raises(BufferError, match=r"capsule|used_dltensor|unconsumed"):
+        ragvit.attention(ReturnsThis(capsule), k, v, cu_seqlens, out=out)
+    assert torch.isnan(out).all()
+
+
+def test_dlpack_returning_a_non_capsule_is_refused():
+    q, k, v, cu_seqlens, out = _refusal_problem()
+    with pytest.raises(BufferError, match=r"capsule"):
+        ragvit.attention(ReturnsThis(42), k, v, cu_seqlens, out=out)
+    assert torch.isnan(out).all()
+
+
+REFUSED_CAPSULES = [
+    pytest.param({"lanes": 2}, r"lane", id="lanes2"),
+    pytest.param({"lanes": 4, "versioned": False}, r"lane", id="lanes4-legacy"),
+    pytest.param({"device_type": kDLOpenCL}, r"device", id="opencl_device"),
+    pytest.param({"device_type": 7, "versioned": False}, r"device", id="vulkan_device-legacy"),
+    pytest.param({"major": 2}, r"version|1\.x|DLPack", id="dlpack_major2"),
+]
+
+
+@pytest.mark.parametrize("options, pattern", REFUSED_CAPSULES)
+def test_unimportable_dlpack_tensor_is_refused(options, pattern):
+    q, k, v, cu_seqlens, out = _refusal_problem()
+    producer = CtypesProducer(q, **options)
+    with pytest.raises(BufferError, match=pattern):
+        ragvit.attention(producer, k, v, cu_seqlens, out=out)
+    assert producer.calls >= 1
+    assert producer.deleted <= 1 and producer.bad_deletes == 0
+    assert torch.isnan(out).all()
+
+
+def test_read_only_dlpack_output_is_refused():
+    q, k, v, cu_seqlens, out = _refusal_problem()
+    with pytest.raises(ValueError, match=r"read-only|read only"):
+        ragvit.attention(q, k, v, cu_seqlens, out=CtypesProducer(out, flags=FLAG_READ_ONLY))
+    assert torch.isnan(out).all()
+    frozen = out.numpy().copy()
+    frozen.flags.writeable = False
+    with pytest.raises(ValueError, match=r"read-only|read only"):
+        ragvit.attention(q, k, v, cu_seqlens, out=VersionedOnly(frozen))
+    assert np.isnan(frozen).all()
+
+
+@pytest.mark.parametrize("versioned", [True, False], ids=["versioned", "legacy"])
+def test_deleter_runs_once_when_a_later_argument_is_rejected(versioned):
+    """q's capsule is consumed, then out is refused: q's deleter (arbitrary
+    Python here) must still run exactly once, and the refusal's own exception
+    must reach the caller intact (no pending error while deleters run)."""
+    q, k, v, cu_seqlens, out = _refusal_problem()
+    producer = CtypesProducer(q, versioned=versioned)
+    with pytest.raises(TypeError, match=r"\bout\b"):
+        ragvit.attention(producer, k, v, cu_seqlens, out=out.half())
+    assert producer.calls == 1 and producer.deleted == 1 and producer.bad_deletes == 0
+    assert not producer.live
+
+
+def test_objects_without_an_array_protocol_are_type_errors():
+    q, k, v, cu_seqlens, out = _refusal_problem()
+    for bad in (object(), "q", 3.0, [[1.0]], None.__class__):
+        with pytest.raises(TypeError, match=r"\bq\b"):
+            ragvit.attention(bad, k, v, cu_seqlens, out=out)
+    assert torch.isnan(out).all()
+
+
+@pytest.mark.parametrize("path", FAKE_PATHS)
+def test_host_fakes_without_out(path, gen, seed):
+    """A producer without an allocator on the host: either ragvit allocates a
+    NumPy array (the _C docs: "NumPy for host arrays") or it asks for out=."""
+    q, k, v, cu_seqlens, _, _ = _qkv_problem(gen, torch.float32, "cpu", tail=0)
+    args = [wrap(path, t) for t in (q, k, v, cu_seqlens)]
+    try:
+        result = ragvit.attention(*args)
+    except ValueError as error:
+        assert "out" in str(error)
+        return
+    assert isinstance(result, np.ndarray) and result.dtype == np.float32
+    covered = covered_rows(cu_seqlens, q.shape[0])
+    torch.testing.assert_close(
+        torch.from_numpy(result).double()[covered],
+        attention_reference(q, k, v, cu_seqlens)[covered],
+        **TOL[torch.float32],
+    )
+
+
+# ---- CUDA only: CAI, streams, fakes without an allocator ----
+
+
+@pytest.mark.gpu
+@requires_cuda
+@pytest.mark.parametrize(
+    "path", ["versioned_cuda", "legacy_cuda", "ctypes_versioned_cuda", "cai_v2", "cai_v3"]
+)
+def test_cuda_fakes_require_out(path, gen):
+    q, k, v, cu_seqlens, _, _ = _qkv_problem(gen, torch.float16, "cuda", tail=0)
+    args = [wrap(path, t) for t in (q, k, v, cu_seqlens)]
+    with pytest.raises(ValueError, match=r"\bout\b"):
+        ragvit.attention(*args)
+    packed = torch.zeros((5, 6), device="cuda")
+    with pytest.raises(ValueError, match=r"\bout\b"):
+        ragvit.unpack(wrap(path, packed), wrap(path, make_cu_seqlens([2, 3], "cuda")), 4)
+
+
+@pytest.mark.gpu
+@requires_cuda
+@pytest.mark.parametrize("version", [2, 3])
+def test_cai_bfloat16_is_refused(version, gen):
+    q, k, v, cu_seqlens, out_buffer, _ = _qkv_problem(gen, torch.bfloat16, "cuda")
+    out = out_buffer[:, 0]
+    args = [CAIOnly(t, version=version) for t in (q, k, v)]
+    with pytest.raises((TypeError, BufferError), match=r"bfloat16|typestr|<V2"):
+        ragvit.attention(*args, cu_seqlens, out=CAIOnly(out, version=version))
+    torch.cuda.synchronize()
+    assert torch.isnan(out_buffer).all()
+
+
+@pytest.mark.gpu
+@requires_cuda
+def test_cai_read_only_output_is_refused(gen):
+    q, k, v, cu_seqlens, out_buffer, _ = _qkv_problem(gen, torch.float16, "cuda")
+    out = out_buffer[:, 0]
+    with pytest.raises(ValueError, match=r"read-only|read only"):
+        ragvit.attention(
+            *(CAIOnly(t) for t in (q, k, v, cu_seqlens)), out=CAIOnly(out, read_only=True)
+        )
+    torch.cuda.synchronize()
+    assert torch.isnan(out_buffer).all()
+
+
+@pytest.mark.gpu
+@requires_cuda
+def test_cai_v3_stream_is_waited_on(gen, seed):
+    q_src, k, v, cu_seqlens, out_buffer, _ = _qkv_problem(
+        gen, torch.float16, "cuda", lengths=(197, 1, 64)
+    )
+    out = out_buffer[:, 0]
+    q = torch.zeros_like(q_src)  # what a launch that ignores the stream would read
+    torch.cuda.synchronize()
+    producer_stream = torch.cuda.Stream()
+    with torch.cuda.stream(producer_stream):
+        torch.cuda._sleep(200_000_000)
+        q.copy_(q_src)
+    handle = producer_stream.cuda_stream
+    args = [CAIOnly(t, version=3, stream=handle) for t in (q, k, v, cu_seqlens, out)]
+    ragvit.attention(*args[:4], out=args[4])  # no torch tensor: the CAI stream decides
+    torch.cuda.synchronize()
+    _assert_fakes_used(args)
+    _check_out(out, q_src, k, v, cu_seqlens, seed)
+
+
+@pytest.mark.gpu
+@requires_cuda
+def test_cai_strides_are_bytes(gen, seed):
+    """Token stride 3*H*D elements = 6*H*D bytes for fp16: read as elements it
+    would run far past the buffer (memcheck) or mix heads."""
+    q, k, v, cu_seqlens, out_buffer, _ = _qkv_problem(gen, torch.float16, "cuda")
+    out = out_buffer[:, 0]
+    cai = CAIOnly(q).__cuda_array_interface__
+    assert cai["strides"] == tuple(s * 2 for s in q.stride())
+    ragvit.attention(*(CAIOnly(t) for t in (q, k, v, cu_seqlens)), out=CAIOnly(out))
+    torch.cuda.synchronize()
+    _check_out(out, q, k, v, cu_seqlens, seed)
+
+
+def test_fake_classes_are_faithful():
+    """Guards the fakes themselves against the producers they imitate."""
+    array = np.arange(6, dtype=np.float32).reshape(2, 3)
+    assert capsule_name(VersionedOnly(array).__dlpack__(max_version=(1, 0))) == _NAME_VERSIONED
+    with pytest.raises(BufferError):
+        VersionedOnly(array).__dlpack__()
+    assert capsule_name(LegacyOnly(array).__dlpack__()) == _NAME_LEGACY
+    with pytest.raises(TypeError):
+        LegacyOnly(array).__dlpack__(max_version=(1, 0))
+    t = torch.arange(6, dtype=torch.float32).reshape(2, 3)[:, 1:]
+    for versioned in (True, False):
+        producer = CtypesProducer(t, versioned=versioned)
+        capsule = producer.__dlpack__(max_version=(1, 0))
+        round_trip = torch.from_dlpack(capsule)  # torch consumes it and later calls the deleter
+        assert torch.equal(round_trip, t) and round_trip.stride() == t.stride()
+        del round_trip
+        gc.collect()
+        assert producer.deleted == 1 and producer.bad_deletes == 0 and not producer.live
+    assert same_bits(poison((2,)), poison((2,)))
