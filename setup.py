@@ -22,7 +22,8 @@ def find_cuda():
     roots.append(os.path.dirname(os.path.dirname(os.path.realpath(nvcc))) if nvcc else None)
     roots += glob.glob(os.path.join(sys.prefix, "lib", "python3*", "site-packages", "nvidia", "cu*"))
     roots.append("/usr/local/cuda")
-    return next((r for r in roots if r and os.path.exists(os.path.join(r, "bin", "nvcc"))), None)
+    is_root = lambda r: all(os.path.exists(os.path.join(r, f)) for f in ("bin/nvcc", "include/cuda_runtime.h"))  # noqa: E731
+    return next((r for r in roots if r and is_root(r)), None)
 
 
 class BuildExt(build_ext):

@@ -1,13 +1,14 @@
 #!/usr/bin/env bash
 # GPU check for the device machine: build, GPU test suite, compute-sanitizer, benchmarks.
-# Usage: scripts/gpu_check.sh [build] [test] [sanitize] [mma] [bench] [quick]  (default: all)
+# Usage: scripts/gpu_check.sh [build] [bench] [test] [sanitize] [mma] [quick]  (default: all,
+# in that order; each step has a time limit so the summary always prints).
 # Logs go to $OUT (or ./gpu_logs); a short summary table is printed last.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-$PWD/gpu_logs}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 RAGVIT_CUDA_ARCHS=${RAGVIT_CUDA_ARCHS:-90}
-steps=${*:-build test sanitize mma bench}
+steps=${*:-build bench test sanitize mma}
 declare -A result
 run() {  # run NAME CMD...: log to $OUT/NAME.log, record pass/FAIL and the last line
     local name=$1; shift
@@ -21,22 +22,24 @@ nvidia-smi --query-gpu=name,driver_version,clocks.sm,memory.used --format=csv > 
 if has build; then
     run build python3 -m pip install --no-build-isolation --no-deps -v -e .
 fi
+if has bench; then
+    run bench_attention timeout 200 python3 benchmarks/bench_attention.py --out "$OUT/attention_h200"
+fi
 if has test; then
-    run test python3 -m pytest -q -x -ra tests
+    run test timeout "${TEST_TIMEOUT:-240}" python3 -m pytest -q -ra tests
 fi
 if has sanitize; then
-    run memcheck timeout 420 compute-sanitizer --tool memcheck --error-exitcode 9 \
-        python3 -m pytest -q -x -m sanitizer tests
-    run racecheck timeout 300 compute-sanitizer --tool racecheck --error-exitcode 9 \
-        python3 -m pytest -q -x -m sanitizer -k "attention and not garbage" tests/test_ops.py
+    run memcheck timeout "${SANITIZER_TIMEOUT:-150}" compute-sanitizer --tool memcheck \
+        --error-exitcode 9 python3 -m pytest -q -x -m sanitizer tests
+    run racecheck timeout "${SANITIZER_TIMEOUT:-150}" compute-sanitizer --tool racecheck \
+        --error-exitcode 9 python3 -m pytest -q -x -m sanitizer -k "attention and not garbage" \
+        tests/test_ops.py
 fi
 if has mma && [ -f dev/test_attention_mma.cu ]; then
     run mma_build nvcc -std=c++17 -O3 -DRAGVIT_WITH_CUDA -Icsrc -Icsrc/kernels \
-        -gencode=arch=compute_90,code=sm_90 dev/test_attention_mma.cu -o dev/test_attention_mma.bin
-    run mma_selftest ./dev/test_attention_mma.bin
-fi
-if has bench; then
-    run bench_attention python3 benchmarks/bench_attention.py --out "$OUT/attention_h200"
+        -gencode=arch=compute_90,code=sm_90 dev/test_attention_mma.cu -o dev/test_attention_mma.bin \
+        -lpthread
+    run mma_selftest timeout 120 ./dev/test_attention_mma.bin
 fi
 if has quick; then
     run bench_quick python3 benchmarks/bench_attention.py --quick

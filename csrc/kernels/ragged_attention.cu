@@ -5,12 +5,15 @@
  * 32 keys staged as fp32 in shared memory, online softmax in base 2 (scale*log2 e is
  * folded in, so exp2f replaces expf). cls: grid = (S), 256 threads, a thread per key that
  * sums its probabilities over the heads in order (deterministic, no atomics).
+ * fp16/bf16 with aligned rows go to the tensor-core kernel (ragged_attention_mma.cuh);
+ * the simple kernel serves fp32 and unaligned views.
  * Covered by tests/test_ops.py (attention cases) and the sanitizer run. */
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <math.h>
 
 #include "cuda_check.cuh"
+#include "ragged_attention_mma.cuh"
 
 /* One-time per-device setup, called from ragvit_cuda_device_init. */
 extern "C" ragvit_status ragged_attention_init(const ragvit_device_info *dev);
@@ -358,8 +361,8 @@ static __global__ void __launch_bounds__(kClsThreads, 2)
 // ---- launcher ----
 
 extern "C" ragvit_status ragged_attention_init(const ragvit_device_info *dev) {
-    (void)dev; /* the simple kernels use static shared memory only */
-    return RAGVIT_STATUS_OK;
+    /* The simple kernels use static shared memory only; the tensor-core ones opt in. */
+    return ragged_attention_mma_init(dev);
 }
 
 template <int D, typename T>
@@ -475,6 +478,9 @@ extern "C" ragvit_status ragvit_cuda_attention(const ragvit_attention_args *a,
     if (!(args.scale > 0.0f)) /* ragvit.h: <= 0 or NaN means 1/sqrt(D) */
         args.scale = 1.0f / sqrtf((float)args.head_dim);
     const cudaStream_t s = (cudaStream_t)stream;
+    /* fp16/bf16 with 16-byte aligned rows run on tensor cores, cls_attn included. */
+    if (ragged_attention_mma_supports(&args, dev))
+        return ragged_attention_mma_launch(&args, dev, s);
     RAGVIT_TRY(ragged_attention_simple_launch(&args, dev, s));
     if (args.cls_attn != nullptr)
         RAGVIT_TRY(ragged_attention_cls_launch(&args, s));

@@ -1,14 +1,14 @@
-/* ragged_attention_mma.cuh — tensor-core ragged attention for fp16/bf16 (fp32 accumulation),
- * D in {32, 64, 80, 96, 128}; included by ragged_attention.cu after launch.h and cuda_check.cuh.
- * grid = (query tiles, H [+1 when cls_attn], min(S, 65535)), block = W warps (W = 1..4, fewer
- * when the grid would be small); warp w owns 16 query rows of the CTA's 16*W-row tile. Per
- * 64-key tile: cp.async (zero-filled past the sequence end) into padded shared rows (D + 8
- * halves: conflict-free ldmatrix), S = Q K^T and O += P V by mma.sync m16n8k16, online softmax
- * in base 2 with scale*log2(e) folded in; the next K (V) tile loads while softmax + PV (QK) run.
- * cls_attn: blocks (0, H, s) do it, in CUDA cores, in the same launch: per head the first
- * query's max and sum over all keys (one warp a head), then one thread a key sums the head
- * probabilities in head order: deterministic, no atomics, no zeroing pass, no inter-block
- * dependency. Covered by dev/test_attention_mma.cu and tests/test_ops.py. */
+/* ragged_attention_mma.cuh — tensor-core ragged attention for fp16/bf16 q/k/v/out (fp32
+ * accumulation), D in {32, 64, 80, 96, 128}; included by ragged_attention.cu after launch.h and
+ * cuda_check.cuh. grid = (query tiles, H, min(S, 65535)), 4 warps a block (fewer only when
+ * max_seqlen < 64), warp w owns 16 query rows. 64-key K/V tiles stream by 16-byte cp.async
+ * (zero-filled past the sequence end) through a 2-4 stage ring of padded shared rows (D + 8:
+ * conflict-free ldmatrix); S = Q K^T and O += P V by mma.sync m16n8k16 (V via ldmatrix.trans),
+ * FlashAttention-2 online softmax in base 2 with scale * log2(e) folded in. cls_attn adds a
+ * grid row y = H: block (0, H, s) scores sequence s's first query against every key of every
+ * head (tensor cores, K read once more), then one thread a key sums the head probabilities in
+ * head order: deterministic, no atomics, no zeroing pass, no wait on other blocks.
+ * Covered by dev/test_attention_mma.cu (and tests/test_ops.py through the dispatcher). */
 #ifndef RAGVIT_RAGGED_ATTENTION_MMA_CUH
 #define RAGVIT_RAGGED_ATTENTION_MMA_CUH
 
@@ -117,14 +117,16 @@ struct ragged_attention_mma_elem<__nv_bfloat16> {
 };
 
 /* Copies `rows` rows of D elements (src row r at src + r * stride) into shared rows of
- * D + 8 elements; rows >= valid_rows are zero-filled (P = 0 must never meet garbage V). */
+ * D + 8 elements, spread over threads `tid` of `nthreads`; rows >= valid_rows are zero-filled
+ * (P = 0 must never meet garbage V). */
 template <typename Elem, int D>
 static __device__ __forceinline__ void ragged_attention_mma_load_rows(Elem *dst, const Elem *src,
                                                                      int64_t stride,
-                                                                     int valid_rows, int rows) {
+                                                                     int valid_rows, int rows,
+                                                                     int tid, int nthreads) {
     constexpr int kChunks = D / 8; /* 16-byte chunks per row */
     constexpr int kLds = D + 8;
-    for (int c = threadIdx.x; c < rows * kChunks; c += blockDim.x) {
+    for (int c = tid; c < rows * kChunks; c += nthreads) {
         const int r = c / kChunks;
         const int col = c - r * kChunks;
         const bool is_valid = r < valid_rows;
@@ -133,6 +135,13 @@ static __device__ __forceinline__ void ragged_attention_mma_load_rows(Elem *dst,
         ragged_attention_mma_cp_async16(ragged_attention_mma_smem_addr(dst + r * kLds + col * 8),
                                         g, is_valid);
     }
+}
+
+/* 2^x (ex2.approx.ftz: what exp2f becomes under --use_fast_math; 2^-inf = 0). */
+static __device__ __forceinline__ float ragged_attention_mma_exp2(float x) {
+    float y;
+    asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
+    return y;
 }
 
 /* Runtime form of cp.async.wait_group for ring depths up to 8. */
@@ -148,31 +157,33 @@ static __device__ __forceinline__ void ragged_attention_mma_cp_async_wait_pendin
     }
 }
 
-/* K and V rows [key0, key0 + 64) of one key tile into one stage (K rows, then V rows). */
+/* K and V rows [key0, key0 + 64) of sequence `start`, head h into one ring stage (K rows,
+ * then V rows). Strides are read from the kernel parameters (no registers held). */
 template <typename Elem, int D>
-static __device__ __forceinline__ void ragged_attention_mma_load_kv(Elem *stage, const Elem *k,
-                                                                   int64_t k_stride,
-                                                                   const Elem *v,
-                                                                   int64_t v_stride, int key0,
-                                                                   int len) {
+static __device__ __forceinline__ void ragged_attention_mma_load_kv(
+    Elem *stage, const ragvit_attention_args &a, int start, int h, int key0, int len) {
     constexpr int kKeys = RAGGED_ATTENTION_MMA_KEYS;
     const int valid = min(kKeys, len - key0);
-    ragged_attention_mma_load_rows<Elem, D>(stage, k + (int64_t)key0 * k_stride, k_stride, valid,
-                                            kKeys);
-    ragged_attention_mma_load_rows<Elem, D>(stage + kKeys * (D + 8),
-                                            v + (int64_t)key0 * v_stride, v_stride, valid, kKeys);
+    const int64_t token = (int64_t)start + key0;
+    ragged_attention_mma_load_rows<Elem, D>(
+        stage,
+        static_cast<const Elem *>(a.k) + token * a.k_stride_token + (int64_t)h * a.k_stride_head,
+        a.k_stride_token, valid, kKeys, threadIdx.x, blockDim.x);
+    ragged_attention_mma_load_rows<Elem, D>(
+        stage + kKeys * (D + 8),
+        static_cast<const Elem *>(a.v) + token * a.v_stride_token + (int64_t)h * a.v_stride_head,
+        a.v_stride_token, valid, kKeys, threadIdx.x, blockDim.x);
 }
 
-/* One query tile (rows q0 .. q0 + 16 * warps - 1) of one (sequence, head). q, k, v, out
- * point at the sequence's first token of this head; rows/keys >= len are never read from
- * global memory and never written. Key tiles stream through a ring of num_stages stages
- * (cp.async group g = key tile g, the first also holding Q): tile t + num_stages - 1 is in
- * flight while tile t is consumed, so one barrier per tile suffices. Block-uniform. */
+/* One query tile (rows q0 .. q0 + 16 * warps - 1) of head h of the sequence whose first token
+ * is `start`; rows and keys >= len are never read from global memory, rows >= len never
+ * written. Key tiles stream through a ring of num_stages stages (cp.async group g = key
+ * tile g, the first also holding Q): tile t + num_stages - 1 is in flight while tile t is
+ * consumed, so one barrier per tile suffices. Block-uniform: all threads call it alike. */
 template <typename Elem, int D>
 static __device__ __forceinline__ void ragged_attention_mma_tile(
-    Elem *s_q, Elem *s_kv, int num_stages, Elem *out, int64_t out_stride, const Elem *q,
-    int64_t q_stride, const Elem *k, int64_t k_stride, const Elem *v, int64_t v_stride, int q0,
-    int len, float scale_log2) {
+    Elem *s_q, Elem *s_kv, int num_stages, const ragvit_attention_args &a, int start, int h,
+    int q0, int len, float scale_log2) {
     using ops = ragged_attention_mma_elem<Elem>;
     constexpr int kKeys = RAGGED_ATTENTION_MMA_KEYS;
     constexpr int kLds = D + 8;
@@ -195,16 +206,18 @@ static __device__ __forceinline__ void ragged_attention_mma_tile(
     const int k_col = ((lane >> 3) & 1) * 8;
 
     __syncthreads(); /* this block's previous tile may still read shared memory */
-    ragged_attention_mma_load_rows<Elem, D>(s_q, q + (int64_t)q0 * q_stride, q_stride,
-                                            min(rows, len - q0), rows);
+    ragged_attention_mma_load_rows<Elem, D>(
+        s_q,
+        static_cast<const Elem *>(a.q) + ((int64_t)start + q0) * a.q_stride_token +
+            (int64_t)h * a.q_stride_head,
+        a.q_stride_token, min(rows, len - q0), rows, threadIdx.x, blockDim.x);
     for (int st = 0; st < num_stages - 1; ++st) {
         if (st < num_tiles)
-            ragged_attention_mma_load_kv<Elem, D>(s_kv + st * kStage, k, k_stride, v, v_stride,
-                                                  st * kKeys, len);
+            ragged_attention_mma_load_kv<Elem, D>(s_kv + st * kStage, a, start, h, st * kKeys,
+                                                  len);
         ragged_attention_mma_cp_async_commit(); /* group st: key tile st (+ Q), maybe empty */
     }
 
-    uint32_t q_frag[D / 16][4];
     float o_acc[D / 8][4];
 #pragma unroll
     for (int i = 0; i < D / 8; ++i)
@@ -213,30 +226,30 @@ static __device__ __forceinline__ void ragged_attention_mma_tile(
     float row_max0 = -INFINITY, row_max1 = -INFINITY;
     float row_sum0 = 0.0f, row_sum1 = 0.0f;
 
-    int stage = 0;              /* holds key tile t */
-    int fill = num_stages - 1; /* receives key tile t + num_stages - 1 (it held tile t - 1) */
+    int stage = 0; /* holds key tile t; the stage before it receives tile t + num_stages - 1 */
     for (int t = 0; t < num_tiles; ++t) {
         const int num_keys = min(kKeys, len - t * kKeys); /* >= 1 */
         ragged_attention_mma_cp_async_wait_pending(num_stages - 2); /* tile t landed */
         __syncthreads(); /* ... for every thread's copies; tile t - 1 fully consumed */
         if (t + num_stages - 1 < num_tiles)
-            ragged_attention_mma_load_kv<Elem, D>(s_kv + fill * kStage, k, k_stride, v,
-                                                  v_stride, (t + num_stages - 1) * kKeys, len);
+            ragged_attention_mma_load_kv<Elem, D>(
+                s_kv + (stage == 0 ? num_stages - 1 : stage - 1) * kStage, a, start, h,
+                (t + num_stages - 1) * kKeys, len);
         ragged_attention_mma_cp_async_commit();
         const Elem *s_k = s_kv + stage * kStage;
         const Elem *s_v = s_k + kKeys * kLds;
         stage = stage + 1 == num_stages ? 0 : stage + 1;
-        fill = fill + 1 == num_stages ? 0 : fill + 1;
         if (!is_active)
             continue;
 
-        if (t == 0) {
+        /* Q fragments are re-read every tile (D / 16 ldmatrix next to the D / 2 of K and V):
+         * that frees D / 4 registers during softmax and PV (D = 64 fits 128, no spills) */
+        uint32_t q_frag[D / 16][4];
 #pragma unroll
-            for (int kk = 0; kk < D / 16; ++kk)
-                ragged_attention_mma_ldmatrix_x4(
-                    q_frag[kk], ragged_attention_mma_smem_addr(s_q + (warp * 16 + a_row) * kLds +
-                                                               kk * 16 + a_col));
-        }
+        for (int kk = 0; kk < D / 16; ++kk)
+            ragged_attention_mma_ldmatrix_x4(
+                q_frag[kk], ragged_attention_mma_smem_addr(s_q + (warp * 16 + a_row) * kLds +
+                                                           kk * 16 + a_col));
         float s_acc[kKeys / 8][4];
 #pragma unroll
         for (int n = 0; n < kKeys / 8; ++n)
@@ -281,10 +294,10 @@ static __device__ __forceinline__ void ragged_attention_mma_tile(
         float sum0 = 0.0f, sum1 = 0.0f;
 #pragma unroll
         for (int n = 0; n < kKeys / 8; ++n) {
-            s_acc[n][0] = exp2f(fmaf(s_acc[n][0], scale_log2, -m0));
-            s_acc[n][1] = exp2f(fmaf(s_acc[n][1], scale_log2, -m0));
-            s_acc[n][2] = exp2f(fmaf(s_acc[n][2], scale_log2, -m1));
-            s_acc[n][3] = exp2f(fmaf(s_acc[n][3], scale_log2, -m1));
+            s_acc[n][0] = ragged_attention_mma_exp2(fmaf(s_acc[n][0], scale_log2, -m0));
+            s_acc[n][1] = ragged_attention_mma_exp2(fmaf(s_acc[n][1], scale_log2, -m0));
+            s_acc[n][2] = ragged_attention_mma_exp2(fmaf(s_acc[n][2], scale_log2, -m1));
+            s_acc[n][3] = ragged_attention_mma_exp2(fmaf(s_acc[n][3], scale_log2, -m1));
             sum0 += s_acc[n][0] + s_acc[n][1];
             sum1 += s_acc[n][2] + s_acc[n][3];
         }
@@ -292,8 +305,8 @@ static __device__ __forceinline__ void ragged_attention_mma_tile(
             row_sum0 = sum0;
             row_sum1 = sum1;
         } else {
-            const float alpha0 = exp2f(row_max0 - m0);
-            const float alpha1 = exp2f(row_max1 - m1);
+            const float alpha0 = ragged_attention_mma_exp2(row_max0 - m0);
+            const float alpha1 = ragged_attention_mma_exp2(row_max1 - m1);
             row_sum0 = fmaf(row_sum0, alpha0, sum0);
             row_sum1 = fmaf(row_sum1, alpha1, sum1);
 #pragma unroll
@@ -337,8 +350,8 @@ static __device__ __forceinline__ void ragged_attention_mma_tile(
         row_sum1 += __shfl_xor_sync(0xffffffffu, row_sum1, 2);
         const float inv0 = __fdividef(1.0f, row_sum0);
         const float inv1 = __fdividef(1.0f, row_sum1);
-        /* Stage through this warp's own Q rows (only it reads them, already in q_frag) so
-         * the global stores are whole 16-byte chunks. */
+        /* Stage through this warp's own Q rows (only it reads them, and it is done) so the
+         * global stores are whole 16-byte chunks. */
         Elem *s_o = s_q + warp * 16 * kLds;
 #pragma unroll
         for (int i = 0; i < D / 8; ++i) {
@@ -355,183 +368,198 @@ static __device__ __forceinline__ void ragged_attention_mma_tile(
             const int r = c / kChunks;
             const int col = (c - r * kChunks) * 8;
             if (warp_row0 + r < len)
-                *reinterpret_cast<uint4 *>(out + (int64_t)(warp_row0 + r) * out_stride + col) =
+                *reinterpret_cast<uint4 *>(static_cast<Elem *>(a.out) +
+                                           ((int64_t)start + warp_row0 + r) * a.out_stride_token +
+                                           (int64_t)h * a.out_stride_head + col) =
                     *reinterpret_cast<const uint4 *>(s_o + r * kLds + col);
         }
     }
 }
 
-/* fp32 dot product of D elements held as packed pairs in registers and a shared row. */
-template <typename Elem, int D>
-static __device__ __forceinline__ float ragged_attention_mma_dot(const uint32_t (&x)[D / 2],
-                                                                const Elem *row) {
-    using ops = ragged_attention_mma_elem<Elem>;
-    float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-#pragma unroll
-    for (int c = 0; c < D / 8; ++c) {
-        const uint4 y = *reinterpret_cast<const uint4 *>(row + c * 8);
-        const uint32_t yw[4] = {y.x, y.y, y.z, y.w};
-#pragma unroll
-        for (int i = 0; i < 4; ++i) {
-            const float2 xf = ops::unpack(x[c * 4 + i]);
-            const float2 yf = ops::unpack(yw[i]);
-            acc[(i & 1) * 2] = fmaf(xf.x, yf.x, acc[(i & 1) * 2]);
-            acc[(i & 1) * 2 + 1] = fmaf(xf.y, yf.y, acc[(i & 1) * 2 + 1]);
-        }
-    }
-    return (acc[0] + acc[1]) + (acc[2] + acc[3]);
+/* (m, l) <- online merge of (m, l) and (m_other, l_other); (-inf, 0) is the empty partial. */
+static __device__ __forceinline__ void ragged_attention_mma_merge(float *m, float *l,
+                                                                 float m_other, float l_other) {
+    const float m_new = fmaxf(*m, m_other);
+    if (m_new != -INFINITY)
+        *l = *l * ragged_attention_mma_exp2(*m - m_new) +
+             l_other * ragged_attention_mma_exp2(m_other - m_new);
+    *m = m_new;
 }
 
-/* Step i of the cls stream -> (head, key tile): pass 1 walks heads outer, pass 2 key tiles
- * outer, so each thread's key sees the heads in order. */
-static __device__ __forceinline__ void ragged_attention_mma_cls_step(int i, int pass_steps,
-                                                                    int num_tiles,
-                                                                    int num_heads, int *head,
-                                                                    int *tile) {
-    if (i < pass_steps) {
-        *head = i / num_tiles;
-        *tile = i - *head * num_tiles;
-    } else {
-        *tile = (i - pass_steps) / num_heads;
-        *head = i - pass_steps - *tile * num_heads;
+/* Scores of the 16 keys of a shared 16-row K tile against one query, by mma with A = the K
+ * rows and B = the query in column 0 (q_frag: b0, b1 per k-step, zero outside lanes 0-3).
+ * Lanes with (lane & 3) == 0 receive keys lane / 4 (*x) and lane / 4 + 8 (*y). */
+template <typename Elem, int D>
+static __device__ __forceinline__ void ragged_attention_mma_cls_scores(
+    const Elem *tile, const uint32_t (&q_frag)[D / 16][2], float *x, float *y) {
+    using ops = ragged_attention_mma_elem<Elem>;
+    constexpr int kLds = D + 8;
+    const int lane = threadIdx.x & 31;
+    const int a_row = (lane & 7) + ((lane >> 3) & 1) * 8;
+    const int a_col = (lane >> 4) * 8;
+    float c[2][4] = {{0.0f, 0.0f, 0.0f, 0.0f}, {0.0f, 0.0f, 0.0f, 0.0f}};
+#pragma unroll
+    for (int kk = 0; kk < D / 16; ++kk) {
+        uint32_t a[4];
+        ragged_attention_mma_ldmatrix_x4(
+            a, ragged_attention_mma_smem_addr(tile + a_row * kLds + kk * 16 + a_col));
+        ops::mma(c[kk & 1], a, q_frag[kk][0], q_frag[kk][1]); /* two chains: shorter latency */
     }
+    *x = c[0][0] + c[1][0];
+    *y = c[0][2] + c[1][2];
 }
 
 /* cls_attn of one sequence: cls[j * cls_stride] = mean over heads of softmax_j of the first
- * query's scores. Key tiles of blockDim.x keys of one head stream through a ring of shared
- * buffers (cp.async, like the attention). Pass 1 (head by head): thread i scores key
- * t * blockDim.x + i and keeps an online (max, sum); an xor butterfly and a fixed-order
- * merge over warps give the head's stats. Pass 2 (tile by tile, heads inner): thread i
- * rescores its key and adds the head probabilities in head order, then stores the mean.
- * Both passes compute the same fp32 score bit for bit, so p <= 1; no atomics, so the result
- * is reproducible for a given block size. q, k point at the sequence's first token, head 0. */
+ * query's scores. Each warp streams 16-key K tiles through its own ring of shared buffers
+ * (cp.async, __syncwarp only) and scores them with tensor cores (one useful column).
+ * Pass 1: warp w takes heads w, w + warps, ... and keeps an online (max, sum) per lane,
+ * merged by an xor butterfly into the head's stats; when H x len scores fit in shared memory
+ * they are kept there. Pass 2: thread i takes keys i, i + blockDim.x, ... and adds the head
+ * probabilities in head order (from the kept scores, or else warp w rescoring key tiles w,
+ * w + warps, ... for every head: the same fp32 score bit for bit), then stores the mean.
+ * Nothing depends on timing: the result is reproducible, with no atomics and no zeroing.
+ * q, k point at the sequence's first token of head 0. */
 template <typename Elem, int D>
 static __device__ __forceinline__ void ragged_attention_mma_cls(
     unsigned char *smem, int smem_bytes, float *cls, int64_t cls_stride, const Elem *q,
     int64_t q_head, const Elem *k, int64_t k_stride, int64_t k_head, int num_heads, int len,
     float scale_log2) {
-    constexpr int kLds = D + 8;
-    const int tid = threadIdx.x;
-    const int keys = blockDim.x; /* keys per tile: one per thread */
-    const int lane = tid & 31;
-    const int warp = tid >> 5;
-    const int num_warps = keys >> 5;
-    /* smem: [ring of num_bufs tiles][stats: (max, 1/sum) per head][red: 2 x warps x 2] */
-    const int stats_floats = 2 * num_heads + 4 * num_warps;
-    float *s_stats = reinterpret_cast<float *>(smem + smem_bytes) - stats_floats;
-    float *s_red = s_stats + 2 * num_heads;
-    const int tile_elems = keys * kLds;
-    const int num_bufs =
-        min(8, (smem_bytes - stats_floats * 4) / (tile_elems * (int)sizeof(Elem))); /* >= 2 */
-    Elem *ring = reinterpret_cast<Elem *>(smem);
-    const int num_tiles = (len + keys - 1) / keys;
-    const int pass_steps = num_heads * num_tiles;
-    const int num_steps = 2 * pass_steps;
+    constexpr int kTile = 16 * (D + 8); /* elements of one 16-key tile */
+    constexpr int kTileBytes = kTile * (int)sizeof(Elem);
+    const int lane = threadIdx.x & 31;
+    const int warp = threadIdx.x >> 5;
+    const int num_warps = blockDim.x >> 5;
+    /* smem: [num_warps rings of num_bufs tiles] ... [scores: H x len, if kept][stats: H x 2] */
+    float *s_stats = reinterpret_cast<float *>(smem + smem_bytes) - 2 * num_heads;
+    const int64_t score_bytes = 4 * (int64_t)num_heads * len;
+    const bool is_kept = smem_bytes - 8 * num_heads - score_bytes >=
+                         (int64_t)2 * num_warps * kTileBytes; /* block-uniform */
+    float *s_scores = s_stats - (is_kept ? (int64_t)num_heads * len : 0);
+    const int num_bufs = min(8, (int)((smem_bytes - 8 * num_heads - (is_kept ? score_bytes : 0)) /
+                                      (num_warps * kTileBytes))); /* >= 2 (plan) */
+    Elem *ring = reinterpret_cast<Elem *>(smem) + warp * num_bufs * kTile;
+    const int num_tiles = (len + 15) / 16;
+    const bool is_key_lane = (lane & 3) == 0;
+    const int key_x = lane >> 2; /* this lane's keys in a tile: key_x, key_x + 8 */
     const float inv_heads = __fdividef(1.0f, (float)num_heads);
 
     __syncthreads(); /* the previous user of shared memory is done */
-    for (int b = 0; b < num_bufs - 1; ++b) {
-        if (b < num_steps) {
-            int h, t;
-            ragged_attention_mma_cls_step(b, pass_steps, num_tiles, num_heads, &h, &t);
-            ragged_attention_mma_load_rows<Elem, D>(ring + b * tile_elems,
-                                                    k + h * k_head + (int64_t)t * keys * k_stride,
-                                                    k_stride, min(keys, len - t * keys), keys);
-        }
-        ragged_attention_mma_cp_async_commit();
-    }
-
-    float m = -INFINITY, l = 0.0f, acc = 0.0f;
-    int buf = 0, fill = num_bufs - 1;
-    for (int i = 0; i < num_steps; ++i) {
-        int h, t;
-        ragged_attention_mma_cls_step(i, pass_steps, num_tiles, num_heads, &h, &t);
-        uint32_t qh[D / 2];
-#pragma unroll
-        for (int c = 0; c < D / 8; ++c) {
-            const uint4 u = __ldg(reinterpret_cast<const uint4 *>(q + h * q_head) + c);
-            qh[4 * c] = u.x;
-            qh[4 * c + 1] = u.y;
-            qh[4 * c + 2] = u.z;
-            qh[4 * c + 3] = u.w;
-        }
-        ragged_attention_mma_cp_async_wait_pending(num_bufs - 2); /* step i landed */
-        __syncthreads();
-        /* Merge the warps' (max, sum) of the head that just ended, in warp order. */
-        if ((i < pass_steps && t == 0 && h > 0) || i == pass_steps) {
-            if (tid == 0) {
-                const int done = i == pass_steps ? num_heads - 1 : h - 1;
-                const float *red = s_red + (done & 1) * num_warps * 2;
-                float mm = -INFINITY, ll = 0.0f;
-                for (int w = 0; w < num_warps; ++w) {
-                    const float wm = red[2 * w];
-                    if (wm == -INFINITY)
-                        continue; /* that warp had no key */
-                    const float m_new = fmaxf(mm, wm);
-                    ll = ll * exp2f(mm - m_new) + red[2 * w + 1] * exp2f(wm - m_new);
-                    mm = m_new;
-                }
-                s_stats[2 * done] = mm;
-                s_stats[2 * done + 1] = __fdividef(1.0f, ll);
-            }
-            if (i == pass_steps)
-                __syncthreads(); /* pass 2 reads the last head's stats right away */
-        }
-        {
-            const int next = i + num_bufs - 1;
-            if (next < num_steps) {
-                int nh, nt;
-                ragged_attention_mma_cls_step(next, pass_steps, num_tiles, num_heads, &nh, &nt);
+    for (int pass = 0; pass < (is_kept ? 1 : 2); ++pass) {
+        /* this warp's steps: outer index warp, warp + num_warps, ...; inner 0 .. inner - 1;
+         * pass 0: (outer = head, inner = tile), pass 1: (outer = tile, inner = head) */
+        const int outer_total = pass == 0 ? num_heads : num_tiles;
+        const int inner = pass == 0 ? num_tiles : num_heads;
+        const int outer = warp < outer_total ? (outer_total - warp + num_warps - 1) / num_warps : 0;
+        const int num_steps = outer * inner;
+        int load_o = warp, load_n = 0; /* next step to load */
+        for (int b = 0; b < num_bufs - 1; ++b) {
+            if (b < num_steps) {
+                const int h = pass == 0 ? load_o : load_n, t = pass == 0 ? load_n : load_o;
                 ragged_attention_mma_load_rows<Elem, D>(
-                    ring + fill * tile_elems, k + nh * k_head + (int64_t)nt * keys * k_stride,
-                    k_stride, min(keys, len - nt * keys), keys);
+                    ring + b * kTile, k + h * k_head + (int64_t)t * 16 * k_stride, k_stride,
+                    min(16, len - t * 16), 16, lane, 32);
+                if (++load_n == inner) {
+                    load_n = 0;
+                    load_o += num_warps;
+                }
             }
             ragged_attention_mma_cp_async_commit();
         }
-        const int j = t * keys + tid;
-        float x = -INFINITY;
-        if (j < len)
-            x = ragged_attention_mma_dot<Elem, D>(qh, ring + buf * tile_elems + tid * kLds) *
-                scale_log2;
-        buf = buf + 1 == num_bufs ? 0 : buf + 1;
-        fill = fill + 1 == num_bufs ? 0 : fill + 1;
-
-        if (i < pass_steps) {
-            if (t == 0) {
-                m = -INFINITY;
-                l = 0.0f;
-            }
-            if (j < len) {
-                const float m_new = fmaxf(m, x);
-                l = l * exp2f(m - m_new) + exp2f(x - m_new);
-                m = m_new;
-            }
-            if (t == num_tiles - 1) { /* block-uniform */
+        float m = -INFINITY, l = 0.0f, acc_x = 0.0f, acc_y = 0.0f;
+        uint32_t q_frag[D / 16][2];
+        int buf = 0, fill = num_bufs - 1;
+        int step_o = warp, step_n = 0;
+        for (int i = 0; i < num_steps; ++i) {
+            const int h = pass == 0 ? step_o : step_n, t = pass == 0 ? step_n : step_o;
+            if (pass == 1 || t == 0) { /* B = this head's first query in column 0 */
+                const unsigned int *qw = reinterpret_cast<const unsigned int *>(q + h * q_head);
 #pragma unroll
-                for (int offset = 16; offset > 0; offset >>= 1) {
-                    const float m_other = __shfl_xor_sync(0xffffffffu, m, offset);
-                    const float l_other = __shfl_xor_sync(0xffffffffu, l, offset);
-                    const float m_new = fmaxf(m, m_other);
-                    if (m_new != -INFINITY) /* both lanes empty: keep (-inf, 0) */
-                        l = l * exp2f(m - m_new) + l_other * exp2f(m_other - m_new);
-                    m = m_new;
-                }
-                if (lane == 0) {
-                    s_red[((h & 1) * num_warps + warp) * 2] = m;
-                    s_red[((h & 1) * num_warps + warp) * 2 + 1] = l;
+                for (int kk = 0; kk < D / 16; ++kk) {
+                    q_frag[kk][0] = lane < 4 ? __ldg(qw + kk * 8 + lane) : 0u;
+                    q_frag[kk][1] = lane < 4 ? __ldg(qw + kk * 8 + 4 + lane) : 0u;
                 }
             }
-        } else {
-            if (h == 0)
-                acc = 0.0f;
-            if (j < len) {
-                acc = fmaf(exp2f(x - s_stats[2 * h]), s_stats[2 * h + 1], acc);
-                if (h == num_heads - 1)
-                    cls[j * cls_stride] = acc * inv_heads;
+            ragged_attention_mma_cp_async_wait_pending(num_bufs - 2); /* step i landed */
+            __syncwarp(); /* ... for every lane's copies; step i - 1's buffer is free */
+            if (i + num_bufs - 1 < num_steps) {
+                const int lh = pass == 0 ? load_o : load_n, lt = pass == 0 ? load_n : load_o;
+                ragged_attention_mma_load_rows<Elem, D>(
+                    ring + fill * kTile, k + lh * k_head + (int64_t)lt * 16 * k_stride, k_stride,
+                    min(16, len - lt * 16), 16, lane, 32);
+                if (++load_n == inner) {
+                    load_n = 0;
+                    load_o += num_warps;
+                }
+            }
+            ragged_attention_mma_cp_async_commit();
+            float x, y;
+            ragged_attention_mma_cls_scores<Elem, D>(ring + buf * kTile, q_frag, &x, &y);
+            x *= scale_log2;
+            y *= scale_log2;
+            const bool is_x = is_key_lane && t * 16 + key_x < len;
+            const bool is_y = is_key_lane && t * 16 + key_x + 8 < len;
+            buf = buf + 1 == num_bufs ? 0 : buf + 1;
+            fill = fill + 1 == num_bufs ? 0 : fill + 1;
+            if (++step_n == inner) {
+                step_n = 0;
+                step_o += num_warps;
+            }
+
+            if (pass == 0) {
+                if (t == 0) {
+                    m = -INFINITY;
+                    l = 0.0f;
+                }
+                if (is_x) {
+                    ragged_attention_mma_merge(&m, &l, x, 1.0f);
+                    if (is_kept)
+                        s_scores[h * len + t * 16 + key_x] = x;
+                }
+                if (is_y) {
+                    ragged_attention_mma_merge(&m, &l, y, 1.0f);
+                    if (is_kept)
+                        s_scores[h * len + t * 16 + key_x + 8] = y;
+                }
+                if (t == num_tiles - 1) { /* warp-uniform; every lane ends with equal bits */
+#pragma unroll
+                    for (int offset = 16; offset > 0; offset >>= 1) {
+                        const float m_other = __shfl_xor_sync(0xffffffffu, m, offset);
+                        const float l_other = __shfl_xor_sync(0xffffffffu, l, offset);
+                        ragged_attention_mma_merge(&m, &l, m_other, l_other);
+                    }
+                    if (lane == 0) {
+                        s_stats[2 * h] = m;
+                        s_stats[2 * h + 1] = __fdividef(1.0f, l);
+                    }
+                }
+            } else {
+                if (h == 0)
+                    acc_x = acc_y = 0.0f;
+                const float m_h = s_stats[2 * h], inv_l_h = s_stats[2 * h + 1];
+                if (is_x)
+                    acc_x = fmaf(ragged_attention_mma_exp2(x - m_h), inv_l_h, acc_x);
+                if (is_y)
+                    acc_y = fmaf(ragged_attention_mma_exp2(y - m_h), inv_l_h, acc_y);
+                if (h == num_heads - 1) {
+                    if (is_x)
+                        cls[(int64_t)(t * 16 + key_x) * cls_stride] = acc_x * inv_heads;
+                    if (is_y)
+                        cls[(int64_t)(t * 16 + key_x + 8) * cls_stride] = acc_y * inv_heads;
+                }
             }
         }
+        ragged_attention_mma_cp_async_wait<0>(); /* only empty groups can be left */
+        __syncthreads(); /* pass 1's stats (and scores) are visible; every ring is idle */
     }
-    ragged_attention_mma_cp_async_wait<0>(); /* only empty groups can be left */
+    if (is_kept) {
+        for (int j = threadIdx.x; j < len; j += blockDim.x) {
+            float acc = 0.0f;
+            for (int h = 0; h < num_heads; ++h)
+                acc = fmaf(ragged_attention_mma_exp2(s_scores[h * len + j] - s_stats[2 * h]),
+                           s_stats[2 * h + 1], acc);
+            cls[(int64_t)j * cls_stride] = acc * inv_heads;
+        }
+    }
 }
 
 // ---- kernels ----
@@ -540,12 +568,13 @@ static __device__ __forceinline__ void ragged_attention_mma_cls(
  * ...; y == num_heads (present only with cls_attn) computes cls_attn in block x == 0. Every
  * branch and loop bound is uniform across the block, so all threads reach each barrier.
  * smem: Q rows (16 per warp), then num_stages stages of 64 K rows and 64 V rows, each row
- * D + 8 elements. Min blocks 4 (D <= 64) caps registers at 128 without spills; larger D
- * need ~160-180. */
+ * D + 8 elements. Min blocks per SM: 4 for D <= 64 (<= 128 registers, no spills), 3 for
+ * D = 80, 96 (<= 168) and 2 for D = 128 (~185). */
 template <typename Elem, int D>
-static __global__ void __launch_bounds__(RAGGED_ATTENTION_MMA_MAX_WARPS * 32, D <= 64 ? 4 : 2)
-    ragged_attention_mma_kernel(const ragvit_attention_args a, int max_len, int num_stages,
-                                int smem_bytes) {
+static __global__ void
+__launch_bounds__(RAGGED_ATTENTION_MMA_MAX_WARPS * 32, D <= 64 ? 4 : (D <= 96 ? 3 : 2))
+    ragged_attention_mma_kernel(const __grid_constant__ ragvit_attention_args a, int max_len,
+                                int num_stages, int smem_bytes) {
     extern __shared__ __align__(16) unsigned char ragged_attention_mma_smem[];
     const int rows = blockDim.x >> 1;
     Elem *s_q = reinterpret_cast<Elem *>(ragged_attention_mma_smem);
@@ -554,8 +583,6 @@ static __global__ void __launch_bounds__(RAGGED_ATTENTION_MMA_MAX_WARPS * 32, D 
     const float scale_log2 = a.scale * RAGGED_ATTENTION_MMA_LOG2E;
     const Elem *q_all = static_cast<const Elem *>(a.q);
     const Elem *k_all = static_cast<const Elem *>(a.k);
-    const Elem *v_all = static_cast<const Elem *>(a.v);
-    Elem *out_all = static_cast<Elem *>(a.out);
 
     for (int s = blockIdx.z; s < a.num_seqs; s += gridDim.z) {
         const int start = __ldg(a.cu_seqlens + s);
@@ -579,16 +606,8 @@ static __global__ void __launch_bounds__(RAGGED_ATTENTION_MMA_MAX_WARPS * 32, D 
             continue;
         }
         for (int q0 = blockIdx.x * rows; q0 < len; q0 += gridDim.x * rows)
-            ragged_attention_mma_tile<Elem, D>(
-                s_q, s_kv, num_stages,
-                out_all + (int64_t)start * a.out_stride_token + (int64_t)h * a.out_stride_head,
-                a.out_stride_token,
-                q_all + (int64_t)start * a.q_stride_token + (int64_t)h * a.q_stride_head,
-                a.q_stride_token,
-                k_all + (int64_t)start * a.k_stride_token + (int64_t)h * a.k_stride_head,
-                a.k_stride_token,
-                v_all + (int64_t)start * a.v_stride_token + (int64_t)h * a.v_stride_head,
-                a.v_stride_token, q0, len, scale_log2);
+            ragged_attention_mma_tile<Elem, D>(s_q, s_kv, num_stages, a, start, h, q0, len,
+                                               scale_log2);
     }
 }
 
@@ -607,9 +626,8 @@ static int64_t ragged_attention_mma_smem_bytes(int head_dim, int num_warps, int 
                                                int num_heads, bool has_cls) {
     const int64_t row_bytes = (int64_t)(head_dim + 8) * 2;
     int64_t bytes = (16 * num_warps + 2 * RAGGED_ATTENTION_MMA_KEYS * num_stages) * row_bytes;
-    if (has_cls) { /* >= 2 ring tiles of blockDim.x keys, plus per-head stats */
-        const int64_t cls_bytes =
-            2 * 32 * num_warps * row_bytes + 4 * (2 * (int64_t)num_heads + 4 * num_warps);
+    if (has_cls) { /* >= 2 tiles of 16 keys per warp, plus (max, 1/sum) per head */
+        const int64_t cls_bytes = num_warps * 2 * 16 * row_bytes + 8 * (int64_t)num_heads;
         bytes = cls_bytes > bytes ? cls_bytes : bytes;
     }
     return bytes;
@@ -644,26 +662,26 @@ static ragged_attention_mma_plan ragged_attention_mma_make_plan(const ragvit_att
     const bool has_cls = a->cls_attn != NULL;
     const int64_t key_tiles = (max_len + RAGGED_ATTENTION_MMA_KEYS - 1) / RAGGED_ATTENTION_MMA_KEYS;
 
-    /* Fewer warps per block (shorter query tiles) until the grid has about two blocks per
-     * SM: batch 1 of 197 tokens with H = 6 gets 13 x 6 one-warp blocks instead of 4 x 6. */
-    if (num_warps <= 0) {
+    /* Four warps (64 query rows) unless the sequences are shorter: measured on an H200,
+     * smaller blocks lost even at batch 1 (more copies of K/V, less load parallelism). */
+    if (num_warps <= 0)
         num_warps = (int)((max_len + 15) / 16);
-        if (num_warps > RAGGED_ATTENTION_MMA_MAX_WARPS)
-            num_warps = RAGGED_ATTENTION_MMA_MAX_WARPS;
-        while (num_warps > 1 &&
-               ((max_len + 16 * num_warps - 1) / (16 * num_warps)) * heads * seqs < 2 * sm_count)
-            --num_warps;
-    }
-    /* Few blocks: nothing else hides memory latency, so put up to 4 key tiles in flight.
-     * Many blocks: 2 stages (double buffering) keep 4 blocks per SM resident. */
+    if (num_warps > RAGGED_ATTENTION_MMA_MAX_WARPS)
+        num_warps = RAGGED_ATTENTION_MMA_MAX_WARPS;
+    /* At most one wave of blocks: nothing else hides memory latency, so put up to 4 key
+     * tiles in flight. More blocks: 2 stages (double buffering) keep 4 blocks per SM. */
     if (num_stages <= 0) {
         const int64_t blocks = ((max_len + 16 * num_warps - 1) / (16 * num_warps)) * heads * seqs;
         num_stages = 2;
-        if (blocks <= 4 * sm_count)
+        if (blocks <= sm_count)
             num_stages = (int)(key_tiles < RAGGED_ATTENTION_MMA_MAX_STAGES
                                    ? (key_tiles > 2 ? key_tiles : 2)
                                    : RAGGED_ATTENTION_MMA_MAX_STAGES);
     }
+    if (num_stages < 2)
+        num_stages = 2;
+    if (num_stages > RAGGED_ATTENTION_MMA_MAX_STAGES)
+        num_stages = RAGGED_ATTENTION_MMA_MAX_STAGES;
     while (num_stages > 2 && ragged_attention_mma_smem_bytes(a->head_dim, num_warps, num_stages,
                                                              a->num_heads, has_cls) > smem_limit)
         --num_stages;
@@ -700,7 +718,8 @@ static ragged_attention_mma_plan ragged_attention_mma_make_plan(const ragvit_att
 /* Whether the tensor-core path can run these arguments; when false the dispatcher runs the
  * simple kernel. Needs fp16/bf16, a listed head_dim, 16-byte aligned rows (every base
  * pointer % 16 == 0 and every token/head stride a multiple of 8 elements), at most
- * RAGGED_ATTENTION_MMA_MAX_HEADS heads and, when dev is given, compute capability >= 8.0. */
+ * RAGGED_ATTENTION_MMA_MAX_HEADS heads, and (when dev is given) compute capability >= 8.0
+ * and room for the smallest plan in the opt-in shared memory (D = 96, 128 need > 48 KB). */
 static bool ragged_attention_mma_supports(const ragvit_attention_args *a,
                                           const ragvit_device_info *dev) {
     if (a->dtype != RAGVIT_DTYPE_F16 && a->dtype != RAGVIT_DTYPE_BF16)
@@ -710,8 +729,13 @@ static bool ragged_attention_mma_supports(const ragvit_attention_args *a,
         return false;
     if (a->num_heads < 1 || a->num_heads > RAGGED_ATTENTION_MMA_MAX_HEADS)
         return false;
-    if (dev != NULL && dev->cc_major < 8)
-        return false;
+    if (dev != NULL) {
+        const int64_t limit = dev->smem_per_block_optin > 0 ? dev->smem_per_block_optin
+                                                             : 48 * 1024;
+        if (dev->cc_major < 8 || ragged_attention_mma_smem_bytes(a->head_dim, 1, 2, a->num_heads,
+                                                                 a->cls_attn != NULL) > limit)
+            return false;
+    }
     const uintptr_t ptr_bits = (uintptr_t)a->q | (uintptr_t)a->k | (uintptr_t)a->v |
                                (uintptr_t)a->out;
     const int64_t stride_bits = a->q_stride_token | a->q_stride_head | a->k_stride_token |
