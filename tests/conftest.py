@@ -32,7 +32,10 @@ DTYPE_IDS = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16
 TOL = {
     torch.float32: {"atol": 1e-5, "rtol": 1.3e-6},
     torch.float16: {"atol": 1e-3, "rtol": 1e-3},
-    torch.bfloat16: {"atol": 1e-3, "rtol": 1.6e-2},
+    # torch's table says atol 1e-3, but bf16 SDPA itself misses it: rounding the output
+    # (and P) to bf16 gives ~1.6e-3 absolute error on unit-variance V at length 577
+    # (measured on the CPU, SDPA and a FA2-style P-in-bf16 emulation alike).
+    torch.bfloat16: {"atol": 4e-3, "rtol": 1.6e-2},
 }
 
 # Additive floors of flash-attention's rule err(ragvit) <= 2 * err(SDPA) + floor.
