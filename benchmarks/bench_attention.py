@@ -202,7 +202,9 @@ def environment() -> dict:
     return {"gpu": torch.cuda.get_device_name(),
             "driver": cmd("nvidia-smi --query-gpu=driver_version --format=csv,noheader | head -1"),
             "cuda": torch.version.cuda, "torch": torch.__version__, "ragvit": ragvit.__version__,
-            "git_sha": cmd(f"git -C {os.path.dirname(os.path.abspath(__file__))} rev-parse --short HEAD"),
+            # The GPU machine gets a copy of the tree without .git: pass RAGVIT_GIT_SHA there.
+            "git_sha": os.environ.get("RAGVIT_GIT_SHA") or cmd(
+                f"git -C {os.path.dirname(os.path.abspath(__file__))} rev-parse --short HEAD"),
             "python": sys.version.split()[0]}
 
 
