@@ -37,6 +37,28 @@ def host_us_per_call(fn, calls):
     return float(np.median(samples)) / 1e3
 
 
+def make_runner(q, k, v, cu, lengths):
+    """(device name, run() -> out, fetch(out) -> float32 NumPy) on the best device."""
+    try:
+        import torch
+    except ImportError:
+        torch = None
+    if torch is not None and torch.cuda.is_available() and ragvit.cuda_available():
+        tq, tk, tv = (torch.from_numpy(np.ascontiguousarray(t)).cuda() for t in (q, k, v))
+        tcu, out = torch.from_numpy(cu).cuda(), torch.empty_like(tq)
+        max_seqlen = int(lengths.max())
+
+        def fetch_cuda(o):
+            torch.cuda.synchronize()
+            return o.float().cpu().numpy()
+
+        return (torch.cuda.get_device_name(),
+                lambda: ragvit.attention(tq, tk, tv, tcu, max_seqlen, out=out), fetch_cuda)
+    out = np.empty_like(q)
+    return ("cpu (NumPy)", lambda: ragvit.attention(q, k, v, cu, out=out),
+            lambda o: o.astype(np.float32))
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--batch", type=int, default=32, help="images (sequences)")
@@ -54,39 +76,13 @@ def main(argv=None):
     q, k, v = qkv[:, 0], qkv[:, 1], qkv[:, 2]
     scale = head_dim**-0.5
 
-    device, run = "cpu (NumPy)", None
-    try:
-        import torch
-
-        if torch.cuda.is_available() and ragvit.cuda_available():
-            device = torch.cuda.get_device_name()
-            tq, tk, tv = (torch.from_numpy(np.ascontiguousarray(t)).cuda() for t in (q, k, v))
-            tcu, out = torch.from_numpy(cu).cuda(), torch.empty_like(tq)
-            max_seqlen = int(lengths.max())
-
-            def run():
-                return ragvit.attention(tq, tk, tv, tcu, max_seqlen, out=out)
-
-            def fetch(o):
-                torch.cuda.synchronize()
-                return o.float().cpu().numpy()
-    except ImportError:
-        pass
-    if run is None:
-        out = np.empty_like(q)
-
-        def run():
-            return ragvit.attention(q, k, v, cu, out=out)
-
-        def fetch(o):
-            return o.astype(np.float32)
-
+    device, run, fetch = make_runner(q, k, v, cu, lengths)
     result = fetch(run())
     ref = reference(q, k, v, cu, scale)
     err = float(np.abs(result - ref).max())
-    calls = 2000 if run is not None and device != "cpu (NumPy)" else 20
+    calls = 20 if device == "cpu (NumPy)" else 2000
     us = host_us_per_call(run, calls)
-    fetch(out)
+    fetch(run())
     print(f"ragvit {ragvit.__version__} on {device}")
     print(f"batch {args.batch}, {total} tokens (lengths {lengths.min()}..{lengths.max()}), "
           f"H={heads}, D={head_dim}, float16")
