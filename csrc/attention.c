@@ -129,8 +129,7 @@ ragvit_status ragvit_attention_forward(ragvit_context *ctx, const ragvit_tensor 
     TRY(ragvit_context_device(ctx, device_id, &dev));
     a.error_flag = dev->error_flag;
     TRY(ragvit_cuda_attention(&a, dev, stream));
-    if (ctx->is_debug) return ragvit_context_check_device(ctx, device_id, stream, op);
-    return RAGVIT_STATUS_OK;
+    return ragvit_context_finish(ctx, device_id, stream, op);
 #else
     (void)ctx;
     (void)stream;

@@ -57,20 +57,27 @@ ragvit_status ragvit_context_check_device(ragvit_context *ctx, int32_t device_id
     TRY(ragvit_cuda_read_error_flag(dev, stream, &bits));
     if (bits == 0) return RAGVIT_STATUS_OK;
     return ragvit_fail(RAGVIT_STATUS_DEVICE_ASSERT,
-                       "%s: device contents must be valid, got%s%s%s%s (debug check, flag 0x%x)",
+                       "%s: device contents must be valid, got%s%s%s%s%s (debug check, flag 0x%x)",
                        op,
                        bits & RAGVIT_ERROR_BAD_CU_SEQLENS
                            ? " cu_seqlens negative, decreasing or past total_tokens;" : "",
                        bits & RAGVIT_ERROR_SEQLEN_OVER_MAX
                            ? " a cu_seqlens length above max_seqlen or N;" : "",
                        bits & RAGVIT_ERROR_CAPACITY ? " more kept tokens than out can hold;" : "",
-                       bits & RAGVIT_ERROR_BAD_INDEX ? " indices outside [0, N);" : "", bits);
+                       bits & RAGVIT_ERROR_BAD_INDEX ? " indices outside [0, N);" : "",
+                       bits & RAGVIT_ERROR_SHORT_SEQ ? " a sequence shorter than k;" : "", bits);
 #else
     (void)ctx;
     (void)device_id;
     (void)stream;
     return no_cuda(op);
 #endif
+}
+
+ragvit_status ragvit_context_finish(ragvit_context *ctx, int32_t device_id, void *stream,
+                                    const char *op) {
+    return ctx->is_debug ? ragvit_context_check_device(ctx, device_id, stream, op)
+                         : RAGVIT_STATUS_OK;
 }
 
 ragvit_status ragvit_read_int32(int32_t *value, const ragvit_tensor *t, int64_t index,

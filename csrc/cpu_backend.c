@@ -1,6 +1,7 @@
-/* cpu_backend.c — attention, pack and unpack in plain C for host tensors (the
- * CPU backend and the tests' second opinion), taking kernels/launch.h's structs:
- * element strides, last dim contiguous, fp16/bf16 converted here (nearest even).
+/* cpu_backend.c — attention, pack/repack, unpack/gather_prefix and segment_mean
+ * in plain C for host tensors (the CPU backend and the tests' second opinion),
+ * taking kernels/launch.h's structs: element strides, last dim contiguous,
+ * fp16/bf16 converted here (nearest even).
  * Decision: each (sequence, head) converts K (transposed to D x L) and V once
  * into float scratch, so every inner loop is a contiguous float axpy that gcc
  * vectorizes without -ffast-math. Contents the core should have rejected are
@@ -352,27 +353,83 @@ ragvit_status ragvit_cpu_attention(const ragvit_attention_args *a)
 
 /* ---- pack ---- */
 
+/* Rows [start, start + len) of image b: pack reads all N rows of x[b]; repack
+ * reads rows [cu_in[b], cu_in[b+1]) of the packed x, and an image whose range
+ * is negative, decreasing or past T is read as empty (returns 0). */
+static int pack_image_range(const ragvit_pack_args *a, int64_t b, int64_t *start, int64_t *len)
+{
+    *start = 0;
+    *len = a->seqlen;
+    if (a->cu_seqlens_in == NULL)
+        return 1;
+    const int64_t s = a->cu_seqlens_in[b * a->cu_seqlens_in_stride];
+    const int64_t e = a->cu_seqlens_in[(b + 1) * a->cu_seqlens_in_stride];
+    if (s < 0 || e < s || e > a->seqlen) {
+        *len = 0;
+        return 0;
+    }
+    *start = s;
+    *len = e - s;
+    return 1;
+}
+
+static inline int pack_is_kept(const ragvit_pack_args *a, int64_t b, int64_t n)
+{
+    return a->keep[b * a->keep_stride_b + n * a->keep_stride_n] != 0;
+}
+
 ragvit_status ragvit_cpu_pack_count(const ragvit_pack_args *a)
 {
     if (a->batch < 0 || a->seqlen < 0)
         return ragvit_fail(RAGVIT_STATUS_INVALID_SHAPE,
                            "pack: x must have non-negative B and N, got B=%lld, N=%lld",
                            (long long)a->batch, (long long)a->seqlen);
-    if (a->seqlen > 0 && a->batch > INT32_MAX / a->seqlen)
+    if (a->cu_seqlens_in == NULL && a->seqlen > 0 && a->batch > INT32_MAX / a->seqlen)
         return ragvit_fail(RAGVIT_STATUS_INVALID_SHAPE,
                            "pack: x must hold at most 2^31-1 tokens (B*N) for int32 cu_seqlens, "
                            "got B=%lld, N=%lld",
                            (long long)a->batch, (long long)a->seqlen);
 
     int64_t total = 0;
+    int is_bad = 0;
     a->cu_seqlens[0] = 0;
     for (int64_t b = 0; b < a->batch; b++) {
-        const uint8_t *keep = a->keep + b * a->keep_stride_b;
-        for (int64_t n = 0; n < a->seqlen; n++)
-            total += keep[n * a->keep_stride_n] != 0;
+        int64_t start, len;
+        is_bad |= !pack_image_range(a, b, &start, &len);
+        for (int64_t n = start; n < start + len; n++)
+            total += pack_is_kept(a, b, n);
+        total += a->is_fusing; /* the fused token */
         a->cu_seqlens[(b + 1) * a->cu_seqlens_stride] = (int32_t)total;
     }
+    if (is_bad)
+        return ragvit_fail(RAGVIT_STATUS_INVALID_VALUE,
+                           "repack: cu_seqlens must be non-decreasing within [0, T=%lld]",
+                           (long long)a->seqlen);
     return RAGVIT_STATUS_OK;
+}
+
+/* The fused token of image b's rows [start, start + len): sum(w x) / sum(w)
+ * over its dropped rows in float32 (zeros when sum(w) == 0), into out_row.
+ * acc and row are C floats of scratch. */
+static void pack_fuse_row(const ragvit_pack_args *a, int64_t b, int64_t start, int64_t len,
+                          void *out_row, float *acc, float *row)
+{
+    const int64_t C = a->channels;
+    float weight_sum = 0.0f;
+    memset(acc, 0, (size_t)C * sizeof *acc);
+    for (int64_t n = start; n < start + len; n++) {
+        if (pack_is_kept(a, b, n))
+            continue;
+        const float w = a->fuse_weights[n * a->fuse_weights_stride];
+        weight_sum += w;
+        load_row(row, elem_at(a->x, b * a->x_stride_b + n * a->x_stride_n, a->elem_size), C,
+                 a->dtype);
+        for (int64_t c = 0; c < C; c++)
+            acc[c] += w * row[c];
+    }
+    for (int64_t c = 0; c < C; c++)
+        acc[c] = weight_sum != 0.0f ? acc[c] / weight_sum : 0.0f;
+    store_row(out_row, acc, 1.0f, C, a->dtype);
 }
 
 ragvit_status ragvit_cpu_pack_gather(const ragvit_pack_args *a)
@@ -384,10 +441,20 @@ ragvit_status ragvit_cpu_pack_gather(const ragvit_pack_args *a)
                            "pack: x must have 2- or 4-byte elements, got %d bytes",
                            (int)a->elem_size);
     const size_t row_bytes = (size_t)(a->channels * es);
+    float *scratch = NULL; /* 2 C floats for the fused token */
+    if (a->is_fusing) {
+        scratch = malloc((size_t)(a->channels > 0 ? 2 * a->channels : 1) * sizeof *scratch);
+        if (scratch == NULL)
+            return ragvit_fail(RAGVIT_STATUS_OUT_OF_MEMORY,
+                               "repack: scratch must be allocatable, got no memory for %lld "
+                               "floats",
+                               (long long)(2 * a->channels));
+    }
 
     int64_t needed = 0; /* one past the last packed row any image wants */
     for (int64_t b = 0; b < a->batch; b++) {
         int64_t pos = a->cu_seqlens[b * a->cu_seqlens_stride];
+        int64_t start, len;
         if (pos < 0) {
             if (msg[0] == '\0')
                 snprintf(msg, MESSAGE_SIZE,
@@ -395,9 +462,9 @@ ragvit_status ragvit_cpu_pack_gather(const ragvit_pack_args *a)
                          (long long)pos, (long long)b);
             continue;
         }
-        const uint8_t *keep = a->keep + b * a->keep_stride_b;
-        for (int64_t n = 0; n < a->seqlen; n++) {
-            if (keep[n * a->keep_stride_n] == 0)
+        pack_image_range(a, b, &start, &len);
+        for (int64_t n = start; n < start + len; n++) {
+            if (!pack_is_kept(a, b, n))
                 continue;
             if (pos < a->capacity) {
                 memcpy(elem_at_mut(a->out, pos * a->out_stride_token, es),
@@ -407,9 +474,20 @@ ragvit_status ragvit_cpu_pack_gather(const ragvit_pack_args *a)
             }
             pos++;
         }
+        if (scratch != NULL) {
+            if (pos < a->capacity) {
+                pack_fuse_row(a, b, start, len,
+                              elem_at_mut(a->out, pos * a->out_stride_token, es), scratch,
+                              scratch + a->channels);
+                if (a->indices_out != NULL)
+                    a->indices_out[pos * a->indices_stride] = -1;
+            }
+            pos++;
+        }
         if (pos > needed)
             needed = pos;
     }
+    free(scratch);
 
     if (needed > a->capacity && msg[0] == '\0')
         snprintf(msg, MESSAGE_SIZE,
@@ -474,7 +552,15 @@ ragvit_status ragvit_cpu_unpack(const ragvit_unpack_args *a)
                          (long long)b);
         } else {
             len = end - start;
-            if (len > N) {
+            if (a->is_prefix && len < N) {
+                if (msg[0] == '\0')
+                    snprintf(msg, MESSAGE_SIZE,
+                             "gather_prefix: every sequence must have at least k=%lld tokens, "
+                             "got length %lld for sequence %lld",
+                             (long long)N, (long long)len, (long long)b);
+            } else if (a->is_prefix) {
+                len = N;
+            } else if (len > N) {
                 if (msg[0] == '\0')
                     snprintf(msg, MESSAGE_SIZE,
                              "unpack: every length must be <= N=%lld, got %lld at image %lld",
@@ -510,5 +596,48 @@ ragvit_status ragvit_cpu_unpack(const ragvit_unpack_args *a)
 
     if (msg[0] != '\0')
         return ragvit_fail(RAGVIT_STATUS_INVALID_VALUE, "%s", msg);
+    return RAGVIT_STATUS_OK;
+}
+
+/* ---- segment mean ---- */
+
+ragvit_status ragvit_cpu_segment_mean(const ragvit_segment_mean_args *a)
+{
+    const int64_t es = dtype_size(a->dtype), C = a->channels;
+    if (es == 0)
+        return ragvit_fail(RAGVIT_STATUS_INVALID_DTYPE,
+                           "segment_mean: packed must be float16, bfloat16 or float32, got dtype "
+                           "code %d",
+                           (int)a->dtype);
+    float *acc = malloc((size_t)(2 * C > 0 ? 2 * C : 1) * sizeof *acc);
+    if (acc == NULL)
+        return ragvit_fail(RAGVIT_STATUS_OUT_OF_MEMORY,
+                           "segment_mean: scratch must be allocatable, got no memory for %lld "
+                           "floats",
+                           (long long)(2 * C));
+    float *row = acc + C;
+    int is_bad = 0;
+    for (int64_t b = 0; b < a->batch; b++) {
+        const int64_t start = a->cu_seqlens[b * a->cu_seqlens_stride];
+        const int64_t end = a->cu_seqlens[(b + 1) * a->cu_seqlens_stride];
+        int64_t first = start + a->skip, count = 0;
+        memset(acc, 0, (size_t)C * sizeof *acc);
+        if (start < 0 || end < start || end > a->total_tokens)
+            is_bad = 1;
+        else if (first < end)
+            count = end - first;
+        for (int64_t t = first; t < first + count; t++) {
+            load_row(row, elem_at(a->packed, t * a->packed_stride_token, es), C, a->dtype);
+            for (int64_t c = 0; c < C; c++)
+                acc[c] += row[c];
+        }
+        store_row(elem_at_mut(a->out, b * a->out_stride_b, es), acc,
+                  count > 0 ? 1.0f / (float)count : 0.0f, C, a->dtype);
+    }
+    free(acc);
+    if (is_bad)
+        return ragvit_fail(RAGVIT_STATUS_INVALID_VALUE,
+                           "segment_mean: cu_seqlens must be non-decreasing within [0, T=%lld]",
+                           (long long)a->total_tokens);
     return RAGVIT_STATUS_OK;
 }

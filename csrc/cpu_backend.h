@@ -12,5 +12,6 @@ ragvit_status ragvit_cpu_attention(const ragvit_attention_args *a);
 ragvit_status ragvit_cpu_pack_count(const ragvit_pack_args *a);
 ragvit_status ragvit_cpu_pack_gather(const ragvit_pack_args *a);
 ragvit_status ragvit_cpu_unpack(const ragvit_unpack_args *a);
+ragvit_status ragvit_cpu_segment_mean(const ragvit_segment_mean_args *a);
 
 #endif /* RAGVIT_CPU_BACKEND_H */

@@ -774,6 +774,60 @@ static int parse_float(call_state *cs, PyObject *obj, const char *name, double f
     return (*value == -1.0 && PyErr_Occurred()) ? -1 : 0;
 }
 
+/* A required int >= 0 (bool refused: it is almost always a mistake here). */
+static int parse_count(call_state *cs, PyObject *obj, const char *name, long long *value) {
+    if (!PyLong_Check(obj) || PyBool_Check(obj)) {
+        ragvit_fail(RAGVIT_STATUS_INVALID_TYPE, "%s: %s must be an int, got %s", cs->op, name,
+                    Py_TYPE(obj)->tp_name);
+        return raise_status(RAGVIT_STATUS_INVALID_TYPE);
+    }
+    int overflow = 0;
+    *value = PyLong_AsLongLongAndOverflow(obj, &overflow);
+    if (*value == -1 && PyErr_Occurred()) return -1;
+    if (overflow || *value < 0 || *value > INT32_MAX) {
+        ragvit_fail(RAGVIT_STATUS_INVALID_VALUE, "%s: %s must be in [0, 2**31), got %s%lld",
+                    cs->op, name, overflow ? "an int beyond " : "",
+                    overflow ? (overflow > 0 ? (long long)INT64_MAX : (long long)INT64_MIN)
+                             : *value);
+        return raise_status(RAGVIT_STATUS_INVALID_VALUE);
+    }
+    return 0;
+}
+
+/* -1 with ValueError unless packed is (T, C) and cu_seqlens (B+1,) (for
+ * sizing an output before the core checks everything else). */
+static int check_packed_dims(call_state *cs, const ragvit_tensor *packed,
+                             const ragvit_tensor *cu) {
+    if (packed->ndim == 2 && cu->ndim == 1) return 0;
+    ragvit_fail(RAGVIT_STATUS_INVALID_SHAPE,
+                "%s: packed must be (T, C) and cu_seqlens (B+1,), got %d and %d dimensions",
+                cs->op, packed->ndim, cu->ndim);
+    return raise_status(RAGVIT_STATUS_INVALID_SHAPE);
+}
+
+/* The output of a per-sequence op: (B, rows, C), or (B, C) when rows < 0.
+ * Returns a new reference to `given` (its rows per sequence checked) or a new
+ * array allocated like packed; NULL with an exception. */
+static PyObject *sequence_output(call_state *cs, PyObject *given, const ragvit_tensor *packed,
+                                 const ragvit_tensor *cu, long long rows, const char *rows_name,
+                                 ragvit_tensor *out) {
+    if (given != NULL) {
+        if (rows >= 0 && out->ndim == 3 && out->shape[1] != rows) {
+            ragvit_fail(RAGVIT_STATUS_INVALID_SHAPE,
+                        "%s: out must have %s=%lld rows per sequence, got %lld", cs->op,
+                        rows_name, rows, (long long)out->shape[1]);
+            raise_status(RAGVIT_STATUS_INVALID_SHAPE);
+            return NULL;
+        }
+        Py_INCREF(given);
+        return given;
+    }
+    if (check_packed_dims(cs, packed, cu)) return NULL;
+    const int64_t batch = cu->shape[0] > 0 ? cu->shape[0] - 1 : 0;
+    const int64_t shape[3] = {batch, rows >= 0 ? rows : packed->shape[1], packed->shape[1]};
+    return alloc_like(cs, 0, packed, "out", packed->dtype, rows >= 0 ? 3 : 2, shape, out);
+}
+
 PyDoc_STRVAR(attention_doc,
 "attention(q, k, v, cu_seqlens, max_seqlen=None, *, scale=None, out=None, cls_attn=None,\n"
 "          stream=None) -> out\n"
@@ -909,6 +963,7 @@ PyDoc_STRVAR(pack_into_doc,
 "\n"
 "pack() into caller-sized capacity buffers, with no host sync and no\n"
 "allocation (CUDA-graph capturable); the total is cu_seqlens[B] on the device.\n"
+"On CUDA the count and the gather are one kernel launch.\n"
 "\n"
 "Args:\n"
 "    x: (B, N, C) float16, bfloat16 or float32, channels contiguous.\n"
@@ -980,19 +1035,8 @@ static PyObject *py_unpack(PyObject *module, PyObject *const *args, Py_ssize_t n
     call_state cs;
     call_init(&cs, module, "unpack");
     if (parse_args(cs.op, args, nargs, kwnames, names, 7, 3, 3, values)) return NULL;
-    if (!PyLong_Check(values[2])) {
-        ragvit_fail(RAGVIT_STATUS_INVALID_TYPE, "unpack: N must be an int, got %s",
-                    Py_TYPE(values[2])->tp_name);
-        raise_status(RAGVIT_STATUS_INVALID_TYPE);
-        return NULL;
-    }
-    long long n = PyLong_AsLongLong(values[2]);
-    if (n == -1 && PyErr_Occurred()) return NULL;
-    if (n < 0) {
-        ragvit_fail(RAGVIT_STATUS_INVALID_VALUE, "unpack: N must be >= 0, got %lld", n);
-        raise_status(RAGVIT_STATUS_INVALID_VALUE);
-        return NULL;
-    }
+    long long n = 0;
+    if (parse_count(&cs, values[2], "N", &n)) return NULL;
     if (parse_float(&cs, values[4], "fill", 0.0, &fill)) return NULL;
     if (parse_stream(&cs, values[6])) return NULL;
     if (import_arg(&cs, values[0], "packed", &packed) ||
@@ -1000,25 +1044,8 @@ static PyObject *py_unpack(PyObject *module, PyObject *const *args, Py_ssize_t n
         import_arg(&cs, values[3], "indices", &idx) || import_arg(&cs, values[5], "out", &out)) {
         goto done;
     }
-    if (!out.is_present) {
-        if (packed.ndim != 2 || cu.ndim != 1) {
-            RAISE_IF(ragvit_fail(RAGVIT_STATUS_INVALID_SHAPE,
-                                 "unpack: packed must be (T, C) and cu_seqlens (B+1,), got %d "
-                                 "and %d dimensions",
-                                 packed.ndim, cu.ndim));
-        }
-        const int64_t shape[3] = {cu.shape[0] > 0 ? cu.shape[0] - 1 : 0, n, packed.shape[1]};
-        out_obj = alloc_like(&cs, 0, &packed, "out", packed.dtype, 3, shape, &out);
-        if (out_obj == NULL) goto done;
-    } else {
-        out_obj = values[5];
-        Py_INCREF(out_obj);
-        if (out.ndim == 3 && out.shape[1] != n) {
-            RAISE_IF(ragvit_fail(RAGVIT_STATUS_INVALID_SHAPE,
-                                 "unpack: out must have N=%lld rows per image, got %lld", n,
-                                 (long long)out.shape[1]));
-        }
-    }
+    out_obj = sequence_output(&cs, values[5], &packed, &cu, n, "N", &out);
+    if (out_obj == NULL) goto done;
     if (finish_streams(&cs)) goto done;
     RAISE_IF(ragvit_unpack_forward(&cs.st->ctx, &out, &packed, &cu, &idx, fill, cs.stream));
     result = out_obj;
@@ -1026,6 +1053,219 @@ static PyObject *py_unpack(PyObject *module, PyObject *const *args, Py_ssize_t n
 done:
     release_slots(&cs);
     Py_XDECREF(out_obj);
+    return result;
+}
+
+PyDoc_STRVAR(gather_prefix_doc,
+"gather_prefix(packed, cu_seqlens, k, *, out=None, stream=None) -> out\n"
+"\n"
+"The first k tokens of every sequence (CLS / distillation tokens) as (B, k, C).\n"
+"\n"
+"Args:\n"
+"    packed: (T, C) float16, bfloat16 or float32, channels contiguous.\n"
+"    cu_seqlens: (B+1,) int32 on packed's device; every length must be >= k.\n"
+"    k: tokens per sequence to gather, an int in [0, 2**31).\n"
+"    out: optional (B, k, C) output of packed's dtype, channels contiguous;\n"
+"        allocated like packed when omitted.\n"
+"    stream: as for attention.\n"
+"\n"
+"Returns:\n"
+"    out, out[b, j] = packed[cu_seqlens[b] + j].\n"
+"\n"
+"Raises:\n"
+"    ValueError: a sequence shorter than k on the CPU (nothing is written). On\n"
+"        CUDA lengths cannot be read without a sync: a short sequence's missing\n"
+"        rows are zeros and the device flag is set (raised in debug mode).\n"
+"    TypeError, BufferError, MemoryError, RuntimeError as attention.");
+
+/* gather_prefix (is_prefix: required k) and segment_mean (optional skip):
+ * (packed, cu_seqlens, <count>, *, out=None, stream=None) -> out. */
+static PyObject *sequence_op(PyObject *module, PyObject *const *args, Py_ssize_t nargs,
+                             PyObject *kwnames, const char *op, const char *count_name,
+                             int is_prefix) {
+    const char *const names[] = {"packed", "cu_seqlens", count_name, "out", "stream"};
+    const int positional = is_prefix ? 3 : 2;
+    PyObject *values[5];
+    PyObject *out_obj = NULL, *result = NULL;
+    ragvit_tensor packed, cu, out;
+    long long count = 0;
+    call_state cs;
+    call_init(&cs, module, op);
+    if (parse_args(op, args, nargs, kwnames, names, 5, positional, positional, values)) {
+        return NULL;
+    }
+    if (values[2] != NULL && parse_count(&cs, values[2], count_name, &count)) return NULL;
+    if (parse_stream(&cs, values[4])) return NULL;
+    if (import_arg(&cs, values[0], "packed", &packed) ||
+        import_arg(&cs, values[1], "cu_seqlens", &cu) || import_arg(&cs, values[3], "out", &out)) {
+        goto done;
+    }
+    out_obj = sequence_output(&cs, values[3], &packed, &cu, is_prefix ? count : -1, count_name,
+                              &out);
+    if (out_obj == NULL) goto done;
+    if (finish_streams(&cs)) goto done;
+    RAISE_IF(is_prefix
+                 ? ragvit_gather_prefix(&cs.st->ctx, &out, &packed, &cu, cs.stream)
+                 : ragvit_segment_mean(&cs.st->ctx, &out, &packed, &cu, count, cs.stream));
+    result = out_obj;
+    out_obj = NULL;
+done:
+    release_slots(&cs);
+    Py_XDECREF(out_obj);
+    return result;
+}
+
+static PyObject *py_gather_prefix(PyObject *module, PyObject *const *args, Py_ssize_t nargs,
+                                  PyObject *kwnames) {
+    return sequence_op(module, args, nargs, kwnames, "gather_prefix", "k", 1);
+}
+
+PyDoc_STRVAR(segment_mean_doc,
+"segment_mean(packed, cu_seqlens, *, skip=0, out=None, stream=None) -> out\n"
+"\n"
+"Mean of each sequence's tokens after its first `skip` (global average pooling).\n"
+"\n"
+"Args:\n"
+"    packed: (T, C) float16, bfloat16 or float32, channels contiguous.\n"
+"    cu_seqlens: (B+1,) int32 on packed's device.\n"
+"    skip: leading tokens of each sequence to leave out (e.g. 1 for a CLS\n"
+"        token), an int in [0, 2**31).\n"
+"    out: optional (B, C) output of packed's dtype, channels contiguous;\n"
+"        allocated like packed when omitted.\n"
+"    stream: as for attention.\n"
+"\n"
+"Returns:\n"
+"    out, out[b] = mean(packed[cu_seqlens[b] + skip : cu_seqlens[b+1]]), summed in\n"
+"    float32 and rounded once to packed's dtype. A sequence with no token past\n"
+"    `skip` gives a row of zeros (not NaN), so the op needs no host-side lengths.\n"
+"\n"
+"Raises:\n"
+"    ValueError: bad cu_seqlens contents on the CPU (on CUDA: zeros, flagged).\n"
+"    TypeError, BufferError, MemoryError, RuntimeError as attention.");
+
+static PyObject *py_segment_mean(PyObject *module, PyObject *const *args, Py_ssize_t nargs,
+                                 PyObject *kwnames) {
+    return sequence_op(module, args, nargs, kwnames, "segment_mean", "skip", 0);
+}
+
+PyDoc_STRVAR(repack_doc,
+"repack(packed, cu_seqlens, keep, *, fuse_weights=None, stream=None)\n"
+"    -> (packed2, cu_seqlens2, src)\n"
+"\n"
+"Drop tokens of already packed sequences (second and later pruning stages).\n"
+"\n"
+"Args:\n"
+"    packed: (T, C) float16, bfloat16 or float32, channels contiguous.\n"
+"    cu_seqlens: (B+1,) int32 on packed's device.\n"
+"    keep: (T,) bool or uint8 over the rows of packed; nonzero keeps the row.\n"
+"        Rows outside every sequence are ignored.\n"
+"    fuse_weights: optional (T,) float32 (EViT inattentive-token fusion): each\n"
+"        sequence gets one extra row after its kept rows, sum(w x) / sum(w) over\n"
+"        its dropped rows, accumulated in float32. It is always appended (zeros\n"
+"        when sum(w) == 0, e.g. nothing dropped), so every count grows by\n"
+"        exactly 1 and a capacity of T + B always suffices; its src is -1.\n"
+"    stream: as for attention.\n"
+"\n"
+"Returns:\n"
+"    packed2 (T2, C) of packed's dtype (kept rows, in order), cu_seqlens2 (B+1,)\n"
+"    int32 and src (T2,) int32 (each kept row's index into packed), in packed's\n"
+"    library. On CUDA this synchronizes the stream once to learn T2;\n"
+"    repack_into does not.\n"
+"\n"
+"Raises:\n"
+"    ValueError: bad cu_seqlens contents on the CPU.\n"
+"    TypeError, BufferError, MemoryError, RuntimeError as attention.");
+
+static PyObject *py_repack(PyObject *module, PyObject *const *args, Py_ssize_t nargs,
+                           PyObject *kwnames) {
+    static const char *const names[] = {"packed", "cu_seqlens", "keep", "fuse_weights",
+                                        "stream"};
+    PyObject *values[5];
+    PyObject *cu2_obj = NULL, *out_obj = NULL, *src_obj = NULL, *result = NULL;
+    ragvit_tensor packed, cu, keep, weights, cu2, out, src;
+    call_state cs;
+    call_init(&cs, module, "repack");
+    if (parse_args(cs.op, args, nargs, kwnames, names, 5, 3, 3, values)) return NULL;
+    if (parse_stream(&cs, values[4])) return NULL;
+    if (import_arg(&cs, values[0], "packed", &packed) ||
+        import_arg(&cs, values[1], "cu_seqlens", &cu) ||
+        import_arg(&cs, values[2], "keep", &keep) ||
+        import_arg(&cs, values[3], "fuse_weights", &weights)) {
+        goto done;
+    }
+    if (finish_streams(&cs)) goto done;
+    if (check_packed_dims(&cs, &packed, &cu)) goto done;
+    cu2_obj = alloc_like(&cs, 0, &packed, "cu_seqlens", RAGVIT_DTYPE_I32, 1, cu.shape, &cu2);
+    if (cu2_obj == NULL) goto done;
+    RAISE_IF(ragvit_repack_count(&cs.st->ctx, &cu2, &packed, &cu, &keep, &weights, cs.stream));
+    int32_t total = 0;
+    RAISE_IF(ragvit_read_int32(&total, &cu2, cu.shape[0] - 1, cs.stream));
+    const int64_t out_shape[2] = {total, packed.shape[1]};
+    const int64_t src_shape[1] = {total};
+    out_obj = alloc_like(&cs, 0, &packed, "packed", packed.dtype, 2, out_shape, &out);
+    if (out_obj == NULL) goto done;
+    src_obj = alloc_like(&cs, 0, &packed, "src", RAGVIT_DTYPE_I32, 1, src_shape, &src);
+    if (src_obj == NULL) goto done;
+    RAISE_IF(ragvit_repack_gather(&cs.st->ctx, &out, &src, &packed, &cu, &keep, &weights, &cu2,
+                                  cs.stream));
+    result = PyTuple_Pack(3, out_obj, cu2_obj, src_obj);
+done:
+    release_slots(&cs);
+    Py_XDECREF(cu2_obj);
+    Py_XDECREF(out_obj);
+    Py_XDECREF(src_obj);
+    return result;
+}
+
+PyDoc_STRVAR(repack_into_doc,
+"repack_into(packed, cu_seqlens, keep, out, cu_seqlens_out, *, src=None,\n"
+"            fuse_weights=None, stream=None) -> None\n"
+"\n"
+"repack() into caller-sized capacity buffers, with no host sync and no\n"
+"allocation (CUDA-graph capturable); the total is cu_seqlens_out[B] on the device.\n"
+"On CUDA the count, the gather and any fusion are one kernel launch.\n"
+"\n"
+"Args:\n"
+"    packed, cu_seqlens, keep: as for repack.\n"
+"    out: (capacity, C) of packed's dtype; rows past the kept total are\n"
+"        untouched. Kept rows beyond capacity are dropped and never written\n"
+"        (CPU: ValueError before any row is written; CUDA: flagged, raised in\n"
+"        debug mode).\n"
+"    cu_seqlens_out: (B+1,) int32, receives the prefix sums of the kept counts.\n"
+"    src: optional (capacity,) int32, receives each kept row's index into packed.\n"
+"    fuse_weights: optional (T,) float32, as for repack (fused in the same launch).\n"
+"    stream: as for attention.\n"
+"\n"
+"Raises:\n"
+"    TypeError, ValueError, BufferError, RuntimeError as attention.");
+
+static PyObject *py_repack_into(PyObject *module, PyObject *const *args, Py_ssize_t nargs,
+                                PyObject *kwnames) {
+    static const char *const names[] = {"packed", "cu_seqlens",     "keep",
+                                        "out",    "cu_seqlens_out", "src",
+                                        "fuse_weights", "stream"};
+    PyObject *values[8];
+    PyObject *result = NULL;
+    ragvit_tensor packed, cu, keep, out, cu2, src, weights;
+    call_state cs;
+    call_init(&cs, module, "repack_into");
+    if (parse_args(cs.op, args, nargs, kwnames, names, 8, 5, 5, values)) return NULL;
+    if (parse_stream(&cs, values[7])) return NULL;
+    if (import_arg(&cs, values[0], "packed", &packed) ||
+        import_arg(&cs, values[1], "cu_seqlens", &cu) ||
+        import_arg(&cs, values[2], "keep", &keep) || import_arg(&cs, values[3], "out", &out) ||
+        import_arg(&cs, values[4], "cu_seqlens_out", &cu2) ||
+        import_arg(&cs, values[5], "src", &src) ||
+        import_arg(&cs, values[6], "fuse_weights", &weights)) {
+        goto done;
+    }
+    if (finish_streams(&cs)) goto done;
+    RAISE_IF(ragvit_repack_into(&cs.st->ctx, &out, &src, &cu2, &packed, &cu, &keep, &weights,
+                                cs.stream));
+    result = Py_None;
+    Py_INCREF(result);
+done:
+    release_slots(&cs);
     return result;
 }
 
@@ -1077,6 +1317,14 @@ static PyMethodDef module_methods[] = {
      pack_into_doc},
     {"unpack", (PyCFunction)(void (*)(void))py_unpack, METH_FASTCALL | METH_KEYWORDS,
      unpack_doc},
+    {"repack", (PyCFunction)(void (*)(void))py_repack, METH_FASTCALL | METH_KEYWORDS,
+     repack_doc},
+    {"repack_into", (PyCFunction)(void (*)(void))py_repack_into, METH_FASTCALL | METH_KEYWORDS,
+     repack_into_doc},
+    {"gather_prefix", (PyCFunction)(void (*)(void))py_gather_prefix,
+     METH_FASTCALL | METH_KEYWORDS, gather_prefix_doc},
+    {"segment_mean", (PyCFunction)(void (*)(void))py_segment_mean, METH_FASTCALL | METH_KEYWORDS,
+     segment_mean_doc},
     {"cuda_is_compiled", py_cuda_is_compiled, METH_NOARGS,
      "cuda_is_compiled() -> bool\n\nTrue when the extension was built with nvcc."},
     {"cuda_device_count", py_cuda_device_count, METH_NOARGS,

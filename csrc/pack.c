@@ -1,17 +1,20 @@
-/* pack.c — host side of the token packer: validate, fill ragvit_pack_args /
- * ragvit_unpack_args, dispatch to the CPU backend or the CUDA launchers.
- * Shapes: x (B, N, C) channels contiguous; keep (B, N) bool/uint8; packed
- * (capacity, C); cu_seqlens (B+1,) int32; indices (capacity,) int32.
- * Decision: packing is two steps (count, then gather) so the eager form can
- * learn T on the host between them, while pack_into validates once and
- * enqueues both steps with no host sync (a single fused launch is issue 4). */
+/* pack.c — host side of the token packer (pack, repack, unpack, gather_prefix):
+ * validate, fill ragvit_pack_args / ragvit_unpack_args, dispatch to the CPU
+ * backend or the CUDA launchers. Shapes: x (B, N, C) channels contiguous; keep
+ * (B, N) (pack) or (T,) (repack) bool/uint8; packed (T or capacity, C);
+ * cu_seqlens (B+1,) int32; indices / src (capacity,) int32. repack is pack with
+ * image b read from rows [cu_seqlens[b], cu_seqlens[b+1]) of a packed tensor,
+ * so both share one argument struct, one CPU loop and one pair of kernels.
+ * Decision: the eager forms are two steps (count, then gather) so they can
+ * learn T on the host between them; the _into forms validate once and enqueue
+ * one fused count + gather launch on CUDA, with no host sync and no scratch. */
 #include <inttypes.h>
 
 #include "cpu_backend.h"
 #include "tensor.h"
 
-static ragvit_status pack_check_keep(const char *op, const ragvit_tensor *keep) {
-    TRY(tensor_check_ndim(op, "keep", keep, 2));
+static ragvit_status pack_check_keep(const char *op, const ragvit_tensor *keep, int32_t ndim) {
+    TRY(tensor_check_ndim(op, "keep", keep, ndim));
     if (keep->dtype != RAGVIT_DTYPE_BOOL && keep->dtype != RAGVIT_DTYPE_U8) {
         return ragvit_fail(RAGVIT_STATUS_INVALID_DTYPE, "%s: keep must be bool or uint8, got %s",
                            op, tensor_dtype_name(keep->dtype));
@@ -27,13 +30,7 @@ static ragvit_status pack_check_cu_seqlens(const char *op, const ragvit_tensor *
     return is_output ? tensor_check_writable(op, "cu_seqlens", cu_seqlens) : RAGVIT_STATUS_OK;
 }
 
-#ifdef RAGVIT_WITH_CUDA
-static ragvit_status pack_finish(ragvit_context *ctx, int32_t device_id, void *stream,
-                                 const char *op) {
-    return ctx->is_debug ? ragvit_context_check_device(ctx, device_id, stream, op)
-                         : RAGVIT_STATUS_OK;
-}
-#else
+#ifndef RAGVIT_WITH_CUDA
 static ragvit_status pack_no_cuda(const char *op) {
     return ragvit_fail(RAGVIT_STATUS_NO_CUDA,
                        "%s: arrays must be on the CPU in this CPU-only build, got CUDA arrays", op);
@@ -44,7 +41,7 @@ static ragvit_status pack_no_cuda(const char *op) {
 static ragvit_status pack_count_check(const char *op, ragvit_pack_args *a,
                                       const ragvit_tensor *cu_seqlens_out,
                                       const ragvit_tensor *keep) {
-    TRY(pack_check_keep(op, keep));
+    TRY(pack_check_keep(op, keep, 2));
     TRY(pack_check_cu_seqlens(op, cu_seqlens_out, keep->shape[0], 1));
     TRY(tensor_check_no_alias(op, "cu_seqlens", cu_seqlens_out, "keep", keep));
     a->keep = (const uint8_t *)keep->data;
@@ -57,6 +54,60 @@ static ragvit_status pack_count_check(const char *op, ragvit_pack_args *a,
     return RAGVIT_STATUS_OK;
 }
 
+/* Checks out (capacity, C) and the optional int32 index output against the
+ * input x and the other inputs (no aliasing). */
+static ragvit_status pack_check_outputs(const char *op, const char *x_name,
+                                        const char *indices_name, const ragvit_tensor *out,
+                                        const ragvit_tensor *indices_out,
+                                        const ragvit_tensor *x, const ragvit_tensor *keep,
+                                        const ragvit_tensor *cu_seqlens) {
+    const int64_t out_shape[2] = {-1, x->shape[x->ndim - 1]};
+    TRY(tensor_check_shape(op, "out", out, 2, out_shape));
+    TRY(tensor_check_same_dtype(op, "out", out, x_name, x));
+    TRY(tensor_check_last_contiguous(op, "out", out));
+    TRY(tensor_check_writable(op, "out", out));
+    if (indices_out->is_present) {
+        const int64_t indices_shape[1] = {out->shape[0]};
+        TRY(tensor_check_shape(op, indices_name, indices_out, 1, indices_shape));
+        TRY(tensor_check_dtype(op, indices_name, indices_out, RAGVIT_DTYPE_I32));
+        TRY(tensor_check_writable(op, indices_name, indices_out));
+    }
+    const char *const names[] = {x_name, "keep", "cu_seqlens"};
+    const ragvit_tensor *const ins[] = {x, keep, cu_seqlens};
+    for (int i = 0; i < 3; i++) {
+        TRY(tensor_check_no_alias(op, "out", out, names[i], ins[i]));
+        TRY(tensor_check_no_alias(op, indices_name, indices_out, names[i], ins[i]));
+    }
+    return tensor_check_no_alias(op, indices_name, indices_out, "out", out);
+}
+
+static void pack_fill_outputs(ragvit_pack_args *a, const ragvit_tensor *out,
+                              const ragvit_tensor *indices_out, const ragvit_tensor *x) {
+    a->out = out->data;
+    a->indices_out = indices_out->is_present ? (int32_t *)indices_out->data : NULL;
+    a->out_stride_token = out->strides[0];
+    a->indices_stride = indices_out->is_present ? indices_out->strides[0] : 0;
+    a->channels = x->shape[x->ndim - 1];
+    a->capacity = out->shape[0];
+    a->elem_size = tensor_dtype_size(x->dtype);
+    a->dtype = x->dtype;
+}
+
+/* The cu_seqlens (B+1,) output of a count step: writable, aliasing no input
+ * and no other output (out / indices_out may be absent: is_present 0). */
+static ragvit_status pack_check_count_output(const char *op, const char *x_name,
+                                             const char *indices_name, const char *cu_name,
+                                             const ragvit_tensor *cu_seqlens_out,
+                                             const ragvit_tensor *out,
+                                             const ragvit_tensor *indices_out,
+                                             const ragvit_tensor *x, const ragvit_tensor *keep) {
+    TRY(tensor_check_writable(op, cu_name, cu_seqlens_out));
+    TRY(tensor_check_no_alias(op, cu_name, cu_seqlens_out, x_name, x));
+    TRY(tensor_check_no_alias(op, cu_name, cu_seqlens_out, "keep", keep));
+    TRY(tensor_check_no_alias(op, "out", out, cu_name, cu_seqlens_out));
+    return tensor_check_no_alias(op, indices_name, indices_out, cu_name, cu_seqlens_out);
+}
+
 /* Validates the gather arguments and fills the rest of a. */
 static ragvit_status pack_gather_check(const char *op, ragvit_pack_args *a,
                                        const ragvit_tensor *out, const ragvit_tensor *indices_out,
@@ -65,35 +116,14 @@ static ragvit_status pack_gather_check(const char *op, ragvit_pack_args *a,
     TRY(tensor_check_ndim(op, "x", x, 3));
     TRY(tensor_check_float(op, "x", x));
     TRY(tensor_check_last_contiguous(op, "x", x));
-    TRY(pack_check_keep(op, keep));
+    TRY(pack_check_keep(op, keep, 2));
     const int64_t keep_shape[2] = {x->shape[0], x->shape[1]};
     TRY(tensor_check_shape(op, "keep", keep, 2, keep_shape));
     TRY(pack_check_cu_seqlens(op, cu_seqlens, x->shape[0], 0));
-    const int64_t out_shape[2] = {-1, x->shape[2]};
-    TRY(tensor_check_shape(op, "out", out, 2, out_shape));
-    TRY(tensor_check_same_dtype(op, "out", out, "x", x));
-    TRY(tensor_check_last_contiguous(op, "out", out));
-    TRY(tensor_check_writable(op, "out", out));
-    if (indices_out->is_present) {
-        const int64_t indices_shape[1] = {out->shape[0]};
-        TRY(tensor_check_shape(op, "indices", indices_out, 1, indices_shape));
-        TRY(tensor_check_dtype(op, "indices", indices_out, RAGVIT_DTYPE_I32));
-        TRY(tensor_check_writable(op, "indices", indices_out));
-    }
-    const char *const names[] = {"x", "keep", "cu_seqlens"};
-    const ragvit_tensor *const ins[] = {x, keep, cu_seqlens};
-    for (int i = 0; i < 3; i++) {
-        TRY(tensor_check_no_alias(op, "out", out, names[i], ins[i]));
-        TRY(tensor_check_no_alias(op, "indices", indices_out, names[i], ins[i]));
-    }
-    TRY(tensor_check_no_alias(op, "indices", indices_out, "out", out));
-    a->out = out->data;
-    a->indices_out = indices_out->is_present ? (int32_t *)indices_out->data : NULL;
+    TRY(pack_check_outputs(op, "x", "indices", out, indices_out, x, keep, cu_seqlens));
     a->x = x->data;
     a->keep = (const uint8_t *)keep->data;
     a->cu_seqlens = (int32_t *)cu_seqlens->data;
-    a->out_stride_token = out->strides[0];
-    a->indices_stride = indices_out->is_present ? indices_out->strides[0] : 0;
     a->x_stride_b = x->strides[0];
     a->x_stride_n = x->strides[1];
     a->keep_stride_b = keep->strides[0];
@@ -101,41 +131,21 @@ static ragvit_status pack_gather_check(const char *op, ragvit_pack_args *a,
     a->cu_seqlens_stride = cu_seqlens->strides[0];
     a->batch = x->shape[0];
     a->seqlen = x->shape[1];
-    a->channels = x->shape[2];
-    a->capacity = out->shape[0];
-    a->elem_size = tensor_dtype_size(x->dtype);
+    pack_fill_outputs(a, out, indices_out, x);
     return RAGVIT_STATUS_OK;
 }
 
-ragvit_status ragvit_pack_count(ragvit_context *ctx, const ragvit_tensor *cu_seqlens_out,
-                                const ragvit_tensor *keep, void *stream) {
-    static const char op[] = "pack";
-    const char *const names[] = {"keep", "cu_seqlens"};
-    const ragvit_tensor *const all[] = {keep, cu_seqlens_out};
-    int32_t device_type = 0, device_id = 0;
-    ragvit_pack_args a = {0};
-    TRY(pack_count_check(op, &a, cu_seqlens_out, keep));
-    TRY(tensor_check_devices(op, names, all, 2, &device_type, &device_id));
-    if (device_type == RAGVIT_DEVICE_CPU) return ragvit_cpu_pack_count(&a);
-#ifdef RAGVIT_WITH_CUDA
-    const ragvit_device_info *dev = NULL;
-    TRY(ragvit_context_device(ctx, device_id, &dev));
-    a.error_flag = dev->error_flag;
-    TRY(ragvit_cuda_pack_count(&a, dev, stream));
-    return pack_finish(ctx, device_id, stream, op);
-#else
-    (void)ctx;
-    (void)stream;
-    return pack_no_cuda(op);
-#endif
-}
+/* Steps of pack_run: the count alone (eager forms, step 1), the gather alone
+ * (step 2, cu_seqlens already written) or both (the _into forms; one launch). */
+enum { PACK_COUNT = 1, PACK_GATHER = 2 };
 
-/* Runs the optional count step and the gather step on validated args. */
+/* Runs the steps on validated args. */
 static ragvit_status pack_run(const char *op, ragvit_context *ctx, const ragvit_pack_args *a,
-                              int do_count, int32_t device_type, int32_t device_id, void *stream) {
+                              int steps, int32_t device_type, int32_t device_id, void *stream) {
     if (device_type == RAGVIT_DEVICE_CPU) {
         /* On the host a refused call writes no packed row: check capacity first. */
-        if (do_count) TRY(ragvit_cpu_pack_count(a));
+        if (steps & PACK_COUNT) TRY(ragvit_cpu_pack_count(a));
+        if (!(steps & PACK_GATHER)) return RAGVIT_STATUS_OK;
         int64_t total = a->cu_seqlens[a->batch * a->cu_seqlens_stride];
         if (total > a->capacity) {
             return ragvit_fail(RAGVIT_STATUS_INVALID_VALUE,
@@ -150,15 +160,28 @@ static ragvit_status pack_run(const char *op, ragvit_context *ctx, const ragvit_
     TRY(ragvit_context_device(ctx, device_id, &dev));
     ragvit_pack_args launch = *a;
     launch.error_flag = dev->error_flag;
-    if (do_count) TRY(ragvit_cuda_pack_count(&launch, dev, stream));
-    TRY(ragvit_cuda_pack_gather(&launch, dev, stream));
-    return pack_finish(ctx, device_id, stream, op);
+    if (steps == PACK_COUNT) TRY(ragvit_cuda_pack_count(&launch, dev, stream));
+    else if (steps == PACK_GATHER) TRY(ragvit_cuda_pack_gather(&launch, dev, stream));
+    else TRY(ragvit_cuda_pack_fused(&launch, dev, stream));
+    return ragvit_context_finish(ctx, device_id, stream, op);
 #else
     (void)ctx;
     (void)device_id;
     (void)stream;
     return pack_no_cuda(op);
 #endif
+}
+
+ragvit_status ragvit_pack_count(ragvit_context *ctx, const ragvit_tensor *cu_seqlens_out,
+                                const ragvit_tensor *keep, void *stream) {
+    static const char op[] = "pack";
+    const char *const names[] = {"keep", "cu_seqlens"};
+    const ragvit_tensor *const all[] = {keep, cu_seqlens_out};
+    int32_t device_type = 0, device_id = 0;
+    ragvit_pack_args a = {0};
+    TRY(pack_count_check(op, &a, cu_seqlens_out, keep));
+    TRY(tensor_check_devices(op, names, all, 2, &device_type, &device_id));
+    return pack_run(op, ctx, &a, PACK_COUNT, device_type, device_id, stream);
 }
 
 ragvit_status ragvit_pack_gather(ragvit_context *ctx, const ragvit_tensor *out,
@@ -172,7 +195,7 @@ ragvit_status ragvit_pack_gather(ragvit_context *ctx, const ragvit_tensor *out,
     ragvit_pack_args a = {0};
     TRY(pack_gather_check(op, &a, out, indices_out, x, keep, cu_seqlens));
     TRY(tensor_check_devices(op, names, all, 5, &device_type, &device_id));
-    return pack_run(op, ctx, &a, 0, device_type, device_id, stream);
+    return pack_run(op, ctx, &a, PACK_GATHER, device_type, device_id, stream);
 }
 
 ragvit_status ragvit_pack_into(ragvit_context *ctx, const ragvit_tensor *out,
@@ -184,13 +207,118 @@ ragvit_status ragvit_pack_into(ragvit_context *ctx, const ragvit_tensor *out,
     int32_t device_type = 0, device_id = 0;
     ragvit_pack_args a = {0};
     TRY(pack_gather_check(op, &a, out, indices_out, x, keep, cu_seqlens_out));
-    TRY(tensor_check_writable(op, "cu_seqlens", cu_seqlens_out));
-    TRY(tensor_check_no_alias(op, "cu_seqlens", cu_seqlens_out, "x", x));
-    TRY(tensor_check_no_alias(op, "cu_seqlens", cu_seqlens_out, "keep", keep));
-    TRY(tensor_check_no_alias(op, "out", out, "cu_seqlens", cu_seqlens_out));
-    TRY(tensor_check_no_alias(op, "indices", indices_out, "cu_seqlens", cu_seqlens_out));
+    TRY(pack_check_count_output(op, "x", "indices", "cu_seqlens", cu_seqlens_out, out,
+                                indices_out, x, keep));
     TRY(tensor_check_devices(op, names, all, 5, &device_type, &device_id));
-    return pack_run(op, ctx, &a, 1, device_type, device_id, stream);
+    return pack_run(op, ctx, &a, PACK_COUNT | PACK_GATHER, device_type, device_id, stream);
+}
+
+/* Validates packed (T, C), cu_seqlens (B+1,) and keep (T,) and fills the
+ * input part of a; on the host also the contents of cu_seqlens. */
+static ragvit_status repack_check_inputs(const char *op, ragvit_pack_args *a,
+                                         const ragvit_tensor *packed,
+                                         const ragvit_tensor *cu_seqlens,
+                                         const ragvit_tensor *keep) {
+    TRY(tensor_check_packed(op, packed, cu_seqlens));
+    TRY(pack_check_keep(op, keep, 1));
+    const int64_t keep_shape[1] = {packed->shape[0]};
+    TRY(tensor_check_shape(op, "keep", keep, 1, keep_shape));
+    if (packed->shape[0] > INT32_MAX) {
+        return ragvit_fail(RAGVIT_STATUS_INVALID_SHAPE,
+                           "%s: packed must have at most 2^31-1 rows for int32 src, got %" PRId64,
+                           op, packed->shape[0]);
+    }
+    a->x = packed->data;
+    a->keep = (const uint8_t *)keep->data;
+    a->cu_seqlens_in = (const int32_t *)cu_seqlens->data;
+    a->cu_seqlens_in_stride = cu_seqlens->strides[0];
+    a->x_stride_b = 0;
+    a->x_stride_n = packed->strides[0];
+    a->keep_stride_b = 0;
+    a->keep_stride_n = keep->strides[0];
+    a->batch = cu_seqlens->shape[0] - 1;
+    a->seqlen = packed->shape[0];
+    a->channels = packed->shape[1];
+    a->elem_size = tensor_dtype_size(packed->dtype);
+    return RAGVIT_STATUS_OK;
+}
+
+/* One repack entry: count (cu_seqlens_out, no out), gather (out, cu_seqlens_out
+ * read) or both (into). Host cu_seqlens contents are checked before any write. */
+static ragvit_status repack_run(const char *op, ragvit_context *ctx, const ragvit_tensor *out,
+                                const ragvit_tensor *src_out, const ragvit_tensor *cu_seqlens_out,
+                                const ragvit_tensor *packed, const ragvit_tensor *cu_seqlens,
+                                const ragvit_tensor *keep, const ragvit_tensor *fuse_weights,
+                                int do_count, void *stream) {
+    const char *const names[] = {"packed", "cu_seqlens",     "keep",        "out",
+                                 "src",    "cu_seqlens_out", "fuse_weights"};
+    const ragvit_tensor *const all[] = {packed,  cu_seqlens,     keep,        out,
+                                        src_out, cu_seqlens_out, fuse_weights};
+    int32_t device_type = 0, device_id = 0;
+    ragvit_pack_args a = {0};
+    TRY(repack_check_inputs(op, &a, packed, cu_seqlens, keep));
+    if (fuse_weights->is_present) {
+        const int64_t weights_shape[1] = {packed->shape[0]};
+        TRY(tensor_check_shape(op, "fuse_weights", fuse_weights, 1, weights_shape));
+        TRY(tensor_check_dtype(op, "fuse_weights", fuse_weights, RAGVIT_DTYPE_F32));
+        TRY(tensor_check_no_alias(op, "out", out, "fuse_weights", fuse_weights));
+        TRY(tensor_check_no_alias(op, "src", src_out, "fuse_weights", fuse_weights));
+        TRY(tensor_check_no_alias(op, "cu_seqlens_out", cu_seqlens_out, "fuse_weights",
+                                  fuse_weights));
+        a.fuse_weights = (const float *)fuse_weights->data;
+        a.fuse_weights_stride = fuse_weights->strides[0];
+        a.is_fusing = 1;
+    }
+    const int64_t shape[1] = {cu_seqlens->shape[0]};
+    TRY(tensor_check_dtype(op, "cu_seqlens_out", cu_seqlens_out, RAGVIT_DTYPE_I32));
+    TRY(tensor_check_shape(op, "cu_seqlens_out", cu_seqlens_out, 1, shape));
+    TRY(tensor_check_no_alias(op, "cu_seqlens_out", cu_seqlens_out, "cu_seqlens", cu_seqlens));
+    if (out->is_present) {
+        TRY(pack_check_outputs(op, "packed", "src", out, src_out, packed, keep, cu_seqlens));
+        pack_fill_outputs(&a, out, src_out, packed);
+    }
+    if (do_count) {
+        TRY(pack_check_count_output(op, "packed", "src", "cu_seqlens_out", cu_seqlens_out, out,
+                                    src_out, packed, keep));
+    } else {
+        TRY(tensor_check_no_alias(op, "out", out, "cu_seqlens_out", cu_seqlens_out));
+        TRY(tensor_check_no_alias(op, "src", src_out, "cu_seqlens_out", cu_seqlens_out));
+    }
+    a.cu_seqlens = (int32_t *)cu_seqlens_out->data;
+    a.cu_seqlens_stride = cu_seqlens_out->strides[0];
+    TRY(tensor_check_devices(op, names, all, 7, &device_type, &device_id));
+    if (device_type == RAGVIT_DEVICE_CPU) {
+        TRY(tensor_check_cu_seqlens_host(op, cu_seqlens, packed->shape[0], -1, NULL, NULL));
+    }
+    const int steps = (do_count ? PACK_COUNT : 0) | (out->is_present ? PACK_GATHER : 0);
+    return pack_run(op, ctx, &a, steps, device_type, device_id, stream);
+}
+
+ragvit_status ragvit_repack_count(ragvit_context *ctx, const ragvit_tensor *cu_seqlens_out,
+                                  const ragvit_tensor *packed, const ragvit_tensor *cu_seqlens,
+                                  const ragvit_tensor *keep, const ragvit_tensor *fuse_weights,
+                                  void *stream) {
+    const ragvit_tensor absent = {0};
+    return repack_run("repack", ctx, &absent, &absent, cu_seqlens_out, packed, cu_seqlens, keep,
+                      fuse_weights, 1, stream);
+}
+
+ragvit_status ragvit_repack_gather(ragvit_context *ctx, const ragvit_tensor *out,
+                                   const ragvit_tensor *src_out, const ragvit_tensor *packed,
+                                   const ragvit_tensor *cu_seqlens, const ragvit_tensor *keep,
+                                   const ragvit_tensor *fuse_weights,
+                                   const ragvit_tensor *cu_seqlens_out, void *stream) {
+    return repack_run("repack", ctx, out, src_out, cu_seqlens_out, packed, cu_seqlens, keep,
+                      fuse_weights, 0, stream);
+}
+
+ragvit_status ragvit_repack_into(ragvit_context *ctx, const ragvit_tensor *out,
+                                 const ragvit_tensor *src_out, const ragvit_tensor *cu_seqlens_out,
+                                 const ragvit_tensor *packed, const ragvit_tensor *cu_seqlens,
+                                 const ragvit_tensor *keep, const ragvit_tensor *fuse_weights,
+                                 void *stream) {
+    return repack_run("repack_into", ctx, out, src_out, cu_seqlens_out, packed, cu_seqlens, keep,
+                      fuse_weights, 1, stream);
 }
 
 /* Host indices of the tokens inside sequences must lie in [0, N). */
@@ -212,22 +340,32 @@ static ragvit_status unpack_check_indices_host(const char *op, const ragvit_tens
     return RAGVIT_STATUS_OK;
 }
 
-ragvit_status ragvit_unpack_forward(ragvit_context *ctx, const ragvit_tensor *out,
-                                    const ragvit_tensor *packed, const ragvit_tensor *cu_seqlens,
-                                    const ragvit_tensor *indices, double fill, void *stream) {
-    static const char op[] = "unpack";
+/* Host lengths of gather_prefix: every sequence must hold at least k tokens. */
+static ragvit_status prefix_check_lengths_host(const char *op, const ragvit_tensor *cu_seqlens,
+                                               int64_t k) {
+    const int32_t *cu = (const int32_t *)cu_seqlens->data;
+    const int64_t num_seqs = cu_seqlens->shape[0] - 1, stride = cu_seqlens->strides[0];
+    for (int64_t s = 0; s < num_seqs; s++) {
+        const int64_t len = (int64_t)cu[(s + 1) * stride] - cu[s * stride];
+        if (len < k) {
+            return ragvit_fail(RAGVIT_STATUS_INVALID_VALUE,
+                               "%s: every sequence must have at least k=%" PRId64
+                               " tokens, got length %" PRId64 " for sequence %" PRId64,
+                               op, k, len, s);
+        }
+    }
+    return RAGVIT_STATUS_OK;
+}
+
+/* unpack and gather_prefix (is_prefix): out (B, N or k, C) from packed rows. */
+static ragvit_status unpack_run(const char *op, ragvit_context *ctx, const ragvit_tensor *out,
+                                const ragvit_tensor *packed, const ragvit_tensor *cu_seqlens,
+                                const ragvit_tensor *indices, double fill, int is_prefix,
+                                void *stream) {
     const char *const names[] = {"packed", "cu_seqlens", "indices", "out"};
     const ragvit_tensor *const all[] = {packed, cu_seqlens, indices, out};
     int32_t device_type = 0, device_id = 0;
-    TRY(tensor_check_ndim(op, "packed", packed, 2));
-    TRY(tensor_check_float(op, "packed", packed));
-    TRY(tensor_check_last_contiguous(op, "packed", packed));
-    TRY(tensor_check_ndim(op, "cu_seqlens", cu_seqlens, 1));
-    TRY(tensor_check_dtype(op, "cu_seqlens", cu_seqlens, RAGVIT_DTYPE_I32));
-    if (cu_seqlens->shape[0] < 1) {
-        return ragvit_fail(RAGVIT_STATUS_INVALID_SHAPE,
-                           "%s: cu_seqlens must have num_seqs+1 >= 1 entries, got 0", op);
-    }
+    TRY(tensor_check_packed(op, packed, cu_seqlens));
     TRY(tensor_check_ndim(op, "out", out, 3));
     const int64_t out_shape[3] = {cu_seqlens->shape[0] - 1, out->shape[1], packed->shape[1]};
     TRY(tensor_check_shape(op, "out", out, 3, out_shape));
@@ -242,9 +380,10 @@ ragvit_status ragvit_unpack_forward(ragvit_context *ctx, const ragvit_tensor *ou
     TRY(tensor_check_devices(op, names, all, 4, &device_type, &device_id));
     for (int i = 0; i < 3; i++) TRY(tensor_check_no_alias(op, "out", out, names[i], all[i]));
     if (device_type == RAGVIT_DEVICE_CPU) {
-        TRY(tensor_check_cu_seqlens_host(op, cu_seqlens, packed->shape[0], out->shape[1], "N",
-                                         NULL));
+        TRY(tensor_check_cu_seqlens_host(op, cu_seqlens, packed->shape[0],
+                                         is_prefix ? -1 : out->shape[1], "N", NULL));
         TRY(unpack_check_indices_host(op, indices, cu_seqlens, out->shape[1]));
+        if (is_prefix) TRY(prefix_check_lengths_host(op, cu_seqlens, out->shape[1]));
     }
     ragvit_unpack_args a = {
         .out = out->data,
@@ -262,6 +401,7 @@ ragvit_status ragvit_unpack_forward(ragvit_context *ctx, const ragvit_tensor *ou
         .total_tokens = packed->shape[0],
         .fill = fill,
         .dtype = packed->dtype,
+        .is_prefix = is_prefix,
     };
     if (a.batch == 0 || a.seqlen == 0 || a.channels == 0) return RAGVIT_STATUS_OK;
     if (device_type == RAGVIT_DEVICE_CPU) return ragvit_cpu_unpack(&a);
@@ -270,10 +410,23 @@ ragvit_status ragvit_unpack_forward(ragvit_context *ctx, const ragvit_tensor *ou
     TRY(ragvit_context_device(ctx, device_id, &dev));
     a.error_flag = dev->error_flag;
     TRY(ragvit_cuda_unpack(&a, dev, stream));
-    return pack_finish(ctx, device_id, stream, op);
+    return ragvit_context_finish(ctx, device_id, stream, op);
 #else
     (void)ctx;
     (void)stream;
     return pack_no_cuda(op);
 #endif
+}
+
+ragvit_status ragvit_unpack_forward(ragvit_context *ctx, const ragvit_tensor *out,
+                                    const ragvit_tensor *packed, const ragvit_tensor *cu_seqlens,
+                                    const ragvit_tensor *indices, double fill, void *stream) {
+    return unpack_run("unpack", ctx, out, packed, cu_seqlens, indices, fill, 0, stream);
+}
+
+ragvit_status ragvit_gather_prefix(ragvit_context *ctx, const ragvit_tensor *out,
+                                   const ragvit_tensor *packed, const ragvit_tensor *cu_seqlens,
+                                   void *stream) {
+    const ragvit_tensor absent = {0};
+    return unpack_run("gather_prefix", ctx, out, packed, cu_seqlens, &absent, 0.0, 1, stream);
 }

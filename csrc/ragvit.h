@@ -74,6 +74,7 @@ typedef struct {
 #define RAGVIT_ERROR_SEQLEN_OVER_MAX 2u /* a length exceeds max_seqlen */
 #define RAGVIT_ERROR_CAPACITY 4u       /* packed output smaller than the kept tokens */
 #define RAGVIT_ERROR_BAD_INDEX 8u      /* scatter index outside [0, N) */
+#define RAGVIT_ERROR_SHORT_SEQ 16u     /* gather_prefix: a sequence shorter than k */
 
 /* Per-device facts cached on first use (kernels fill it, the core keeps it). */
 typedef struct {
@@ -114,6 +115,9 @@ ragvit_status ragvit_context_device(ragvit_context *ctx, int32_t device_id,
  * RAGVIT_STATUS_DEVICE_ASSERT naming op when any bit was set. */
 ragvit_status ragvit_context_check_device(ragvit_context *ctx, int32_t device_id, void *stream,
                                           const char *op);
+/* The end of every CUDA op: in debug mode ragvit_context_check_device, else OK. */
+ragvit_status ragvit_context_finish(ragvit_context *ctx, int32_t device_id, void *stream,
+                                    const char *op);
 /* Host copy of cu_seqlens[index] (syncs the stream for CUDA tensors). */
 ragvit_status ragvit_read_int32(int32_t *value, const ragvit_tensor *t, int64_t index,
                                 void *stream);
@@ -159,6 +163,42 @@ ragvit_status ragvit_pack_into(ragvit_context *ctx, const ragvit_tensor *out,
 ragvit_status ragvit_unpack_forward(ragvit_context *ctx, const ragvit_tensor *out,
                                     const ragvit_tensor *packed, const ragvit_tensor *cu_seqlens,
                                     const ragvit_tensor *indices, double fill, void *stream);
+/* out (B, k, C) from packed (T, C) and cu_seqlens (B+1,): the first k rows of
+ * every sequence. Host: a sequence shorter than k is an error (nothing is
+ * written). CUDA: its missing rows are zeros and RAGVIT_ERROR_SHORT_SEQ is set. */
+ragvit_status ragvit_gather_prefix(ragvit_context *ctx, const ragvit_tensor *out,
+                                   const ragvit_tensor *packed, const ragvit_tensor *cu_seqlens,
+                                   void *stream);
+/* Repack for multi-stage pruning: packed (T, C), cu_seqlens (B+1,) int32 and
+ * keep (T,) bool/uint8 over packed rows (rows outside every sequence are
+ * ignored). Count: cu_seqlens_out (B+1,) of the kept counts. Gather: out
+ * (capacity, C) and optional src_out (capacity,) int32 row of packed.
+ * fuse_weights, optional (T,) float32 (EViT fusion): each sequence gets one
+ * more row after its kept rows, sum(w x) / sum(w) over its dropped rows
+ * (zeros when that sum is 0), src -1, counted in cu_seqlens_out. */
+ragvit_status ragvit_repack_count(ragvit_context *ctx, const ragvit_tensor *cu_seqlens_out,
+                                  const ragvit_tensor *packed, const ragvit_tensor *cu_seqlens,
+                                  const ragvit_tensor *keep, const ragvit_tensor *fuse_weights,
+                                  void *stream);
+ragvit_status ragvit_repack_gather(ragvit_context *ctx, const ragvit_tensor *out,
+                                   const ragvit_tensor *src_out, const ragvit_tensor *packed,
+                                   const ragvit_tensor *cu_seqlens, const ragvit_tensor *keep,
+                                   const ragvit_tensor *fuse_weights,
+                                   const ragvit_tensor *cu_seqlens_out, void *stream);
+/* Both steps into caller-sized buffers, validated once, no host sync. */
+ragvit_status ragvit_repack_into(ragvit_context *ctx, const ragvit_tensor *out,
+                                 const ragvit_tensor *src_out, const ragvit_tensor *cu_seqlens_out,
+                                 const ragvit_tensor *packed, const ragvit_tensor *cu_seqlens,
+                                 const ragvit_tensor *keep, const ragvit_tensor *fuse_weights,
+                                 void *stream);
+
+/* ---- segment.c ----
+ * out (B, C) of packed's dtype: the float32-accumulated mean of rows
+ * [cu_seqlens[b] + skip, cu_seqlens[b+1]) of packed (T, C); zeros for an empty
+ * range. skip >= 0. */
+ragvit_status ragvit_segment_mean(ragvit_context *ctx, const ragvit_tensor *out,
+                                  const ragvit_tensor *packed, const ragvit_tensor *cu_seqlens,
+                                  int64_t skip, void *stream);
 
 #ifdef __cplusplus
 }

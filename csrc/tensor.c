@@ -170,6 +170,18 @@ ragvit_status tensor_check_devices(const char *op, const char *const *names,
     return RAGVIT_STATUS_OK;
 }
 
+ragvit_status tensor_check_packed(const char *op, const ragvit_tensor *packed,
+                                  const ragvit_tensor *cu_seqlens) {
+    TRY(tensor_check_ndim(op, "packed", packed, 2));
+    TRY(tensor_check_float(op, "packed", packed));
+    TRY(tensor_check_last_contiguous(op, "packed", packed));
+    TRY(tensor_check_ndim(op, "cu_seqlens", cu_seqlens, 1));
+    TRY(tensor_check_dtype(op, "cu_seqlens", cu_seqlens, RAGVIT_DTYPE_I32));
+    if (cu_seqlens->shape[0] >= 1) return RAGVIT_STATUS_OK;
+    return ragvit_fail(RAGVIT_STATUS_INVALID_SHAPE,
+                       "%s: cu_seqlens must have num_seqs+1 >= 1 entries, got 0", op);
+}
+
 ragvit_status tensor_check_cu_seqlens_host(const char *op, const ragvit_tensor *cu_seqlens,
                                            int64_t total_tokens, int64_t max_len,
                                            const char *max_len_name, int64_t *longest) {

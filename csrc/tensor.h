@@ -36,6 +36,10 @@ ragvit_status tensor_check_no_alias(const char *op, const char *name, const ragv
 ragvit_status tensor_check_devices(const char *op, const char *const *names,
                                    const ragvit_tensor *const *tensors, int count,
                                    int32_t *device_type, int32_t *device_id);
+/* packed (T, C) float16/bfloat16/float32, channels contiguous, and cu_seqlens
+ * (S+1,) int32 with S+1 >= 1: the inputs of every op on packed sequences. */
+ragvit_status tensor_check_packed(const char *op, const ragvit_tensor *packed,
+                                  const ragvit_tensor *cu_seqlens);
 /* Host cu_seqlens (S+1,) int32: 0 <= [0], non-decreasing, [S] <= total_tokens,
  * each length <= max_len when max_len >= 0. *longest receives the longest. */
 ragvit_status tensor_check_cu_seqlens_host(const char *op, const ragvit_tensor *cu_seqlens,

@@ -72,7 +72,7 @@ def pack_into(
     indices: Array | None = None,
     stream: Any = None,
 ) -> None:
-    """pack() into caller-sized capacity buffers with no host sync.
+    """pack() into caller-sized capacity buffers with no host sync (one launch on CUDA).
 
     Args:
         x, keep: as for pack.
@@ -105,6 +105,94 @@ def unpack(
 
     Returns:
         out.
+    """
+
+def repack(
+    packed: Array,
+    cu_seqlens: Array,
+    keep: Array,
+    *,
+    fuse_weights: Array | None = None,
+    stream: Any = None,
+) -> tuple[Array, Array, Array]:
+    """Drop tokens of already packed sequences (later pruning stages).
+
+    Args:
+        packed: (T, C) float16, bfloat16 or float32, channels contiguous.
+        cu_seqlens: (B+1,) int32, same device.
+        keep: (T,) bool or uint8 over packed's rows (nonzero keeps the row);
+            rows outside every sequence are ignored.
+        fuse_weights: optional (T,) float32 (EViT inattentive-token fusion):
+            every sequence gets one extra row after its kept rows,
+            sum(w x) / sum(w) over its dropped rows in float32, src -1. It is
+            always appended (zeros when sum(w) == 0, e.g. nothing dropped), so
+            each count grows by exactly 1 and T + B rows always suffice.
+
+    Returns:
+        (packed2 (T2, C) of packed's dtype, kept rows in order; cu_seqlens2
+        (B+1,) int32; src (T2,) int32 index of each kept row into packed).
+        On CUDA this syncs once to learn T2; use repack_into to stay sync-free.
+    """
+
+def repack_into(
+    packed: Array,
+    cu_seqlens: Array,
+    keep: Array,
+    out: Array,
+    cu_seqlens_out: Array,
+    *,
+    src: Array | None = None,
+    fuse_weights: Array | None = None,
+    stream: Any = None,
+) -> None:
+    """repack() into caller-sized capacity buffers with no host sync (one launch on CUDA).
+
+    Args:
+        packed, cu_seqlens, keep: as for repack.
+        out: (capacity, C) of packed's dtype; rows past the total untouched;
+            kept rows past capacity are never written (CPU: ValueError before
+            any write; CUDA: flagged, raised in debug mode).
+        cu_seqlens_out: (B+1,) int32, receives the prefix sums (total at [B]).
+        src: optional (capacity,) int32, receives each row's index into packed.
+        fuse_weights: as for repack, fused in the same launch.
+    """
+
+def gather_prefix(
+    packed: Array, cu_seqlens: Array, k: int, *, out: Array | None = None, stream: Any = None
+) -> Array:
+    """The first k tokens of every sequence (CLS / distillation tokens).
+
+    Args:
+        packed: (T, C) float16, bfloat16 or float32, channels contiguous.
+        cu_seqlens: (B+1,) int32; every length must be >= k.
+        k: tokens per sequence, an int in [0, 2**31).
+        out: optional (B, k, C) of packed's dtype.
+
+    Returns:
+        out (B, k, C), out[b, j] = packed[cu_seqlens[b] + j]. A sequence shorter
+        than k raises ValueError on the CPU (nothing written); on CUDA its
+        missing rows are zeros and the debug flag is set.
+    """
+
+def segment_mean(
+    packed: Array,
+    cu_seqlens: Array,
+    *,
+    skip: int = 0,
+    out: Array | None = None,
+    stream: Any = None,
+) -> Array:
+    """Mean over each sequence's tokens after its first `skip` (GAP heads).
+
+    Args:
+        packed: (T, C) float16, bfloat16 or float32, channels contiguous.
+        cu_seqlens: (B+1,) int32.
+        skip: leading tokens to leave out of each sequence (1 for a CLS token).
+        out: optional (B, C) of packed's dtype.
+
+    Returns:
+        out (B, C): float32 sums rounded once to packed's dtype; a sequence
+        with no token past `skip` gives zeros.
     """
 
 def cuda_is_compiled() -> bool:

@@ -12,6 +12,10 @@ attention = _C.attention
 pack = _C.pack
 pack_into = _C.pack_into
 unpack = _C.unpack
+repack = _C.repack
+repack_into = _C.repack_into
+gather_prefix = _C.gather_prefix
+segment_mean = _C.segment_mean
 cuda_is_compiled = _C.cuda_is_compiled
 cuda_device_count = _C.cuda_device_count
 set_debug = _C.set_debug
@@ -33,6 +37,10 @@ __all__ = [
     "pack",
     "pack_into",
     "unpack",
+    "repack",
+    "repack_into",
+    "gather_prefix",
+    "segment_mean",
     "cuda_available",
     "cuda_is_compiled",
     "cuda_device_count",

@@ -47,11 +47,18 @@ typedef struct {
     int32_t dtype; /* ragvit_dtype */
 } ragvit_attention_args;
 
-/* x: (B, N, C); keep: (B, N) of 1-byte elements (nonzero = keep);
- * cu_seqlens: (B+1,) int32 (written by count, read by gather);
- * out: (capacity, C) same dtype as x; indices_out: (capacity,) int32 source
- * position n of each packed token, or NULL. Rows >= capacity are not written
- * (RAGVIT_ERROR_CAPACITY). */
+/* pack: x (B, N, C); keep (B, N) of 1-byte elements (nonzero = keep).
+ * repack: x is packed (T, C) and keep (T,) (x_stride_b = keep_stride_b = 0,
+ * seqlen = T); image b is rows [cu_seqlens_in[b], cu_seqlens_in[b+1]), and an
+ * image whose range is negative, decreasing or past T is empty and flagged
+ * (RAGVIT_ERROR_BAD_CU_SEQLENS). cu_seqlens: (B+1,) int32 (written by count,
+ * read by gather); out: (capacity, C) same dtype as x; indices_out:
+ * (capacity,) int32 source row of each packed token (pack: n within its image;
+ * repack: the row of x), or NULL. Rows >= capacity are not written
+ * (RAGVIT_ERROR_CAPACITY). fuse_weights (EViT token fusion): every image gets
+ * one more row after its kept rows, sum(w x) / sum(w) over its dropped rows in
+ * float32 (zeros when sum(w) == 0, e.g. nothing dropped), with index -1; the
+ * counts in cu_seqlens include it. */
 typedef struct {
     void *out;
     int32_t *indices_out;
@@ -68,12 +75,20 @@ typedef struct {
     int64_t seqlen;   /* N */
     int64_t channels; /* C */
     int64_t capacity;
+    const int32_t *cu_seqlens_in; /* repack only; NULL for pack */
+    int64_t cu_seqlens_in_stride;
+    const float *fuse_weights; /* repack only: (T,) weights of the fused token */
+    int64_t fuse_weights_stride;
+    int32_t is_fusing; /* fuse_weights given (its data may be NULL when T == 0) */
     int32_t elem_size; /* bytes per element of x / out: 2 or 4 */
+    int32_t dtype;     /* F16, BF16 or F32 (the fused token's arithmetic) */
 } ragvit_pack_args;
 
 /* out: (B, N, C); packed: (T, C) same dtype; cu_seqlens: (B+1,) int32;
  * indices: (T,) int32 target positions, or NULL for "first len rows". Every
- * row of out not written from packed is set to fill. */
+ * row of out not written from packed is set to fill. is_prefix (gather_prefix,
+ * N = k, no indices): lengths above N are normal (the first N rows are
+ * copied) and lengths below N are flagged RAGVIT_ERROR_SHORT_SEQ instead. */
 typedef struct {
     void *out;
     const void *packed;
@@ -90,7 +105,27 @@ typedef struct {
     int64_t total_tokens; /* T */
     double fill;
     int32_t dtype; /* F16, BF16 or F32 */
+    int32_t is_prefix;
 } ragvit_unpack_args;
+
+/* out: (B, C) of packed's dtype, channel stride 1; packed: (T, C);
+ * cu_seqlens: (B+1,) int32. out[b] = mean of rows [cu[b] + skip, cu[b+1]) in
+ * float32, zeros when that range is empty, zeros and RAGVIT_ERROR_BAD_CU_SEQLENS
+ * when cu is negative, decreasing or past T. */
+typedef struct {
+    void *out;
+    const void *packed;
+    const int32_t *cu_seqlens;
+    unsigned int *error_flag;
+    int64_t out_stride_b;
+    int64_t packed_stride_token;
+    int64_t cu_seqlens_stride;
+    int64_t batch;        /* B */
+    int64_t channels;     /* C */
+    int64_t total_tokens; /* T */
+    int64_t skip;
+    int32_t dtype; /* F16, BF16 or F32 */
+} ragvit_segment_mean_args;
 
 #ifdef RAGVIT_WITH_CUDA
 /* ---- device state (cuda_common.cu) ---- */
@@ -122,8 +157,13 @@ ragvit_status ragvit_cuda_pack_count(const ragvit_pack_args *a, const ragvit_dev
                                      void *stream);
 ragvit_status ragvit_cuda_pack_gather(const ragvit_pack_args *a, const ragvit_device_info *dev,
                                       void *stream);
+/* count + gather in one launch: writes cu_seqlens and the rows (the _into forms). */
+ragvit_status ragvit_cuda_pack_fused(const ragvit_pack_args *a, const ragvit_device_info *dev,
+                                     void *stream);
 ragvit_status ragvit_cuda_unpack(const ragvit_unpack_args *a, const ragvit_device_info *dev,
                                  void *stream);
+ragvit_status ragvit_cuda_segment_mean(const ragvit_segment_mean_args *a,
+                                       const ragvit_device_info *dev, void *stream);
 #endif
 
 #ifdef __cplusplus

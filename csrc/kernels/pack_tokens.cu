@@ -1,17 +1,25 @@
 /* pack_tokens.cu — padded <-> packed token movement (bytes only, exact): count
  * keep (B, N) into cu_seqlens (B+1,); gather x (B, N, C) into out (capacity, C)
  * (+ indices); unpack packed (T, C) into out (B, N, C) by position or by indices.
+ * repack is the same count + gather with image b read from packed rows
+ * [cu_seqlens_in[b], cu_seqlens_in[b+1]); gather_prefix is unpack with N = k.
  * count: grid = (1), 1024 threads, a warp per image row, block scan in chunks of 1024.
- * gather / unpack: grid = (B, channel slices), 256 threads; one block owns all rows
- * of its image's slice, which is what orders unpack's fill before its scatter.
+ * gather / fused / unpack: grid = (B, channel slices), 256 threads; one block owns all
+ * rows of its image's slice, which is what orders unpack's fill before its scatter.
+ * fused (the _into forms, one launch, no scratch, no host sync): each block finds its
+ * image's first output row by counting the keep bytes of the images before it itself,
+ * 16 bytes per load; the eager forms count, read T on the host, then gather.
  * Rows move as 16/8/4/2-byte vectors, the widest that sizes, pointers and strides allow.
- * Covered by tests/test_ops.py (pack / pack_into / unpack cases, checked with torch.equal). */
+ * repack's fused token (EViT fusion, fuse_weights) is float32 math in the same launch;
+ * those kernel variants (kFuse) get __launch_bounds__(256, 2) so nothing spills.
+ * Covered by tests/test_ops.py and tests/test_pack.py (checked with torch.equal). */
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <stdint.h>
 #include <string.h>
 
 #include "cuda_check.cuh"
+#include "float_elems.cuh"
 
 static constexpr int kCountThreads = 1024;
 static constexpr int kMoveThreads = 256;       /* gather and unpack */
@@ -25,6 +33,25 @@ static constexpr unsigned kFullMask = 0xffffffffu;
 static __device__ __forceinline__ void pack_tokens_flag(unsigned int *flag, unsigned int bit) {
     if (flag != nullptr)
         atomicOr(flag, bit);
+}
+
+/* Rows [*start, *start + *len) of image b (see ragvit_pack_args); false for a
+ * repack range that is negative, decreasing or past T (read as empty). */
+static __device__ __forceinline__ bool pack_tokens_range(const ragvit_pack_args &a, int64_t b,
+                                                         int64_t *start, int64_t *len) {
+    *start = 0;
+    *len = a.seqlen;
+    if (a.cu_seqlens_in == nullptr)
+        return true;
+    const int64_t s = a.cu_seqlens_in[b * a.cu_seqlens_in_stride];
+    const int64_t e = a.cu_seqlens_in[(b + 1) * a.cu_seqlens_in_stride];
+    if (s < 0 || e < s || e > a.seqlen) {
+        *len = 0;
+        return false;
+    }
+    *start = s;
+    *len = e - s;
+    return true;
 }
 
 /* Exclusive prefix sum of x over the block (blockDim.x a multiple of 32); *total
@@ -93,9 +120,14 @@ static __global__ void __launch_bounds__(kCountThreads)
             const int64_t b = base + r;
             int count = 0;
             if (b < a.batch) { /* warp-uniform, so the shuffles below see all lanes */
+                int64_t start = 0, len = 0;
+                if (!pack_tokens_range(a, b, &start, &len) && lane == 0)
+                    pack_tokens_flag(a.error_flag, RAGVIT_ERROR_BAD_CU_SEQLENS);
                 const uint8_t *row = a.keep + b * a.keep_stride_b;
-                for (int64_t n = lane; n < a.seqlen; n += 32)
+                for (int64_t n = start + lane; n < start + len; n += 32)
                     count += row[n * a.keep_stride_n] != 0;
+                if (lane == 0 && a.is_fusing)
+                    count += 1; /* the fused token */
 #pragma unroll
                 for (int offset = 16; offset > 0; offset >>= 1)
                     count += __shfl_xor_sync(kFullMask, count, offset);
@@ -115,39 +147,56 @@ static __global__ void __launch_bounds__(kCountThreads)
     }
 }
 
+/* The fused token of image b's rows [start, start + len) into out row `row`,
+ * element columns [e0, e1): sum(w x) / sum(w) over the dropped rows, float32,
+ * rows in ascending order (deterministic); zeros when sum(w) == 0. Every
+ * thread sums the weights itself (broadcast loads), so no barrier is needed. */
+template <typename T>
+static __device__ __forceinline__ void pack_tokens_fuse_row(const ragvit_pack_args &a, int64_t b,
+                                                            int64_t start, int64_t len, int64_t row,
+                                                            int64_t e0, int64_t e1) {
+    const uint8_t *keep = a.keep + b * a.keep_stride_b;
+    float weight_sum = 0.0f;
+    for (int64_t n = start; n < start + len; n++) {
+        if (keep[n * a.keep_stride_n] == 0)
+            weight_sum += a.fuse_weights[n * a.fuse_weights_stride];
+    }
+    const T *x = static_cast<const T *>(a.x) + b * a.x_stride_b;
+    T *out = static_cast<T *>(a.out) + row * a.out_stride_token;
+    for (int64_t c = e0 + threadIdx.x; c < e1; c += kMoveThreads) {
+        float acc = 0.0f;
+        for (int64_t n = start; n < start + len; n++) {
+            if (keep[n * a.keep_stride_n] == 0)
+                acc += a.fuse_weights[n * a.fuse_weights_stride] *
+                       float_elems_load(x + n * a.x_stride_n + c);
+        }
+        float_elems_store(out + c, weight_sum != 0.0f ? acc / weight_sum : 0.0f);
+    }
+}
+
 /* Block (b, y) copies vector columns [y * cols_per_slice, ...) of image b's kept
- * tokens; slice 0 also writes indices_out. Rows past capacity are skipped. */
-template <typename V>
-static __global__ void __launch_bounds__(kMoveThreads, 4)
-    pack_tokens_gather_kernel(const ragvit_pack_args a, int vecs_per_row, int cols_per_slice) {
-    __shared__ int token_s[kMoveRows]; /* source n of each kept token of the chunk */
-    __shared__ int warp_s[32];
-    const int64_t b = blockIdx.x;
+ * tokens to rows first, first + 1, ...; slice 0 also writes indices_out. Rows
+ * past capacity are skipped and flagged. Returns the image's kept count (to
+ * every thread). Every thread must call it (block scans inside). */
+template <typename V, bool kFuse>
+static __device__ int64_t pack_tokens_gather_rows(const ragvit_pack_args &a, int64_t b,
+                                                  int64_t first, int vecs_per_row,
+                                                  int cols_per_slice, int *token_s, int *warp_s) {
     const int tid = threadIdx.x;
     const bool is_first_slice = blockIdx.y == 0;
-    const int64_t first = a.cu_seqlens[b * a.cu_seqlens_stride];
-    /* Uniform over the block: every thread read the same entry. */
-    if (first < 0) {
-        if (is_first_slice && tid == 0)
-            pack_tokens_flag(a.error_flag, RAGVIT_ERROR_BAD_CU_SEQLENS);
-        return;
-    }
-    if (first > a.capacity) {
-        if (is_first_slice && tid == 0)
-            pack_tokens_flag(a.error_flag, RAGVIT_ERROR_CAPACITY);
-        return;
-    }
-
     const int c0 = (int)blockIdx.y * cols_per_slice;
     const int num_cols = max(0, min(vecs_per_row - c0, cols_per_slice));
     const int64_t es = a.elem_size;
     const char *x_image = static_cast<const char *>(a.x) + b * a.x_stride_b * es;
     char *out = static_cast<char *>(a.out);
+    int64_t start = 0, len = 0; /* a bad repack range reads as empty (flagged elsewhere) */
+    pack_tokens_range(a, b, &start, &len);
     bool is_over = false;
     int64_t carry = 0;
-    for (int64_t n0 = 0; n0 < a.seqlen; n0 += kMoveRows) {
-        const int64_t n = n0 + tid;
-        const int is_kept = n < a.seqlen && a.keep[b * a.keep_stride_b + n * a.keep_stride_n] != 0;
+    for (int64_t n0 = 0; n0 < len; n0 += kMoveRows) {
+        const int64_t n = start + n0 + tid; /* < 2^31: B*N (pack) or T (repack) is checked */
+        const int is_kept =
+            n0 + tid < len && a.keep[b * a.keep_stride_b + n * a.keep_stride_n] != 0;
         int chunk_total = 0;
         const int rank = pack_tokens_block_scan(is_kept, warp_s, &chunk_total);
         if (is_kept)
@@ -179,8 +228,136 @@ static __global__ void __launch_bounds__(kMoveThreads, 4)
         carry += chunk_total;
         __syncthreads(); /* token_s and warp_s are rewritten by the next chunk */
     }
+    if constexpr (kFuse) { /* a.is_fusing */
+        const int64_t row = first + carry;
+        if (row < a.capacity) {
+            const int64_t per_vec = (int64_t)sizeof(V) / es; /* vec_bytes >= elem_size */
+            const int64_t e0 = c0 * per_vec, e1 = (c0 + num_cols) * per_vec;
+            if (a.dtype == RAGVIT_DTYPE_F16)
+                pack_tokens_fuse_row<__half>(a, b, start, len, row, e0, e1);
+            else if (a.dtype == RAGVIT_DTYPE_BF16)
+                pack_tokens_fuse_row<__nv_bfloat16>(a, b, start, len, row, e0, e1);
+            else
+                pack_tokens_fuse_row<float>(a, b, start, len, row, e0, e1);
+            if (is_first_slice && tid == 0 && a.indices_out != nullptr)
+                a.indices_out[row * a.indices_stride] = -1;
+        } else if (is_first_slice && tid == 0) {
+            is_over = true;
+        }
+        carry += 1;
+    }
     if (is_over)
         pack_tokens_flag(a.error_flag, RAGVIT_ERROR_CAPACITY);
+    return carry;
+}
+
+/* Nonzero bytes among the four of w, without branches: bit 7 of each byte of
+ * (w & 0x7f..) + 0x7f.. is set iff its low 7 bits are nonzero (no carry crosses
+ * a byte), OR w puts back the bytes whose own bit 7 was set. */
+static __device__ __forceinline__ int pack_tokens_nonzero_bytes(unsigned int w) {
+    return __popc((((w & 0x7f7f7f7fu) + 0x7f7f7f7fu) | w) & 0x80808080u);
+}
+
+/* Kept tokens of every image before b in packing order, summed over the block
+ * (all threads get it; all must call). pack: keep elements [0, b*N) of the
+ * (B, N) mask; repack: rows [cu_in[0], cu_in[b]) clamped to [0, T], which for
+ * valid cu_seqlens_in are exactly images 0..b-1 (for garbage: any in-bounds
+ * count, the bad image is flagged). Unit-stride ranges are read 16 bytes at a
+ * time: keep is B*N bytes and L2-resident, so this is cheap next to the rows. */
+static __device__ int64_t pack_tokens_count_before(const ragvit_pack_args &a, int64_t b,
+                                                   int *warp_s) {
+    const int tid = threadIdx.x;
+    int64_t lo = 0, hi = 0;
+    bool is_flat = true; /* element e lives at keep[e * keep_stride_n] */
+    if (a.cu_seqlens_in != nullptr) {
+        lo = max((int64_t)0, (int64_t)a.cu_seqlens_in[0]);
+        hi = min(a.seqlen, (int64_t)a.cu_seqlens_in[b * a.cu_seqlens_in_stride]);
+        hi = max(hi, lo);
+    } else {
+        hi = b * a.seqlen;
+        is_flat = a.keep_stride_b == a.seqlen * a.keep_stride_n;
+    }
+    int local = 0;
+    if (is_flat && a.keep_stride_n == 1) {
+        const uint8_t *p = a.keep + lo;
+        const int64_t n = hi - lo;
+        const int64_t head = min(n, (int64_t)((16 - ((uintptr_t)p & 15)) & 15));
+        if (tid < head)
+            local += p[tid] != 0;
+        const uint4 *v = reinterpret_cast<const uint4 *>(p + head); /* 16-byte aligned */
+        const int64_t num_vecs = (n - head) >> 4;
+#pragma unroll 4
+        for (int64_t i = tid; i < num_vecs; i += kMoveThreads) {
+            const uint4 w = v[i];
+            local += pack_tokens_nonzero_bytes(w.x) + pack_tokens_nonzero_bytes(w.y) +
+                     pack_tokens_nonzero_bytes(w.z) + pack_tokens_nonzero_bytes(w.w);
+        }
+        const int64_t done = head + (num_vecs << 4);
+        if (tid < n - done) /* fewer than 16 left */
+            local += p[done + tid] != 0;
+    } else if (is_flat) {
+        for (int64_t e = lo + tid; e < hi; e += kMoveThreads)
+            local += a.keep[e * a.keep_stride_n] != 0;
+    } else {
+        for (int64_t e = tid; e < hi; e += kMoveThreads) {
+            const int64_t i = e / a.seqlen;
+            local += a.keep[i * a.keep_stride_b + (e - i * a.seqlen) * a.keep_stride_n] != 0;
+        }
+    }
+    int total = 0;
+    pack_tokens_block_scan(local, warp_s, &total);
+    __syncthreads(); /* warp_s is reused by the caller's next scan */
+    return total;
+}
+
+/* Two-step path (eager pack / repack): cu_seqlens was written by the count
+ * kernel; block (b, y) gathers image b from row cu_seqlens[b]. */
+template <typename V, bool kFuse>
+static __global__ void __launch_bounds__(kMoveThreads, kFuse ? 2 : 4)
+    pack_tokens_gather_kernel(const ragvit_pack_args a, int vecs_per_row, int cols_per_slice) {
+    __shared__ int token_s[kMoveRows]; /* source row of each kept token of the chunk */
+    __shared__ int warp_s[32];
+    const int64_t b = blockIdx.x;
+    const bool should_flag = blockIdx.y == 0 && threadIdx.x == 0;
+    const int64_t first = a.cu_seqlens[b * a.cu_seqlens_stride];
+    /* Uniform over the block: every thread read the same entry. */
+    if (first < 0) {
+        if (should_flag)
+            pack_tokens_flag(a.error_flag, RAGVIT_ERROR_BAD_CU_SEQLENS);
+        return;
+    }
+    if (first > a.capacity) {
+        if (should_flag)
+            pack_tokens_flag(a.error_flag, RAGVIT_ERROR_CAPACITY);
+        return;
+    }
+    pack_tokens_gather_rows<V, kFuse>(a, b, first, vecs_per_row, cols_per_slice, token_s, warp_s);
+}
+
+/* One-launch path (pack_into / repack_into): block (b, y) counts the kept
+ * tokens of the images before b itself (no scratch, no cross-block waiting, so
+ * any launch order and graph replay are safe), gathers image b, and slice 0
+ * writes cu_seqlens[b + 1] (block 0 also cu_seqlens[0]). */
+template <typename V, bool kFuse>
+static __global__ void __launch_bounds__(kMoveThreads, kFuse ? 2 : 4)
+    pack_tokens_fused_kernel(const ragvit_pack_args a, int vecs_per_row, int cols_per_slice) {
+    __shared__ int token_s[kMoveRows];
+    __shared__ int warp_s[32];
+    const int64_t b = blockIdx.x;
+    const bool should_write = blockIdx.y == 0 && threadIdx.x == 0;
+    int64_t start = 0, len = 0;
+    if (!pack_tokens_range(a, b, &start, &len) && should_write)
+        pack_tokens_flag(a.error_flag, RAGVIT_ERROR_BAD_CU_SEQLENS);
+    const int64_t first =
+        pack_tokens_count_before(a, b, warp_s) + (a.is_fusing ? b : 0);
+    const int64_t count =
+        pack_tokens_gather_rows<V, kFuse>(a, b, first, vecs_per_row, cols_per_slice, token_s,
+                                          warp_s);
+    if (should_write) {
+        if (b == 0)
+            a.cu_seqlens[0] = 0;
+        a.cu_seqlens[(b + 1) * a.cu_seqlens_stride] = (int32_t)(first + count);
+    }
 }
 
 /* Block (b, y) owns vector columns [y * cols_per_slice, ...) of every row of image
@@ -203,8 +380,11 @@ static __global__ void __launch_bounds__(kMoveThreads, 4)
             pack_tokens_flag(a.error_flag, RAGVIT_ERROR_BAD_CU_SEQLENS);
     } else {
         len = end - start;
-        if (len > N) {
+        if (a.is_prefix && len < N) { /* copy what there is; the rest is fill (0) */
             if (should_flag)
+                pack_tokens_flag(a.error_flag, RAGVIT_ERROR_SHORT_SEQ);
+        } else if (len > N) {
+            if (should_flag && !a.is_prefix)
                 pack_tokens_flag(a.error_flag, RAGVIT_ERROR_SEQLEN_OVER_MAX);
             len = N;
         }
@@ -292,8 +472,18 @@ static void pack_tokens_slices(int64_t vecs, int64_t batch, const ragvit_device_
     *cols_per_slice = (int)cols;
 }
 
-/* B*N fits the int32 cu_seqlens (the CPU backend's rule), so n and ranks are ints. */
-static ragvit_status pack_tokens_check_batch(int64_t batch, int64_t seqlen) {
+/* B*N (pack) or T (repack) fits the int32 cu_seqlens (the CPU backend's rule),
+ * so n and ranks are ints; B fits grid.x. */
+static ragvit_status pack_tokens_check_batch(const ragvit_pack_args *a) {
+    const int64_t batch = a->batch, seqlen = a->seqlen;
+    if (a->cu_seqlens_in != nullptr) {
+        if (batch < 0 || batch > INT32_MAX || seqlen < 0 || seqlen > INT32_MAX)
+            return ragvit_fail(RAGVIT_STATUS_INVALID_SHAPE,
+                               "repack: packed must have at most 2^31-1 rows and sequences, "
+                               "got T=%lld, B=%lld",
+                               (long long)seqlen, (long long)batch);
+        return RAGVIT_STATUS_OK;
+    }
     if (batch < 0 || seqlen < 0 || (seqlen > 0 && batch > INT32_MAX / seqlen))
         return ragvit_fail(RAGVIT_STATUS_INVALID_SHAPE,
                            "pack: x must hold at most 2^31-1 tokens (B*N) for int32 cu_seqlens, "
@@ -314,7 +504,7 @@ static ragvit_status pack_tokens_check_row(const char *op, const char *name, int
 
 extern "C" ragvit_status ragvit_cuda_pack_count(const ragvit_pack_args *a,
                                                 const ragvit_device_info *dev, void *stream) {
-    RAGVIT_TRY(pack_tokens_check_batch(a->batch, a->seqlen));
+    RAGVIT_TRY(pack_tokens_check_batch(a));
     cuda_device_guard guard;
     RAGVIT_TRY(guard.enter(dev->device_id));
     pack_tokens_count_kernel<<<1, kCountThreads, 0, (cudaStream_t)stream>>>(*a);
@@ -324,43 +514,78 @@ extern "C" ragvit_status ragvit_cuda_pack_count(const ragvit_pack_args *a,
 
 template <typename V>
 static ragvit_status pack_tokens_gather_launch(const ragvit_pack_args *a, int vec_bytes,
-                                               const ragvit_device_info *dev,
+                                               bool is_fused, const ragvit_device_info *dev,
                                                cudaStream_t stream) {
     const int64_t vecs = a->channels * a->elem_size / vec_bytes;
     int slices = 1, cols = 0;
     pack_tokens_slices(vecs, a->batch, dev, &slices, &cols);
     const dim3 grid((unsigned)a->batch, (unsigned)slices);
-    pack_tokens_gather_kernel<V><<<grid, kMoveThreads, 0, stream>>>(*a, (int)vecs, cols);
+    /* The fusing variants (repack with fuse_weights) get more registers each. */
+    const bool is_fusing = a->is_fusing;
+    if (is_fused && is_fusing)
+        pack_tokens_fused_kernel<V, true><<<grid, kMoveThreads, 0, stream>>>(*a, (int)vecs, cols);
+    else if (is_fused)
+        pack_tokens_fused_kernel<V, false><<<grid, kMoveThreads, 0, stream>>>(*a, (int)vecs, cols);
+    else if (is_fusing)
+        pack_tokens_gather_kernel<V, true><<<grid, kMoveThreads, 0, stream>>>(*a, (int)vecs, cols);
+    else
+        pack_tokens_gather_kernel<V, false>
+            <<<grid, kMoveThreads, 0, stream>>>(*a, (int)vecs, cols);
     CUDA_TRY(cudaGetLastError());
     return RAGVIT_STATUS_OK;
 }
 
-extern "C" ragvit_status ragvit_cuda_pack_gather(const ragvit_pack_args *a,
-                                                 const ragvit_device_info *dev, void *stream) {
-    const int64_t es = a->elem_size;
-    if (es != 2 && es != 4)
-        return ragvit_fail(RAGVIT_STATUS_INVALID_DTYPE,
-                           "pack: x must have 2- or 4-byte elements, got %d bytes",
-                           (int)a->elem_size);
-    RAGVIT_TRY(pack_tokens_check_batch(a->batch, a->seqlen));
-    RAGVIT_TRY(pack_tokens_check_row("pack", "x", a->channels, es));
-    if (a->batch == 0 || a->seqlen == 0)
-        return RAGVIT_STATUS_OK;
+/* Checks sizes, then launches the gather (is_fused: the one-launch count +
+ * gather) with the widest vector the rows allow. B >= 1 and N >= 1 here. */
+static ragvit_status pack_tokens_move(const ragvit_pack_args *a, bool is_fused,
+                                      const ragvit_device_info *dev, void *stream) {
     cuda_device_guard guard;
     RAGVIT_TRY(guard.enter(dev->device_id));
+    const int64_t es = a->elem_size;
     const cudaStream_t s = (cudaStream_t)stream;
     const int v = pack_tokens_vec_bytes(a->channels * es, es, a->x, a->out, a->x_stride_b,
                                         a->x_stride_n, a->out_stride_token);
     switch (v) {
     case 16:
-        return pack_tokens_gather_launch<uint4>(a, v, dev, s);
+        return pack_tokens_gather_launch<uint4>(a, v, is_fused, dev, s);
     case 8:
-        return pack_tokens_gather_launch<uint2>(a, v, dev, s);
+        return pack_tokens_gather_launch<uint2>(a, v, is_fused, dev, s);
     case 4:
-        return pack_tokens_gather_launch<unsigned int>(a, v, dev, s);
+        return pack_tokens_gather_launch<unsigned int>(a, v, is_fused, dev, s);
     default:
-        return pack_tokens_gather_launch<unsigned short>(a, v, dev, s);
+        return pack_tokens_gather_launch<unsigned short>(a, v, is_fused, dev, s);
     }
+}
+
+static ragvit_status pack_tokens_check_move(const ragvit_pack_args *a) {
+    const int64_t es = a->elem_size;
+    if (es != 2 && es != 4)
+        return ragvit_fail(RAGVIT_STATUS_INVALID_DTYPE,
+                           "pack: x must have 2- or 4-byte elements, got %d bytes",
+                           (int)a->elem_size);
+    RAGVIT_TRY(pack_tokens_check_batch(a));
+    return pack_tokens_check_row("pack", "x", a->channels, es);
+}
+
+/* Nothing to write but cu_seqlens: no image, or no token and no fused token. */
+static bool pack_tokens_has_no_rows(const ragvit_pack_args *a) {
+    return a->batch == 0 || (a->seqlen == 0 && !a->is_fusing);
+}
+
+extern "C" ragvit_status ragvit_cuda_pack_gather(const ragvit_pack_args *a,
+                                                 const ragvit_device_info *dev, void *stream) {
+    RAGVIT_TRY(pack_tokens_check_move(a));
+    if (pack_tokens_has_no_rows(a))
+        return RAGVIT_STATUS_OK;
+    return pack_tokens_move(a, false, dev, stream);
+}
+
+extern "C" ragvit_status ragvit_cuda_pack_fused(const ragvit_pack_args *a,
+                                                const ragvit_device_info *dev, void *stream) {
+    RAGVIT_TRY(pack_tokens_check_move(a));
+    if (pack_tokens_has_no_rows(a)) /* the count kernel writes the (zero) counts */
+        return ragvit_cuda_pack_count(a, dev, stream);
+    return pack_tokens_move(a, true, dev, stream);
 }
 
 template <typename V>

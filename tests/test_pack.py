@@ -1,0 +1,1041 @@
+"""repack / repack_into, gather_prefix and segment_mean against references.
+
+Data movement (repack, gather_prefix) is exact: integer-valued inputs compared
+with torch.equal; rows that must not be copied (dropped rows, rows outside every
+sequence) are NaN, outputs are NaN/INT32_POISON-poisoned, and capacity buffers
+carry guard rows that must keep their poison. segment_mean is compared with a
+float64 reference computed one sequence at a time. Then every user-reachable
+error (type and message substring; a rejected call writes nothing), CUDA graph
+capture, and garbage device-side contents (never out of bounds, flagged, raised
+in debug mode). CPU cases are sized for two slow cores.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+from conftest import (
+    DTYPE_IDS,
+    DTYPES,
+    INT32_POISON,
+    TOL,
+    devices,
+    dtype_params,
+    gpu_marks,
+    make_cu_seqlens,
+    poison,
+    random_lengths,
+    requires_cuda,
+    same_bits,
+    seed_note,
+)
+from test_ops import _make_pack_inputs, _set
+
+import ragvit
+from ragvit.reference import pack_reference
+
+GAP = 3  # rows before cu_seqlens[0] and after cu_seqlens[B]: outside every sequence
+
+
+# ---- references (plain torch, one sequence at a time) ----
+
+
+def repack_reference(packed, cu_seqlens, keep):
+    """(packed2, cu_seqlens2, src) on the CPU: kept rows of each sequence, in order."""
+    flags = (keep.cpu() != 0).tolist()
+    cu = cu_seqlens.cpu().tolist()
+    rows, counts = [], [0]
+    for start, end in zip(cu[:-1], cu[1:], strict=True):
+        kept = [t for t in range(start, end) if flags[t]]
+        rows += kept
+        counts.append(counts[-1] + len(kept))
+    src = torch.tensor(rows, dtype=torch.int64)
+    return (
+        packed.cpu()[src],
+        torch.tensor(counts, dtype=torch.int32),
+        src.to(torch.int32),
+    )
+
+
+def segment_mean_reference(packed, cu_seqlens, skip):
+    """(B, C) float64 means of rows [cu[b] + skip, cu[b+1]); zeros when empty."""
+    packed = packed.detach().cpu().double()
+    cu = cu_seqlens.cpu().tolist()
+    out = torch.zeros((len(cu) - 1, packed.shape[1]), dtype=torch.float64)
+    for b, (start, end) in enumerate(zip(cu[:-1], cu[1:], strict=True)):
+        if start + skip < end:
+            out[b] = packed[start + skip : end].mean(dim=0)
+    return out
+
+
+# ---- inputs ----
+
+
+def _make_packed(gen, lengths, C, dtype, device, keep_kind="random", keep_dtype=torch.bool):
+    """Integer-valued packed rows with GAP NaN rows on both sides of the sequences.
+
+    Returns (packed (GAP + T + GAP, C), cu_seqlens starting at GAP, keep (rows,),
+    mask (rows,) bool of the rows a correct repack keeps). Dropped rows and rows
+    outside every sequence are NaN; keep is set on the outside rows too, which
+    must be ignored.
+    """
+    total = sum(lengths)
+    rows = GAP + total + GAP
+    inside = torch.zeros(rows, dtype=torch.bool)
+    inside[GAP : GAP + total] = True
+    if keep_kind == "random":
+        keep = torch.rand(rows, generator=gen) < 0.5
+    elif keep_kind == "all":
+        keep = torch.ones(rows, dtype=torch.bool)
+    elif keep_kind == "none":
+        keep = torch.zeros(rows, dtype=torch.bool)
+    elif keep_kind == "first_only":  # only each sequence's CLS token survives
+        keep = torch.zeros(rows, dtype=torch.bool)
+        cu = make_cu_seqlens(lengths).tolist()
+        for start, end in zip(cu[:-1], cu[1:], strict=True):
+            if end > start:
+                keep[GAP + start] = True
+    else:
+        raise ValueError(keep_kind)
+    keep[~inside] = True
+    mask = keep & inside
+    values = torch.randint(-100, 101, (rows, C), generator=gen).to(torch.float32)
+    values[~mask] = math.nan
+    if keep_dtype == torch.uint8:
+        levels = torch.randint(1, 256, (rows,), generator=gen, dtype=torch.int32)
+        keep_arg = keep.to(torch.uint8) * levels.to(torch.uint8)
+    else:
+        keep_arg = keep.clone()
+    cu_seqlens = make_cu_seqlens(lengths) + GAP
+    cu_seqlens = cu_seqlens.to(torch.int32)
+    return (
+        values.to(dtype=dtype, device=device),
+        cu_seqlens.to(device),
+        keep_arg.to(device),
+        mask,
+    )
+
+
+def _lengths(gen, device, N=197):
+    B = 6 if device == "cpu" else 512
+    return random_lengths(gen, B, 0, N, include=(0, 1, N))
+
+
+def _assert_repacked(result, packed, cu_seqlens, keep, seed):
+    note = seed_note(seed)
+    out, cu2, src = result
+    exp_out, exp_cu, exp_src = repack_reference(packed, cu_seqlens, keep)
+    assert out.dtype == packed.dtype and cu2.dtype == torch.int32 and src.dtype == torch.int32
+    assert torch.equal(cu2.cpu(), exp_cu), "cu_seqlens2 differs" + note
+    assert torch.equal(src.cpu(), exp_src), "src differs" + note
+    assert tuple(out.shape) == tuple(exp_out.shape), "packed2 shape differs" + note
+    assert torch.equal(out.cpu(), exp_out), "packed2 rows differ" + note
+    return int(exp_cu[-1])
+
+
+# ---- repack (exact) ----
+
+REPACK_KEEPS = ("random", "all", "none", "first_only")
+
+
+def _repack_params():
+    params = []
+    for device in ("cpu", "cuda"):
+        marks = gpu_marks() if device == "cuda" else []
+        for dtype in DTYPES:
+            for C in (30, 64) if device == "cpu" else (30, 384, 768):
+                for keep_kind in REPACK_KEEPS:
+                    for keep_dtype in (torch.bool, torch.uint8):
+                        kd = "bool" if keep_dtype == torch.bool else "uint8"
+                        name = f"{device}-{DTYPE_IDS[dtype]}-C{C}-{keep_kind}-{kd}"
+                        params.append(
+                            pytest.param(
+                                device, dtype, C, keep_kind, keep_dtype, marks=marks, id=name
+                            )
+                        )
+    return params
+
+
+@pytest.mark.parametrize("device, dtype, C, keep_kind, keep_dtype", _repack_params())
+def test_repack_matches_reference(device, dtype, C, keep_kind, keep_dtype, gen, seed):
+    lengths = _lengths(gen, device)
+    packed, cu_seqlens, keep, mask = _make_packed(
+        gen, lengths, C, dtype, device, keep_kind, keep_dtype
+    )
+    result = ragvit.repack(packed, cu_seqlens, keep)
+    for t in result:
+        assert isinstance(t, torch.Tensor) and t.device == packed.device
+    total = _assert_repacked(result, packed, cu_seqlens, mask, seed)
+    assert (total == 0) == (keep_kind == "none")
+
+
+@pytest.mark.parametrize("device", devices())
+@pytest.mark.parametrize("N", [197, 577])
+def test_repack_after_pack_equals_pack_of_both_masks(device, N, gen, seed):
+    B, C = (3, 30) if device == "cpu" else (64, 384)
+    x = torch.randint(-100, 101, (B, N, C), generator=gen).to(torch.float16)
+    first = torch.rand((B, N), generator=gen) < 0.7
+    second = torch.rand((B, N), generator=gen) < 0.6
+    x, first, second = x.to(device), first.to(device), second.to(device)
+    packed, cu_seqlens, indices = ragvit.pack(x, first)
+    cu = cu_seqlens.cpu().tolist()
+    # The second stage's mask, read at each packed token's original position.
+    keep2 = torch.cat([second[b][indices[cu[b] : cu[b + 1]].long()] for b in range(B)])
+    packed2, cu2, src = ragvit.repack(packed, cu_seqlens, keep2)
+    exp_packed, exp_cu, exp_indices = ragvit.pack(x, first & second)
+    note = seed_note(seed)
+    assert torch.equal(cu2.cpu(), exp_cu.cpu()), "cu_seqlens differ" + note
+    assert torch.equal(packed2.cpu(), exp_packed.cpu()), "rows differ" + note
+    assert torch.equal(indices[src.long()].cpu(), exp_indices.cpu()), "src chain differs" + note
+
+
+def _repack_into_params():
+    params = []
+    for device in ("cpu", "cuda"):
+        for dtype in DTYPES:
+            for capacity_kind in ("exact", "guard", "max"):
+                for with_src in (True, False):
+                    name = (
+                        f"{device}-{DTYPE_IDS[dtype]}-{capacity_kind}-"
+                        f"{'src' if with_src else 'no_src'}"
+                    )
+                    marks = gpu_marks() if device == "cuda" else []
+                    if device == "cuda" and capacity_kind == "guard" and with_src:
+                        marks.append(pytest.mark.sanitizer)
+                    params.append(
+                        pytest.param(device, dtype, capacity_kind, with_src, marks=marks, id=name)
+                    )
+    return params
+
+
+@pytest.mark.parametrize("device, dtype, capacity_kind, with_src", _repack_into_params())
+def test_repack_into_capacity(device, dtype, capacity_kind, with_src, gen, seed):
+    note = seed_note(seed)
+    lengths = (
+        _lengths(gen, device) if device == "cuda" else random_lengths(gen, 4, 0, 40, (0, 1, 40))
+    )
+    C = 30
+    packed, cu_seqlens, keep, mask = _make_packed(gen, lengths, C, dtype, device)
+    exp_out, exp_cu, exp_src = repack_reference(packed, cu_seqlens, mask)
+    total = int(exp_cu[-1])
+    assert total > 0
+    capacity = {"exact": total, "guard": total + 7, "max": packed.shape[0]}[capacity_kind]
+    B = len(lengths)
+    out = poison((capacity, C), dtype, device)
+    cu2 = poison((B + 1,), torch.int32, device)
+    src = poison((capacity,), torch.int32, device) if with_src else None
+    assert ragvit.repack_into(packed, cu_seqlens, keep, out, cu2, src=src) is None
+    assert torch.equal(cu2.cpu(), exp_cu), "cu_seqlens_out differs" + note
+    assert torch.equal(out[:total].cpu(), exp_out), "rows differ" + note
+    assert torch.isnan(out[total:]).all(), "rows past the total were written" + note
+    if with_src:
+        assert torch.equal(src[:total].cpu(), exp_src), "src differs" + note
+        assert (src[total:] == INT32_POISON).all(), "src past the total written" + note
+
+
+def test_repack_into_capacity_too_small_raises_on_cpu(gen, seed):
+    packed, cu_seqlens, keep, mask = _make_packed(gen, [40, 1, 30], 30, torch.float32, "cpu")
+    total = int(repack_reference(packed, cu_seqlens, mask)[1][-1])
+    out, src = poison((total - 1, 30)), poison((total - 1,), torch.int32)
+    before = (out.clone(), src.clone())
+    with pytest.raises(ValueError, match=r"room|capacity"):
+        ragvit.repack_into(packed, cu_seqlens, keep, out, poison((4,), torch.int32), src=src)
+    assert same_bits(out, before[0]) and same_bits(src, before[1]), "wrote before raising"
+
+
+def test_repack_numpy_in_numpy_out(gen, seed):
+    packed, cu_seqlens, keep, mask = _make_packed(gen, [20, 0, 7], 8, torch.float32, "cpu")
+    result = ragvit.repack(packed.numpy(), cu_seqlens.numpy(), keep.numpy())
+    assert all(isinstance(a, np.ndarray) for a in result)
+    _assert_repacked(tuple(torch.from_numpy(a) for a in result), packed, cu_seqlens, mask, seed)
+
+
+# ---- gather_prefix (exact) ----
+
+
+@pytest.mark.parametrize("device", devices())
+@pytest.mark.parametrize("dtype", dtype_params())
+@pytest.mark.parametrize("k", [0, 1, 2, 5])
+@pytest.mark.parametrize("with_out", [True, False], ids=["out_given", "out_omitted"])
+def test_gather_prefix_matches_reference(device, dtype, k, with_out, gen, seed):
+    B, C = (5, 30) if device == "cpu" else (256, 384)
+    lengths = random_lengths(gen, B, k, 197, include=(k, 197))
+    packed, cu_seqlens, _, _ = _make_packed(gen, lengths, C, dtype, device, "all")
+    cu = cu_seqlens.cpu().tolist()
+    expected = torch.stack([packed.cpu()[cu[b] : cu[b] + k] for b in range(B)])
+    kwargs = {}
+    if with_out:
+        guard = poison((B * k + 4, C), dtype, device)
+        kwargs["out"] = guard[: B * k].view(B, k, C)
+    result = ragvit.gather_prefix(packed, cu_seqlens, k, **kwargs)
+    if with_out:
+        assert result is kwargs["out"]
+        assert torch.isnan(guard[B * k :]).all(), "wrote past out" + seed_note(seed)
+    assert result.shape == (B, k, C) and result.dtype == dtype and result.device == packed.device
+    assert torch.equal(result.cpu(), expected), "gather_prefix differs" + seed_note(seed)
+
+
+def test_gather_prefix_short_sequence_raises_on_cpu():
+    packed = torch.arange(12 * 3, dtype=torch.float32).reshape(12, 3)
+    out = poison((3, 2, 3))
+    with pytest.raises(ValueError, match=r"at least k=2.*length 1 for sequence 1"):
+        ragvit.gather_prefix(packed, make_cu_seqlens([5, 1, 6]), 2, out=out)
+    assert torch.isnan(out).all(), "a rejected call wrote rows"
+
+
+@pytest.mark.gpu
+@pytest.mark.sanitizer
+@requires_cuda
+@pytest.mark.parametrize("debug", [True, False], ids=["debug", "no_debug"])
+def test_gather_prefix_short_sequence_on_cuda(debug):
+    packed = torch.arange(12 * 3, dtype=torch.float32, device="cuda").reshape(12, 3)
+    cu_seqlens = make_cu_seqlens([5, 1, 6], "cuda")
+    guard = poison((3 * 2 + 4, 3), device="cuda")
+    out = guard[:6].view(3, 2, 3)
+    ragvit.set_debug(debug)
+    if debug:
+        with pytest.raises(ValueError, match=r"shorter than k"):
+            ragvit.gather_prefix(packed, cu_seqlens, 2, out=out)
+    else:
+        ragvit.gather_prefix(packed, cu_seqlens, 2, out=out)
+        torch.cuda.synchronize()
+        _drain_device_error_flag()
+    torch.cuda.synchronize()
+    expected = torch.stack(
+        [packed[0:2], torch.cat([packed[5:6], packed.new_zeros(1, 3)]), packed[6:8]]
+    )
+    assert torch.equal(out, expected), "short sequence: copied rows then zeros"
+    assert torch.isnan(guard[6:]).all(), "wrote past out"
+
+
+# ---- segment_mean (float64 reference) ----
+
+
+def _segment_mean_params():
+    params = []
+    for device in ("cpu", "cuda"):
+        marks = gpu_marks() if device == "cuda" else []
+        for dtype in DTYPES:
+            for C in (30, 100) if device == "cpu" else (30, 384, 768):
+                for skip in (0, 1, 3):
+                    name = f"{device}-{DTYPE_IDS[dtype]}-C{C}-skip{skip}"
+                    params.append(pytest.param(device, dtype, C, skip, marks=marks, id=name))
+    return params
+
+
+@pytest.mark.parametrize("device, dtype, C, skip", _segment_mean_params())
+@pytest.mark.parametrize("with_out", [True, False], ids=["out_given", "out_omitted"])
+def test_segment_mean_matches_reference(device, dtype, C, skip, with_out, gen, seed):
+    B = 7 if device == "cpu" else 256
+    lengths = random_lengths(gen, B, 0, 197, include=(0, 1, skip, skip + 1, 197, 577))
+    rows = GAP + sum(lengths) + GAP
+    packed = poison((rows, C), dtype)
+    packed[GAP : rows - GAP] = torch.randn((rows - 2 * GAP, C), generator=gen).to(dtype)
+    packed = packed.to(device)
+    cu_seqlens = (make_cu_seqlens(lengths) + GAP).to(torch.int32).to(device)
+    kwargs = {"skip": skip} if skip else {}
+    if with_out:
+        guard = poison((B + 2, C), dtype, device)
+        kwargs["out"] = guard[:B]
+    result = ragvit.segment_mean(packed, cu_seqlens, **kwargs)
+    if with_out:
+        assert result is kwargs["out"]
+        assert torch.isnan(guard[B:]).all(), "wrote past out" + seed_note(seed)
+    assert result.shape == (B, C) and result.dtype == dtype and result.device == packed.device
+    expected = segment_mean_reference(packed, cu_seqlens, skip)
+    got = result.cpu().double()
+    assert torch.isfinite(got).all(), "non-finite mean" + seed_note(seed)
+    empty = torch.tensor([n <= skip for n in lengths])
+    assert (got[empty] == 0).all(), "empty segments must be zeros" + seed_note(seed)
+    torch.testing.assert_close(got, expected, **TOL[dtype], msg=lambda m: m + seed_note(seed))
+
+
+def test_segment_mean_accumulates_in_float32():
+    # 4096 fp16 ones plus 1e-3 each: a float16 accumulator would stall at 2048.
+    packed = torch.full((4096, 4), 1.0, dtype=torch.float16)
+    out = ragvit.segment_mean(packed, make_cu_seqlens([4096]))
+    assert torch.equal(out, torch.ones((1, 4), dtype=torch.float16))
+
+
+# ---- errors: type and message; a rejected call writes nothing ----
+
+
+def _base(device):
+    packed = torch.arange(12 * 6, dtype=torch.float32, device=device).reshape(12, 6)
+    keep = torch.tensor([1, 0, 1, 1, 0, 1, 1, 0, 0, 0, 1, 1], dtype=torch.bool, device=device)
+    return {
+        "packed": packed,
+        "cu_seqlens": make_cu_seqlens([5, 0, 7], device),
+        "keep": keep,
+        "out": poison((12, 6), device=device),
+        "cu_seqlens_out": poison((4,), torch.int32, device),
+        "src": poison((12,), torch.int32, device),
+        "k": 0,
+        "prefix_out": poison((3, 0, 6), device=device),
+        "skip": 0,
+        "mean_out": poison((3, 6), device=device),
+    }
+
+
+def _dev(a):
+    return a["packed"].device
+
+
+def _call_repack(a):
+    return ragvit.repack(a["packed"], a["cu_seqlens"], a["keep"], stream=a.get("stream"))
+
+
+def _call_repack_into(a):
+    return ragvit.repack_into(
+        a["packed"],
+        a["cu_seqlens"],
+        a["keep"],
+        a["out"],
+        a["cu_seqlens_out"],
+        src=a["src"],
+        stream=a.get("stream"),
+    )
+
+
+def _call_gather_prefix(a):
+    return ragvit.gather_prefix(
+        a["packed"], a["cu_seqlens"], a["k"], out=a["prefix_out"], stream=a.get("stream")
+    )
+
+
+def _call_segment_mean(a):
+    return ragvit.segment_mean(
+        a["packed"], a["cu_seqlens"], skip=a["skip"], out=a["mean_out"], stream=a.get("stream")
+    )
+
+
+# (id, mutation, exception, message regex, cpu_only)
+SHARED_INPUT_ERRORS = [
+    (
+        "packed_int32",
+        _set(packed=lambda a: a["packed"].to(torch.int32)),
+        TypeError,
+        "packed",
+        False,
+    ),
+    ("packed_3d", _set(packed=lambda a: a["packed"].reshape(2, 6, 6)), ValueError, "packed", False),
+    (
+        "packed_channels_strided",
+        _set(packed=lambda a: a["packed"].t().contiguous().t()),
+        ValueError,
+        "contiguous",
+        False,
+    ),
+    ("packed_list", _set(packed=lambda a: a["packed"].tolist()), TypeError, "packed", False),
+    (
+        "cu_seqlens_int64",
+        _set(cu_seqlens=lambda a: a["cu_seqlens"].long()),
+        TypeError,
+        "cu_seqlens",
+        False,
+    ),
+    (
+        "cu_seqlens_2d",
+        _set(cu_seqlens=lambda a: a["cu_seqlens"].reshape(2, 2)),
+        ValueError,
+        "cu_seqlens",
+        False,
+    ),
+    (
+        "cu_seqlens_empty",
+        _set(cu_seqlens=lambda a: a["cu_seqlens"][:0]),
+        ValueError,
+        "cu_seqlens",
+        False,
+    ),
+    (
+        "cu_seqlens_decreasing",
+        _set(cu_seqlens=lambda a: torch.tensor([0, 5, 3, 12], dtype=torch.int32, device=_dev(a))),
+        ValueError,
+        "non-decreasing",
+        True,
+    ),
+    (
+        "cu_seqlens_past_T",
+        _set(cu_seqlens=lambda a: torch.tensor([0, 5, 5, 13], dtype=torch.int32, device=_dev(a))),
+        ValueError,
+        "total_tokens",
+        True,
+    ),
+    (
+        "cu_seqlens_negative",
+        _set(cu_seqlens=lambda a: torch.tensor([-1, 5, 5, 12], dtype=torch.int32, device=_dev(a))),
+        ValueError,
+        r"cu_seqlens\[0\]",
+        True,
+    ),
+    ("stream_str", _set(stream="s"), TypeError, "stream", False),
+]
+
+REPACK_ERRORS = SHARED_INPUT_ERRORS + [
+    ("keep_float", _set(keep=lambda a: a["keep"].float()), TypeError, "keep", False),
+    ("keep_2d", _set(keep=lambda a: a["keep"].reshape(3, 4)), ValueError, "keep", False),
+    ("keep_short", _set(keep=lambda a: a["keep"][:11]), ValueError, "keep", False),
+]
+
+REPACK_INTO_ERRORS = REPACK_ERRORS + [
+    ("out_dtype", _set(out=lambda a: a["out"].half()), TypeError, r"\bout\b", False),
+    (
+        "out_channels",
+        _set(out=lambda a: poison((12, 7), device=_dev(a))),
+        ValueError,
+        r"\bout\b",
+        False,
+    ),
+    ("out_aliases_packed", _set(out=lambda a: a["packed"]), ValueError, "alias", False),
+    (
+        "cu_seqlens_out_short",
+        _set(cu_seqlens_out=lambda a: a["cu_seqlens_out"][:3]),
+        ValueError,
+        "cu_seqlens_out",
+        False,
+    ),
+    (
+        "cu_seqlens_out_int64",
+        _set(cu_seqlens_out=lambda a: a["cu_seqlens_out"].long()),
+        TypeError,
+        "cu_seqlens_out",
+        False,
+    ),
+    (
+        "cu_seqlens_out_aliases_cu_seqlens",
+        _set(cu_seqlens_out=lambda a: a["cu_seqlens"]),
+        ValueError,
+        "alias",
+        False,
+    ),
+    ("src_int64", _set(src=lambda a: a["src"].long()), TypeError, r"\bsrc\b", False),
+    (
+        "src_wrong_length",
+        _set(src=lambda a: poison((11,), torch.int32, _dev(a))),
+        ValueError,
+        r"\bsrc\b",
+        False,
+    ),
+    (
+        "capacity_too_small",
+        _set(
+            out=lambda a: poison((5, 6), device=_dev(a)),
+            src=lambda a: poison((5,), torch.int32, _dev(a)),
+        ),
+        ValueError,
+        r"room|capacity",
+        True,
+    ),
+]
+
+GATHER_PREFIX_ERRORS = SHARED_INPUT_ERRORS + [
+    ("k_negative", _set(k=-1), ValueError, r"\bk\b", False),
+    ("k_float", _set(k=1.0), TypeError, r"\bk\b", False),
+    ("k_bool", _set(k=True), TypeError, r"\bk\b", False),
+    ("k_huge", _set(k=2**40), ValueError, r"\bk\b", False),
+    (
+        "out_k_differs",
+        _set(k=1),
+        ValueError,
+        r"\bout\b",
+        False,
+    ),
+    (
+        "out_dtype",
+        _set(prefix_out=lambda a: a["prefix_out"].half()),
+        TypeError,
+        r"\bout\b",
+        False,
+    ),
+    (
+        "short_sequence",
+        _set(k=1, prefix_out=lambda a: poison((3, 1, 6), device=_dev(a))),
+        ValueError,
+        "at least k=1",
+        True,
+    ),
+]
+
+SEGMENT_MEAN_ERRORS = SHARED_INPUT_ERRORS + [
+    ("skip_negative", _set(skip=-1), ValueError, "skip", False),
+    ("skip_float", _set(skip=0.5), TypeError, "skip", False),
+    (
+        "out_shape",
+        _set(mean_out=lambda a: poison((3, 7), device=_dev(a))),
+        ValueError,
+        r"\bout\b",
+        False,
+    ),
+    (
+        "out_dtype",
+        _set(mean_out=lambda a: a["mean_out"].double()),
+        TypeError,
+        r"\bout\b",
+        False,
+    ),
+    ("out_aliases_packed", _set(mean_out=lambda a: a["packed"][:3]), ValueError, "alias", False),
+]
+
+CALLS = {
+    "repack": (_call_repack, REPACK_ERRORS),
+    "repack_into": (_call_repack_into, REPACK_INTO_ERRORS),
+    "gather_prefix": (_call_gather_prefix, GATHER_PREFIX_ERRORS),
+    "segment_mean": (_call_segment_mean, SEGMENT_MEAN_ERRORS),
+}
+
+
+def _error_params():
+    params = []
+    for op, (_, cases) in CALLS.items():
+        for device in ("cpu", "cuda"):
+            for case_id, mutate, exc, pattern, cpu_only in cases:
+                if cpu_only and device == "cuda":
+                    continue
+                marks = gpu_marks() if device == "cuda" else []
+                params.append(
+                    pytest.param(
+                        op, device, mutate, exc, pattern, marks=marks, id=f"{op}-{device}-{case_id}"
+                    )
+                )
+    return params
+
+
+@pytest.mark.parametrize("op", list(CALLS))
+@pytest.mark.parametrize("device", devices())
+def test_error_base_args_are_valid(op, device):
+    a = _base(device)
+    CALLS[op][0](a)
+    if op == "repack_into":
+        assert a["cu_seqlens_out"].cpu().tolist() == [0, 3, 3, 7]
+        assert a["src"][:7].cpu().tolist() == [0, 2, 3, 5, 6, 10, 11]
+
+
+@pytest.mark.parametrize("op, device, mutate, exc, pattern", _error_params())
+def test_rejects(op, device, mutate, exc, pattern):
+    a = _base(device)
+    mutate(a)
+    watched = ("packed", "keep", "out", "src", "prefix_out", "mean_out")
+    before = {n: a[n].clone() for n in watched if isinstance(a[n], torch.Tensor)}
+    with pytest.raises(exc, match=pattern):
+        CALLS[op][0](a)
+    for name, value in before.items():
+        assert same_bits(a[name], value), f"rejected call modified {name}"
+
+
+def test_rejects_missing_and_unknown_arguments():
+    a = _base("cpu")
+    with pytest.raises(TypeError, match="missing required argument 'keep'"):
+        ragvit.repack(a["packed"], a["cu_seqlens"])
+    with pytest.raises(TypeError, match="unexpected keyword argument 'index'"):
+        ragvit.repack_into(
+            a["packed"], a["cu_seqlens"], a["keep"], a["out"], a["cu_seqlens_out"], index=None
+        )
+    with pytest.raises(TypeError, match="at most 2 positional"):
+        ragvit.segment_mean(a["packed"], a["cu_seqlens"], 1)
+    with pytest.raises(TypeError, match="missing required argument 'k'"):
+        ragvit.gather_prefix(a["packed"], a["cu_seqlens"])
+
+
+def test_rejects_read_only_numpy_outputs():
+    a = {k: (v.numpy() if isinstance(v, torch.Tensor) else v) for k, v in _base("cpu").items()}
+    for name in ("out", "cu_seqlens_out", "src"):
+        bufs = {n: a[n].copy() for n in ("out", "cu_seqlens_out", "src")}
+        bufs[name].flags.writeable = False
+        with pytest.raises(ValueError, match="read-only"):
+            ragvit.repack_into(
+                a["packed"],
+                a["cu_seqlens"],
+                a["keep"],
+                bufs["out"],
+                bufs["cu_seqlens_out"],
+                src=bufs["src"],
+            )
+        assert np.isnan(bufs["out"]).all() and (bufs["src"] == INT32_POISON).all()
+    out = a["mean_out"].copy()
+    out.flags.writeable = False
+    with pytest.raises(ValueError, match="read-only"):
+        ragvit.segment_mean(a["packed"], a["cu_seqlens"], out=out)
+
+
+# ---- CUDA: graphs, garbage contents ----
+
+
+def _drain_device_error_flag():
+    """Consume error bits left by a garbage call made with debug off."""
+    ragvit.set_debug(True)
+    packed = torch.zeros((1, 4), device="cuda")
+    try:
+        ragvit.segment_mean(packed, make_cu_seqlens([1], "cuda"))
+    except ValueError:
+        pass
+    torch.cuda.synchronize()
+
+
+@pytest.mark.gpu
+@requires_cuda
+def test_repack_into_segment_helpers_cuda_graph_replay(gen, seed):
+    ragvit.set_debug(False)
+    lengths = random_lengths(gen, 64, 1, 197, include=(1, 197))
+    rows, C, dtype = sum(lengths), 384, torch.float16
+    cu_seqlens = make_cu_seqlens(lengths, "cuda")
+    packed = torch.empty((rows, C), dtype=dtype, device="cuda")
+    keep = torch.empty((rows,), dtype=torch.bool, device="cuda")
+    out = poison((rows, C), dtype, "cuda")
+    cu2 = poison((65,), torch.int32, "cuda")
+    src = poison((rows,), torch.int32, "cuda")
+    cls = poison((64, 1, C), dtype, "cuda")
+    mean = poison((64, C), dtype, "cuda")
+
+    def refill():
+        packed.copy_(torch.randint(-100, 101, (rows, C), generator=gen).to(dtype))
+        flags = torch.rand((rows,), generator=gen) < 0.5
+        flags[cu_seqlens[:-1].cpu().long()] = True  # every sequence keeps its CLS token
+        keep.copy_(flags)
+
+    def run():
+        ragvit.repack_into(packed, cu_seqlens, keep, out, cu2, src=src)
+        ragvit.gather_prefix(out, cu2, 1, out=cls)
+        ragvit.segment_mean(out, cu2, skip=1, out=mean)
+
+    refill()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        run()
+    torch.cuda.current_stream().wait_stream(side)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        run()
+    for _ in range(2):
+        refill()
+        graph.replay()
+        torch.cuda.synchronize()
+        exp_out, exp_cu, exp_src = repack_reference(packed, cu_seqlens, keep)
+        total = int(exp_cu[-1])
+        assert torch.equal(cu2.cpu(), exp_cu), "replayed cu_seqlens_out differs" + seed_note(seed)
+        assert torch.equal(out[:total].cpu(), exp_out), "replayed rows differ" + seed_note(seed)
+        assert torch.equal(src[:total].cpu(), exp_src)
+        assert torch.equal(cls[:, 0].cpu(), exp_out[exp_cu[:-1].long()])
+        torch.testing.assert_close(
+            mean.cpu().double(), segment_mean_reference(exp_out, exp_cu, 1), **TOL[dtype]
+        )
+
+
+GARBAGE_REPACK = {
+    # packed has 24 rows in every case
+    "decreasing": [0, 20, 10, 24],
+    "past_T": [0, 10, 24 + 1000],
+    "far_past_T": [0, 2**31 - 1],
+    "negative": [-100, 10, 24],
+}
+
+
+@pytest.mark.gpu
+@pytest.mark.sanitizer
+@requires_cuda
+@pytest.mark.parametrize("debug", [True, False], ids=["debug", "no_debug"])
+@pytest.mark.parametrize("case", list(GARBAGE_REPACK))
+@pytest.mark.parametrize("op", ["repack_into", "segment_mean", "gather_prefix"])
+def test_garbage_cu_seqlens_never_crash(op, case, debug):
+    packed = torch.arange(24 * 6, dtype=torch.float32, device="cuda").reshape(24, 6)
+    cu_seqlens = torch.tensor(GARBAGE_REPACK[case], dtype=torch.int32, device="cuda")
+    B = cu_seqlens.numel() - 1
+    keep = torch.ones((24,), dtype=torch.bool, device="cuda")
+    guard = poison((24 + 8, 6), device="cuda")
+    cu2 = poison((B + 1,), torch.int32, "cuda")
+    calls = {
+        "repack_into": lambda: ragvit.repack_into(packed, cu_seqlens, keep, guard[:24], cu2),
+        "segment_mean": lambda: ragvit.segment_mean(packed, cu_seqlens, out=guard[:B]),
+        "gather_prefix": lambda: ragvit.gather_prefix(
+            packed, cu_seqlens, 2, out=guard[: 2 * B].view(B, 2, 6)
+        ),
+    }
+    limit = {"repack_into": 24, "segment_mean": B, "gather_prefix": 2 * B}[op]
+    ragvit.set_debug(debug)
+    if debug:
+        with pytest.raises(ValueError, match=r"cu_seqlens|room|shorter"):
+            calls[op]()
+    else:
+        calls[op]()
+        torch.cuda.synchronize()
+        _drain_device_error_flag()
+    torch.cuda.synchronize()
+    assert torch.isnan(guard[limit:]).all(), "wrote past out"
+    ragvit.set_debug(True)
+    good = make_cu_seqlens([10, 14], "cuda")
+    mean = ragvit.segment_mean(packed, good)  # flag clear: succeeds in debug mode
+    torch.testing.assert_close(mean.double().cpu(), segment_mean_reference(packed, good, 0))
+
+
+@pytest.mark.gpu
+@pytest.mark.sanitizer
+@requires_cuda
+@pytest.mark.parametrize("debug", [True, False], ids=["debug", "no_debug"])
+def test_repack_into_capacity_too_small_on_cuda(debug, gen, seed):
+    lengths = [40, 1, 0, 30, 197]
+    packed, cu_seqlens, keep, mask = _make_packed(gen, lengths, 30, torch.float16, "cuda")
+    exp_out, exp_cu, _ = repack_reference(packed, cu_seqlens, mask)
+    total = int(exp_cu[-1])
+    capacity = total // 2
+    guard = poison((capacity + 16, 30), torch.float16, "cuda")
+    src_guard = poison((capacity + 16,), torch.int32, "cuda")
+    cu2 = poison((len(lengths) + 1,), torch.int32, "cuda")
+    out, src = guard[:capacity], src_guard[:capacity]
+    ragvit.set_debug(debug)
+    if debug:
+        with pytest.raises(ValueError, match=r"room|capacity|\bout\b"):
+            ragvit.repack_into(packed, cu_seqlens, keep, out, cu2, src=src)
+    else:
+        ragvit.repack_into(packed, cu_seqlens, keep, out, cu2, src=src)
+        torch.cuda.synchronize()
+        assert torch.equal(cu2.cpu(), exp_cu)
+        assert torch.equal(out.cpu(), exp_out[:capacity]), "kept rows differ"
+        _drain_device_error_flag()
+    torch.cuda.synchronize()
+    assert torch.isnan(guard[capacity:]).all(), "wrote past capacity" + seed_note(seed)
+    assert (src_guard[capacity:] == INT32_POISON).all(), "src written past capacity"
+
+
+# ---- repack with fuse_weights (EViT fusion; float64 reference) ----
+
+
+def fuse_reference(packed, cu_seqlens, keep, weights):
+    """(packed2 float64, cu_seqlens2, src): kept rows then sum(w x)/sum(w) of the dropped."""
+    packed, weights = packed.cpu().double(), weights.cpu().double()
+    flags = keep.cpu() != 0
+    cu = cu_seqlens.cpu().long()
+    B, C = cu.numel() - 1, packed.shape[1]
+    rows = torch.arange(int(cu[0]), int(cu[-1]))
+    seq = torch.repeat_interleave(torch.arange(B), cu[1:] - cu[:-1])  # sequence of each row
+    dropped = rows[~flags[rows]]
+    seq_dropped = seq[~flags[rows]]
+    num = torch.zeros((B, C), dtype=torch.float64)
+    num.index_add_(0, seq_dropped, weights[dropped, None] * packed[dropped])
+    den = torch.zeros(B, dtype=torch.float64).index_add_(0, seq_dropped, weights[dropped])
+    fused = torch.where(den[:, None] != 0, num / den[:, None], torch.zeros_like(num))
+    src, counts = [], [0]
+    flag_list = flags.tolist()
+    for start, end in zip(cu[:-1].tolist(), cu[1:].tolist(), strict=True):
+        kept = [t for t in range(start, end) if flag_list[t]]
+        src += kept + [-1]
+        counts.append(counts[-1] + len(kept) + 1)
+    src = torch.tensor(src, dtype=torch.int64)
+    out = torch.zeros((src.numel(), C), dtype=torch.float64)
+    is_fused = src == -1
+    out[~is_fused] = packed[src[~is_fused]]
+    out[is_fused] = fused
+    return out, torch.tensor(counts, dtype=torch.int32), src.to(torch.int32)
+
+
+def _fuse_inputs(gen, lengths, C, dtype, device, keep_kind, weight_kind):
+    packed, cu_seqlens, keep, mask = _make_packed(gen, lengths, C, dtype, device, keep_kind)
+    inside = ~torch.isnan(torch.zeros(packed.shape[0]))  # all rows
+    inside[:GAP] = False
+    inside[packed.shape[0] - GAP :] = False
+    values = torch.randn((packed.shape[0], C), generator=gen)
+    values[~inside] = math.nan  # dropped rows are fused, so only outside rows stay NaN
+    packed = values.to(dtype=dtype, device=device)
+    if weight_kind == "random":
+        weights = torch.rand(packed.shape[0], generator=gen) + 0.01
+    else:  # zero weights: every fused token must be zeros
+        weights = torch.zeros(packed.shape[0])
+    weights[~inside] = math.nan  # never read
+    return packed, cu_seqlens, keep, mask, weights.to(device)
+
+
+def _check_fused(out, cu2, src, packed, cu_seqlens, mask, weights, seed):
+    note = seed_note(seed)
+    exp_out, exp_cu, exp_src = fuse_reference(packed, cu_seqlens, mask, weights)
+    total = int(exp_cu[-1])
+    assert torch.equal(cu2.cpu(), exp_cu), "cu_seqlens2 differs" + note
+    assert torch.equal(src[:total].cpu(), exp_src), "src differs" + note
+    got = out[:total].cpu()
+    fused = exp_src == -1
+    assert torch.equal(got[~fused], exp_out[~fused].to(packed.dtype)), "kept rows differ" + note
+    got_fused = got[fused].double()
+    assert torch.isfinite(got_fused).all(), "non-finite fused token" + note
+    expected_fused = exp_out[fused].to(packed.dtype).double()  # the one rounding to dtype
+    torch.testing.assert_close(
+        got_fused, expected_fused, **TOL[packed.dtype], msg=lambda m: m + note
+    )
+    return total
+
+
+def _fuse_params():
+    params = []
+    for device in ("cpu", "cuda"):
+        marks = gpu_marks() if device == "cuda" else []
+        for dtype in DTYPES:
+            for keep_kind, weight_kind in (
+                ("random", "random"),
+                ("all", "random"),
+                ("none", "random"),
+                ("random", "zero"),
+            ):
+                name = f"{device}-{DTYPE_IDS[dtype]}-{keep_kind}-{weight_kind}_weights"
+                params.append(
+                    pytest.param(device, dtype, keep_kind, weight_kind, marks=marks, id=name)
+                )
+    return params
+
+
+@pytest.mark.parametrize("device, dtype, keep_kind, weight_kind", _fuse_params())
+@pytest.mark.parametrize("form", ["eager", "into"])
+def test_repack_fuse_matches_reference(device, dtype, keep_kind, weight_kind, form, gen, seed):
+    lengths = _lengths(gen, device)
+    C = 30 if device == "cpu" else 384
+    packed, cu_seqlens, keep, mask, weights = _fuse_inputs(
+        gen, lengths, C, dtype, device, keep_kind, weight_kind
+    )
+    if form == "eager":
+        out, cu2, src = ragvit.repack(packed, cu_seqlens, keep, fuse_weights=weights)
+        assert out.shape[0] == int(cu2[-1])
+    else:
+        capacity = packed.shape[0] + len(lengths)  # T + B always suffices
+        out = poison((capacity, C), dtype, device)
+        cu2 = poison((len(lengths) + 1,), torch.int32, device)
+        src = poison((capacity,), torch.int32, device)
+        ragvit.repack_into(packed, cu_seqlens, keep, out, cu2, src=src, fuse_weights=weights)
+    total = _check_fused(out, cu2, src, packed, cu_seqlens, mask, weights, seed)
+    if form == "into":
+        assert torch.isnan(out[total:]).all(), "rows past the total written" + seed_note(seed)
+        assert (src[total:] == INT32_POISON).all()
+    if weight_kind == "zero" or keep_kind == "all":
+        fused_rows = out[:total][src[:total] == -1]
+        assert (fused_rows == 0).all(), "empty or zero-weight fusion must give zeros"
+
+
+def test_repack_fuse_rejects_bad_weights():
+    a = _base("cpu")
+    args = (a["packed"], a["cu_seqlens"], a["keep"])
+    with pytest.raises(TypeError, match="fuse_weights must be float32"):
+        ragvit.repack(*args, fuse_weights=torch.ones(12, dtype=torch.float64))
+    with pytest.raises(ValueError, match="fuse_weights must have shape"):
+        ragvit.repack(*args, fuse_weights=torch.ones(11))
+    with pytest.raises(TypeError, match="fuse_weights must be an array"):
+        ragvit.repack(*args, fuse_weights=[1.0] * 12)
+    out = poison((12, 6))
+    with pytest.raises(ValueError, match="alias"):
+        ragvit.repack_into(*args, out, poison((4,), torch.int32), fuse_weights=out[:2].view(-1))
+    assert torch.isnan(out).all()
+    small = poison((7, 6))  # 7 kept + 3 fused tokens do not fit
+    with pytest.raises(ValueError, match="room"):
+        ragvit.repack_into(*args, small, poison((4,), torch.int32), fuse_weights=torch.ones(12))
+    assert torch.isnan(small).all()
+
+
+@pytest.mark.gpu
+@pytest.mark.sanitizer
+@requires_cuda
+def test_repack_fuse_small_on_cuda(gen, seed):
+    lengths = [5, 0, 1, 9]
+    packed, cu_seqlens, keep, mask, weights = _fuse_inputs(
+        gen, lengths, 30, torch.float16, "cuda", "random", "random"
+    )
+    capacity = packed.shape[0] + len(lengths)
+    guard = poison((capacity + 8, 30), torch.float16, "cuda")
+    src_guard = poison((capacity + 8,), torch.int32, "cuda")
+    cu2 = poison((5,), torch.int32, "cuda")
+    out, src = guard[:capacity], src_guard[:capacity]
+    ragvit.set_debug(True)
+    ragvit.repack_into(packed, cu_seqlens, keep, out, cu2, src=src, fuse_weights=weights)
+    _check_fused(out, cu2, src, packed, cu_seqlens, mask, weights, seed)
+    assert torch.isnan(guard[capacity:]).all() and (src_guard[capacity:] == INT32_POISON).all()
+
+
+# ---- strided inputs (the one-launch kernel's non-contiguous keep paths) ----
+
+
+def _strided_params():
+    params = [pytest.param("cpu", (3, 197, 30), id="cpu")]
+    params.append(pytest.param("cuda", (64, 577, 30), marks=gpu_marks(), id="cuda"))
+    small = gpu_marks() + [pytest.mark.sanitizer]
+    params.append(pytest.param("cuda", (4, 197, 30), marks=small, id="cuda-small"))
+    return params
+
+
+@pytest.mark.parametrize("device, shape", _strided_params())
+@pytest.mark.parametrize("layout", ["contiguous", "channel_padded", "batch_strided"])
+def test_pack_into_strided_inputs(device, shape, layout, gen, seed):
+    x, keep, mask = _make_pack_inputs(gen, shape, torch.float16, device, "random_uint8", layout)
+    exp_packed, exp_cu, exp_indices = pack_reference(x, mask.to(device))
+    total = int(exp_cu[-1])
+    B, N, C = shape
+    out = poison((B * N + 3, C), torch.float16, device)
+    cu_seqlens = poison((B + 1,), torch.int32, device)
+    indices = poison((B * N + 3,), torch.int32, device)
+    ragvit.set_debug(device == "cuda")
+    ragvit.pack_into(x, keep, out, cu_seqlens, indices=indices)
+    note = seed_note(seed)
+    assert torch.equal(cu_seqlens.cpu(), exp_cu.cpu()), "cu_seqlens differ" + note
+    assert torch.equal(out[:total].cpu(), exp_packed.cpu()), "rows differ" + note
+    assert torch.equal(indices[:total].cpu(), exp_indices.cpu()), "indices differ" + note
+    assert torch.isnan(out[total:]).all() and (indices[total:] == INT32_POISON).all()
+
+
+@pytest.mark.parametrize("device, shape", _strided_params())
+@pytest.mark.parametrize("form", ["eager", "into"])
+def test_repack_strided_inputs(device, shape, form, gen, seed):
+    B, N, C = shape
+    lengths = random_lengths(gen, B, 0, N, include=(0, N))
+    packed, cu_seqlens, keep, mask = _make_packed(gen, lengths, C, torch.bfloat16, "cpu")
+    wide = poison((packed.shape[0], C + 5), torch.bfloat16)
+    wide[:, :C] = packed
+    tall = torch.zeros((2 * keep.shape[0],), dtype=keep.dtype)
+    tall[::2] = keep
+    packed_view = wide.to(device)[:, :C]
+    keep_view = tall.to(device)[::2]
+    cu_seqlens = cu_seqlens.to(device)
+    assert not packed_view.is_contiguous() and keep_view.stride(0) == 2
+    ragvit.set_debug(device == "cuda")
+    if form == "eager":
+        result = ragvit.repack(packed_view, cu_seqlens, keep_view)
+    else:
+        capacity = packed.shape[0]
+        result = (
+            poison((capacity, C), torch.bfloat16, device),
+            poison((B + 1,), torch.int32, device),
+            poison((capacity,), torch.int32, device),
+        )
+        ragvit.repack_into(packed_view, cu_seqlens, keep_view, result[0], result[1], src=result[2])
+        total = int(result[1][-1])
+        assert torch.isnan(result[0][total:]).all()
+        result = (result[0][:total], result[1], result[2][:total])
+    _assert_repacked(result, packed_view, cu_seqlens, mask, seed)
+
+
+@pytest.mark.parametrize("device", devices())
+def test_segment_helpers_strided_packed(device, gen, seed):
+    lengths = [3, 1, 7, 4]
+    rows, C = GAP + sum(lengths) + GAP, 30
+    wide = poison((rows, C + 6))
+    wide[:, :C] = torch.randn((rows, C), generator=gen)
+    packed = wide.to(device)[:, :C]
+    cu_seqlens = (make_cu_seqlens(lengths) + GAP).to(torch.int32).to(device)
+    mean = ragvit.segment_mean(packed, cu_seqlens, skip=1)
+    torch.testing.assert_close(
+        mean.cpu().double(), segment_mean_reference(packed, cu_seqlens, 1), **TOL[torch.float32]
+    )
+    prefix = ragvit.gather_prefix(packed, cu_seqlens, 1)
+    assert torch.equal(prefix[:, 0].cpu(), packed.cpu()[cu_seqlens.cpu()[:-1].long()])
+
+
+@pytest.mark.parametrize("device", devices())
+def test_repack_fuse_with_no_rows_appends_zero_tokens(device):
+    packed = torch.empty((0, 6), device=device)
+    cu_seqlens = make_cu_seqlens([0, 0], device)
+    empty = torch.empty((0,), dtype=torch.bool, device=device)
+    weights = torch.empty((0,), device=device)
+    out, cu2, src = ragvit.repack(packed, cu_seqlens, empty, fuse_weights=weights)
+    assert cu2.cpu().tolist() == [0, 1, 2] and src.cpu().tolist() == [-1, -1]
+    assert torch.equal(out.cpu(), torch.zeros((2, 6)))
+    out = poison((3, 6), device=device)
+    cu2 = poison((3,), torch.int32, device)
+    ragvit.repack_into(packed, cu_seqlens, empty, out, cu2, fuse_weights=weights)
+    assert cu2.cpu().tolist() == [0, 1, 2]
+    assert (out[:2] == 0).all() and torch.isnan(out[2]).all()
