@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # GPU check for the device machine: build, GPU test suite, compute-sanitizer, benchmarks.
-# Usage: scripts/gpu_check.sh [build] [bench] [test] [sanitize] [mma] [quick]  (default: all,
-# in that order; each step has a time limit so the summary always prints).
+# Usage: scripts/gpu_check.sh [build] [bench] [test] [sanitize] [mma] [packbench] [e2e] [quick]
+# (default: build bench test sanitize mma, in that order; each step has a time limit so the
+# summary always prints). Pass RAGVIT_GIT_SHA: the GPU machine's copy of the tree has no .git.
 # Logs go to $OUT (or ./gpu_logs); a short summary table is printed last.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -33,18 +34,24 @@ if has sanitize; then
     run memcheck timeout "${SANITIZER_TIMEOUT:-150}" compute-sanitizer --tool memcheck \
         --error-exitcode 9 python3 -m pytest -q -m sanitizer tests
     # Only ragvit's kernels: torch's own SDPA kernels (the tests' baseline) report hazards.
-    run racecheck timeout "${SANITIZER_TIMEOUT:-150}" compute-sanitizer --tool racecheck \
-        --kernel-name kns=ragged_attention --error-exitcode 9 \
-        python3 -m pytest -q -m sanitizer -k "attention and not garbage" tests/test_ops.py
-    run racecheck_pack timeout "${SANITIZER_TIMEOUT:-150}" compute-sanitizer --tool racecheck \
-        --kernel-name kns=pack_tokens --error-exitcode 9 \
-        python3 -m pytest -q -m sanitizer -k "pack and not garbage" tests/test_ops.py
+    for kernels in ragged_attention pack_tokens segment_mean; do
+        run "racecheck_$kernels" timeout "${SANITIZER_TIMEOUT:-150}" compute-sanitizer \
+            --tool racecheck --kernel-name "kns=$kernels" --error-exitcode 9 \
+            python3 -m pytest -q -m sanitizer -k "not garbage" tests
+    done
 fi
 if has mma && [ -f dev/test_attention_mma.cu ]; then
     run mma_build nvcc -std=c++17 -O3 -DRAGVIT_WITH_CUDA -Icsrc -Icsrc/kernels \
         -gencode=arch=compute_90,code=sm_90 dev/test_attention_mma.cu -o dev/test_attention_mma.bin \
         -lpthread
     run mma_selftest timeout 120 ./dev/test_attention_mma.bin
+fi
+if has packbench; then
+    run bench_pack timeout 150 python3 benchmarks/bench_pack.py --out "$OUT/pack_h200"
+fi
+if has e2e; then
+    run bench_e2e timeout "${E2E_TIMEOUT:-300}" python3 benchmarks/bench_e2e.py --quick \
+        --out "$OUT/e2e_h200"
 fi
 if has quick; then
     run bench_quick python3 benchmarks/bench_attention.py --quick
