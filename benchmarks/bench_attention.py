@@ -69,8 +69,9 @@ class Case:
         self.total = int(self.lengths.sum())
         self.max_seqlen = int(self.lengths.max())
         gen = torch.Generator(device="cuda").manual_seed(seed)
-        self.qkv = torch.randn(self.total, 3, self.heads, HEAD_DIM, device="cuda",
-                               dtype=torch.float16, generator=gen)
+        self.qkv = torch.randn(
+            self.total, 3, self.heads, HEAD_DIM, device="cuda", dtype=torch.float16, generator=gen
+        )
         self.q, self.k, self.v = self.qkv.unbind(1)
         self.out = torch.empty(self.total, self.heads, HEAD_DIM, device="cuda", dtype=torch.float16)
         self.scale = HEAD_DIM**-0.5
@@ -88,7 +89,9 @@ class Case:
 
         self.pq, self.pk, self.pv = pad(self.q), pad(self.k), pad(self.v)
         self.valid, self.pos = valid, pos
-        self.flops = 4.0 * float((self.lengths.astype(np.float64) ** 2).sum()) * self.heads * HEAD_DIM
+        self.flops = (
+            4.0 * float((self.lengths.astype(np.float64) ** 2).sum()) * self.heads * HEAD_DIM
+        )
 
     # ---- the calls being compared ----
     def ragvit_out(self):
@@ -99,26 +102,46 @@ class Case:
 
     def fa2(self):
         return torch.ops.aten._flash_attention_forward(
-            self.q, self.k, self.v, self.cu, self.cu, self.max_seqlen, self.max_seqlen,
-            0.0, False, False, scale=self.scale)[0]
+            self.q,
+            self.k,
+            self.v,
+            self.cu,
+            self.cu,
+            self.max_seqlen,
+            self.max_seqlen,
+            0.0,
+            False,
+            False,
+            scale=self.scale,
+        )[0]
 
     def varlen(self):
         from torch.nn.attention.varlen import varlen_attn
 
-        return varlen_attn(self.q, self.k, self.v, self.cu, self.cu, self.max_seqlen,
-                           self.max_seqlen, scale=self.scale)
+        return varlen_attn(
+            self.q,
+            self.k,
+            self.v,
+            self.cu,
+            self.cu,
+            self.max_seqlen,
+            self.max_seqlen,
+            scale=self.scale,
+        )
 
     def sdpa(self):
         return F.scaled_dot_product_attention(self.pq, self.pk, self.pv, scale=self.scale)
 
     def sdpa_masked(self):
-        return F.scaled_dot_product_attention(self.pq, self.pk, self.pv, attn_mask=self.key_mask,
-                                              scale=self.scale)
+        return F.scaled_dot_product_attention(
+            self.pq, self.pk, self.pv, attn_mask=self.key_mask, scale=self.scale
+        )
 
     def nested_setup(self):
         offsets = self.cu.long()
         mk = lambda t: torch.nested.nested_tensor_from_jagged(  # noqa: E731
-            t.contiguous(), offsets, max_seqlen=self.max_seqlen).transpose(1, 2)
+            t.contiguous(), offsets, max_seqlen=self.max_seqlen
+        ).transpose(1, 2)
         self.nq, self.nk, self.nv = mk(self.q), mk(self.k), mk(self.v)
 
     def nested(self):
@@ -144,9 +167,15 @@ BASELINES = ["fa2", "varlen", "sdpa_masked", "sdpa", "nested"]
 
 def check_case(case: Case) -> dict:
     """Errors of ragvit and each baseline against the float64 reference."""
-    row = {"model": case.model, "dist": case.dist, "num_seqs": case.num_seqs,
-           "total_tokens": case.total, "max_seqlen": case.max_seqlen,
-           "mean_len": float(case.lengths.mean()), "flops": case.flops}
+    row = {
+        "model": case.model,
+        "dist": case.dist,
+        "num_seqs": case.num_seqs,
+        "total_tokens": case.total,
+        "max_seqlen": case.max_seqlen,
+        "mean_len": float(case.lengths.mean()),
+        "flops": case.flops,
+    }
     ref = reference_fp64(case.q, case.k, case.v, case.cu, case.scale)
     errors, available = {}, {}
     try:
@@ -175,15 +204,19 @@ def time_case(case: Case, row: dict, args, flusher) -> None:
     """Host and GPU figures for ragvit, the launch floor and each available baseline."""
     available = row["available"]
     stream = torch.cuda.current_stream().cuda_stream
-    host = {"launch_floor": timing.host_us(lambda: ragvit._C._launch_empty(0, stream), args.calls),
-            "ragvit_out": timing.host_us(case.ragvit_out, args.calls),
-            "ragvit_alloc": timing.host_us(case.ragvit_alloc, args.calls)}
+    host = {
+        "launch_floor": timing.host_us(lambda: ragvit._C._launch_empty(0, stream), args.calls),
+        "ragvit_out": timing.host_us(case.ragvit_out, args.calls),
+        "ragvit_alloc": timing.host_us(case.ragvit_alloc, args.calls),
+    }
     gpu = {"ragvit_out": timing.gpu_us_graph(case.ragvit_out, flusher=flusher, reps=args.reps)}
     for name in BASELINES:
         if available.get(name) != "ok":
             continue
         fn = getattr(case, name)
-        host[name] = timing.host_us(fn, args.calls if name != "nested" else max(50, args.calls // 20))
+        host[name] = timing.host_us(
+            fn, args.calls if name != "nested" else max(50, args.calls // 20)
+        )
         try:
             gpu[name] = timing.gpu_us_graph(fn, flusher=flusher, reps=args.reps)
         except Exception:  # noqa: BLE001  (not capturable, e.g. NestedTensor)
@@ -195,17 +228,23 @@ def time_case(case: Case, row: dict, args, flusher) -> None:
 def environment() -> dict:
     def cmd(c):
         try:
-            return subprocess.check_output(c, shell=True, text=True, stderr=subprocess.DEVNULL).strip()
+            return subprocess.check_output(
+                c, shell=True, text=True, stderr=subprocess.DEVNULL
+            ).strip()
         except Exception:  # noqa: BLE001
             return "unknown"
 
-    return {"gpu": torch.cuda.get_device_name(),
-            "driver": cmd("nvidia-smi --query-gpu=driver_version --format=csv,noheader | head -1"),
-            "cuda": torch.version.cuda, "torch": torch.__version__, "ragvit": ragvit.__version__,
-            # The GPU machine gets a copy of the tree without .git: pass RAGVIT_GIT_SHA there.
-            "git_sha": os.environ.get("RAGVIT_GIT_SHA") or cmd(
-                f"git -C {os.path.dirname(os.path.abspath(__file__))} rev-parse --short HEAD"),
-            "python": sys.version.split()[0]}
+    return {
+        "gpu": torch.cuda.get_device_name(),
+        "driver": cmd("nvidia-smi --query-gpu=driver_version --format=csv,noheader | head -1"),
+        "cuda": torch.version.cuda,
+        "torch": torch.__version__,
+        "ragvit": ragvit.__version__,
+        # The GPU machine gets a copy of the tree without .git: pass RAGVIT_GIT_SHA there.
+        "git_sha": os.environ.get("RAGVIT_GIT_SHA")
+        or cmd(f"git -C {os.path.dirname(os.path.abspath(__file__))} rev-parse --short HEAD"),
+        "python": sys.version.split()[0],
+    }
 
 
 def fmt(row, kind, name):
@@ -214,26 +253,33 @@ def fmt(row, kind, name):
 
 
 def render(rows, env) -> str:
-    lines = [f"# ragvit.attention on {env['gpu']}", "",
-             f"driver {env['driver']}, CUDA {env['cuda']}, torch {env['torch']}, "
-             f"ragvit {env['ragvit']} @ {env['git_sha']}; fp16, head_dim 64, q/k/v strided views "
-             "of one (T, 3, H, D) buffer. Host µs = Python → enqueued (median of many calls); "
-             "GPU µs = CUDA-graph replay per call (L2 flushed per replay). "
-             "fastest = fastest correct baseline on the GPU among FA2 varlen, varlen_attn and "
-             "masked padded SDPA.", "",
-             "| model | dist | S | T | host µs: ragvit out= / alloc / empty-launch floor | "
-             "host µs: FA2 / varlen_attn / SDPA+mask / SDPA / nested | host ratio ragvit/floor | "
-             "GPU µs: ragvit | GPU µs: FA2 / varlen_attn / SDPA+mask / SDPA | GPU ratio vs fastest | "
-             "GPU ratio vs SDPA (no mask) | TFLOP/s |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    lines = [
+        f"# ragvit.attention on {env['gpu']}",
+        "",
+        f"driver {env['driver']}, CUDA {env['cuda']}, torch {env['torch']}, "
+        f"ragvit {env['ragvit']} @ {env['git_sha']}; fp16, head_dim 64, q/k/v strided views "
+        "of one (T, 3, H, D) buffer. Host µs = Python → enqueued (median of many calls); "
+        "GPU µs = CUDA-graph replay per call (L2 flushed per replay). "
+        "fastest = fastest correct baseline on the GPU among FA2 varlen, varlen_attn and "
+        "masked padded SDPA.",
+        "",
+        "| model | dist | S | T | host µs: ragvit out= / alloc / empty-launch floor | "
+        "host µs: FA2 / varlen_attn / SDPA+mask / SDPA / nested | host ratio ragvit/floor | "
+        "GPU µs: ragvit | GPU µs: FA2 / varlen_attn / SDPA+mask / SDPA | GPU ratio vs fastest | "
+        "GPU ratio vs SDPA (no mask) | TFLOP/s |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
     for r in rows:
         if not r.get("ragvit_ok"):
-            lines.append(f"| {r['model']} | {r['dist']} | {r['num_seqs']} | {r['total_tokens']} | "
-                         f"FAILED correctness: {r['errors']} | | | | | | | |")
+            lines.append(
+                f"| {r['model']} | {r['dist']} | {r['num_seqs']} | {r['total_tokens']} | "
+                f"FAILED correctness: {r['errors']} | | | | | | | |"
+            )
             continue
         g = r["gpu_us"]
-        fastest = min((g[n]["median"] for n in ("fa2", "varlen", "sdpa_masked") if n in g),
-                      default=math.nan)
+        fastest = min(
+            (g[n]["median"] for n in ("fa2", "varlen", "sdpa_masked") if n in g), default=math.nan
+        )
         ours = g["ragvit_out"]["median"]
         host_ratio = r["host_us"]["ragvit_out"]["median"] / r["host_us"]["launch_floor"]["median"]
         sdpa_ratio = ours / g["sdpa"]["median"] if "sdpa" in g else math.nan
@@ -242,9 +288,12 @@ def render(rows, env) -> str:
             f"| {r['model']} | {r['dist']} | {r['num_seqs']} | {r['total_tokens']} | "
             f"{fmt(r, 'host_us', 'ragvit_out')} / {fmt(r, 'host_us', 'ragvit_alloc')} / "
             f"{fmt(r, 'host_us', 'launch_floor')} | "
-            + " / ".join(fmt(r, "host_us", n) for n in BASELINES) + f" | {host_ratio:.2f} | "
-            f"{ours:.1f} | " + " / ".join(fmt(r, "gpu_us", n) for n in BASELINES[:4])
-            + f" | {ours / fastest:.2f} | {sdpa_ratio:.2f} | {tflops:.1f} |")
+            + " / ".join(fmt(r, "host_us", n) for n in BASELINES)
+            + f" | {host_ratio:.2f} | "
+            f"{ours:.1f} | "
+            + " / ".join(fmt(r, "gpu_us", n) for n in BASELINES[:4])
+            + f" | {ours / fastest:.2f} | {sdpa_ratio:.2f} | {tflops:.1f} |"
+        )
     return "\n".join(lines) + "\n"
 
 
@@ -257,20 +306,28 @@ def main(argv=None):
     args = parser.parse_args(argv)
     if not (torch.cuda.is_available() and ragvit.cuda_available()):
         parser.error("needs a CUDA device and a CUDA build of ragvit")
-    grid = [(m, d, s) for m in MODELS for d in ("deit224_keep100", "deit224_keep50", "deit224_keep20")
-            for s in (1, 4, 32, 256)]
+    grid = [
+        (m, d, s)
+        for m in MODELS
+        for d in ("deit224_keep100", "deit224_keep50", "deit224_keep20")
+        for s in (1, 4, 32, 256)
+    ]
     grid += [(m, "deit384_full", s) for m in MODELS for s in (1, 32)]
     if args.quick:
-        grid = [("DeiT-S", "deit224_keep50", 1), ("DeiT-S", "deit224_keep50", 32),
-                ("DeiT-B", "deit224_keep100", 256)]
+        grid = [
+            ("DeiT-S", "deit224_keep50", 1),
+            ("DeiT-S", "deit224_keep50", 32),
+            ("DeiT-B", "deit224_keep100", 256),
+        ]
         args.calls = min(args.calls, 300)
     flusher = timing.L2Flusher()
     cases = [Case(*g) for g in grid]
     rows = [check_case(case) for case in cases]
     bad = [r for r in rows if not r["ragvit_ok"]]
-    print("all results match" if not bad else f"{len(bad)} grid points FAILED correctness",
-          flush=True)
-    for case, row in zip(cases, rows):
+    print(
+        "all results match" if not bad else f"{len(bad)} grid points FAILED correctness", flush=True
+    )
+    for case, row in zip(cases, rows, strict=True):
         if row["ragvit_ok"]:
             time_case(case, row, args, flusher)
     env = environment()

@@ -2,7 +2,9 @@
 
 Packed ragged attention and token packing launched from C on tensors imported
 through DLPack (incl. the DLPack C exchange API), the CUDA Array Interface or
-NumPy, with a CPU backend computing the same ops.
+NumPy, with a CPU backend computing the same ops. ``ragvit.patch(model, policy)``
+runs a timm ViT/DeiT on packed pruned tokens (torch and timm are imported only
+when it is first used; policies live in ``ragvit.pruning``).
 """
 
 from .ops import (
@@ -23,19 +25,37 @@ from .ops import (
 
 __version__ = "0.1.0"
 
+# The timm shim needs torch: import it on first use so `import ragvit` works without.
+_TIMM_PATCH_NAMES = ("patch", "unpatch", "is_patched", "UnsupportedModelError",
+                     "forward_with_decisions")
+
+
+def __getattr__(name):
+    if name in _TIMM_PATCH_NAMES:
+        from . import timm_patch
+
+        return getattr(timm_patch, name)
+    raise AttributeError(f"module 'ragvit' has no attribute {name!r}")
+
+
 __all__ = [
+    "UnsupportedModelError",
     "__version__",
     "attention",
     "cuda_available",
     "cuda_device_count",
     "cuda_is_compiled",
+    "forward_with_decisions",
     "gather_prefix",
     "is_debug",
+    "is_patched",
     "pack",
     "pack_into",
+    "patch",
     "repack",
     "repack_into",
     "segment_mean",
     "set_debug",
     "unpack",
+    "unpatch",
 ]

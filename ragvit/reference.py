@@ -9,6 +9,10 @@ scattered into a zero-padded rectangle, a key-padding mask, and
 Shapes: S sequences, T packed tokens, H heads, D head_dim, B images, N tokens
 per padded image, C channels.
 
+`vit_forward_reference` is the padded-masked ViT pipeline: the same pruning decisions
+as `ragvit.patch` (same policy object, or decisions replayed from a patched run) executed
+on dense padded (B, L, C) tensors with key-padding masks and SDPA in the model's dtype.
+
 This module imports torch and is imported lazily by tests and benchmarks only;
 `ragvit.ops` never imports it.
 """
@@ -26,6 +30,7 @@ __all__ = [
     "pack_reference",
     "padded_sdpa",
     "unpack_reference",
+    "vit_forward_reference",
 ]
 
 
@@ -248,3 +253,142 @@ def padded_sdpa(
     for s, (start, end) in enumerate(pairs):
         out[start:end] = result[s, :, : end - start].transpose(0, 1)
     return out
+
+
+# ---- the padded-masked ViT pipeline ----
+
+
+def _reference_block(blk, h: torch.Tensor, mask: torch.Tensor | None, want_cls: bool):
+    """One timm Block on padded (B, L, C) tokens; mask (B, L) marks real tokens (None: all).
+
+    Returns:
+        (h, cls_attn): cls_attn is (B, L) float32 head-mean softmax attention of token 0
+        over the real keys (zero on padding), or None unless want_cls.
+    """
+    attn = blk.attn
+    B, L, C = h.shape
+    qkv = attn.qkv(blk.norm1(h)).view(B, L, 3, attn.num_heads, attn.head_dim)
+    q, k, v = qkv.permute(2, 0, 3, 1, 4).unbind(0)  # (B, H, L, D) each
+    key_mask = None if mask is None else mask[:, None, None, :]
+    o = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=key_mask,
+                                                         scale=attn.scale)
+    o = attn.proj_drop(attn.proj(o.transpose(1, 2).reshape(B, L, attn.attn_dim)))
+    cls = None
+    if want_cls:
+        logits = (q[:, :, :1].float() @ k.float().transpose(-1, -2)).squeeze(2) * attn.scale
+        if mask is not None:
+            logits = logits.masked_fill(~mask[:, None, :], -math.inf)
+        cls = torch.softmax(logits, dim=-1).mean(dim=1)  # (B, L)
+    h = h + blk.drop_path1(blk.ls1(o))
+    h = h + blk.drop_path2(blk.ls2(blk.mlp(blk.norm2(h))))
+    return h, cls
+
+
+def _reference_prune(policy, h, mask, origin, uniform, layer, stage, num_prefix, cls, decision):
+    """Applies one pruning point to padded tokens; returns (h, mask, origin, uniform)."""
+    from .pruning import TokenBatch
+
+    B, L, C = h.shape
+    if decision is not None:
+        keep = decision.gather(1, origin)
+        if mask is not None:
+            keep &= mask
+        keep[:, :num_prefix] = True
+        new_uniform = False
+    else:
+        if uniform:
+            rows = h.reshape(B * L, C)
+            lengths = torch.full((B,), L, dtype=torch.int64, device=h.device)
+            cls_rows = None if cls is None else cls.reshape(-1)
+        else:
+            rows = h[mask]
+            lengths = mask.sum(1)
+            cls_rows = None if cls is None else cls[mask]
+        cu = torch.zeros(B + 1, dtype=torch.int32, device=h.device)
+        cu[1:] = torch.cumsum(lengths, 0)
+        batch = TokenBatch(rows=rows, cu_seqlens=cu, num_prefix=num_prefix,
+                           seq_len=L if uniform else None, max_seqlen=L, layer=layer,
+                           stage=stage, cls_attn=cls_rows)
+        sel = policy.select(batch)
+        if sel.index is not None:
+            keep = torch.zeros(B, L, dtype=torch.bool, device=h.device)
+            keep.scatter_(1, sel.index, True)
+        else:
+            keep_rows = sel.keep | (batch.positions < num_prefix)
+            if uniform:
+                keep = keep_rows.view(B, L).clone()
+            else:
+                keep = torch.zeros(B, L, dtype=torch.bool, device=h.device)
+                keep[mask] = keep_rows
+        new_uniform = uniform and sel.index is not None
+    lengths = keep.sum(1)
+    new_len = sel.index.shape[1] if decision is None and new_uniform else int(lengths.max())
+    # Kept tokens first, in their original order (stable sort), then cut to the longest.
+    order = torch.sort((~keep).to(torch.int8), dim=1, stable=True).indices[:, :new_len]
+    h = h.gather(1, order[:, :, None].expand(B, new_len, C))
+    origin = origin.gather(1, order)
+    new_mask = None
+    if not new_uniform:
+        new_mask = torch.arange(new_len, device=h.device)[None, :] < lengths[:, None]
+    return h, new_mask, origin, new_uniform
+
+
+def vit_forward_reference(model, x: torch.Tensor, policy=None, *, decisions=None,
+                          return_decisions: bool = False):
+    """A timm ViT/DeiT forward with pruning on padded tensors, key masks and SDPA.
+
+    Runs in the model's dtype on its device (the baseline users write today, and the
+    oracle for `ragvit.patch`): before the first pruning point it is the dense model;
+    after a pruning point each image's kept tokens are moved to the front of a padded
+    (B, L', C) tensor (L' = the longest image) and attention masks the padding keys.
+
+    Args:
+        model: a timm VisionTransformer / VisionTransformerDistilled supported by
+            ragvit.patch (patched or not: only its modules are used), in eval.
+        x: (B, 3, H, W) images.
+        policy: a ragvit.pruning policy or None (no pruning).
+        decisions: optional list, one (B, N) bool mask per pruning point over the N
+            embedded tokens (as ragvit.timm_patch.forward_with_decisions returns):
+            replayed instead of asking the policy, so numerical noise cannot flip a choice.
+        return_decisions: also return the decisions made, in the same format.
+
+    Returns:
+        logits, or (logits, decisions) when return_decisions.
+    """
+    h = model.norm_pre(model.patch_drop(model._pos_embed(model.patch_embed(x))))
+    B, N, C = h.shape
+    P = int(model.num_prefix_tokens)
+    points = tuple(policy.layers) if policy is not None else ()
+    if decisions is not None and len(decisions) != len(points):
+        raise ValueError(f"decisions must hold one mask per pruning point ({len(points)}), "
+                         f"got {len(decisions)}")
+    needs_cls = policy is not None and policy.needs_cls_attn
+    mask = None
+    uniform = True
+    origin = torch.arange(N, device=h.device).expand(B, N)
+    made = []
+    cls = None
+    stage = 0
+    for i, blk in enumerate(model.blocks):
+        if stage < len(points) and points[stage] == i:
+            decision = decisions[stage] if decisions is not None else None
+            h, mask, origin, uniform = _reference_prune(policy, h, mask, origin, uniform, i,
+                                                        stage, P, cls, decision)
+            if return_decisions:
+                valid = origin if mask is None else torch.where(mask, origin, N)
+                made_mask = torch.zeros(B, N + 1, dtype=torch.bool, device=h.device)
+                made.append(made_mask.scatter_(1, valid, True)[:, :N])
+            stage += 1
+        want_cls = needs_cls and stage < len(points) and points[stage] == i + 1
+        h, cls = _reference_block(blk, h, mask, want_cls)
+    if model.global_pool == "avg":
+        skip = 0 if getattr(model, "pool_include_prefix", False) else P
+        hn = model.norm(h).float()
+        valid = torch.ones(h.shape[:2], dtype=torch.bool, device=h.device) if mask is None \
+            else mask.clone()
+        valid[:, :skip] = False
+        pooled = (hn * valid[:, :, None]).sum(1) / valid.sum(1, keepdim=True).clamp(min=1)
+        logits = model.head(model.head_drop(model.fc_norm(pooled.to(h.dtype))))
+    else:
+        logits = model.forward_head(model.norm(h[:, :P]))
+    return (logits, made) if return_decisions else logits

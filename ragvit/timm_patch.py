@@ -1,0 +1,386 @@
+"""patch(model, policy) / unpatch(model): timm ViT/DeiT inference on packed, pruned tokens.
+
+`patch` sets an instance `forward` on a timm VisionTransformer (the class, its modules
+and its parameters are untouched; `unpatch` deletes the instance attribute, so the
+original bound `forward` comes back and the state_dict never changed). The patched
+forward runs every block on packed `(T, C)` rows: LayerNorm and the qkv/proj/MLP
+linears in torch on 2-D rows, attention through `ragvit.attention` reading q/k/v as
+strided views of the qkv output (no copies), `cu_seqlens` on the device and `max_seqlen`
+known on the host. Before the first pruning point every image has N tokens, so the rows
+are the embedded batch viewed as (B*N, C); at each pruning point the policy's selection
+re-packs them. Decision that is not obvious: token moves between stages are isolated in
+the `_gather_*`, `_pack_*`, `_repack_*` and `_segment_*` helpers below (ragvit's C ops,
+plus a torch gather for fixed counts); none reads the device on the host, so a forward
+with fixed-count policies is sync-free and capturable in a CUDA graph.
+
+Only eval-mode inference without autograd is supported (ragvit.attention has no
+backward; drop-path and dropout are identities in eval).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from . import ops
+from .pruning import PruningPolicy, Selection, TokenBatch
+
+__all__ = ["UnsupportedModelError", "forward_with_decisions", "is_patched", "patch", "unpatch"]
+
+_STATE_ATTR = "_ragvit_patch_state"
+_HEAD_DIMS = (32, 64, 80, 96, 128)
+
+
+class UnsupportedModelError(ValueError):
+    """A model feature ragvit.patch cannot run on packed tokens; the message names it."""
+
+
+@dataclass
+class _PatchState:
+    """What patch() added to a model (kept out of nn.Module's registries)."""
+
+    policy: PruningPolicy | None
+    capacity: bool
+    attention: Any
+    saved_forward: Any  # an instance-level forward that existed before patch, or None
+    had_forward: bool
+    num_prefix: int
+    avg_pool: bool
+    pool_skip: int
+    cu_cache: dict = field(default_factory=dict)
+
+
+# ---- support checks ----
+
+
+def _refuse(feature: str, detail: str) -> UnsupportedModelError:
+    return UnsupportedModelError(f"ragvit.patch: {feature} is not supported ({detail})")
+
+
+def _check_supported(model) -> None:
+    from timm.layers import Attention, Mlp
+    from timm.models.vision_transformer import Block, VisionTransformer
+
+    try:
+        from timm.models.deit import VisionTransformerDistilled
+    except ImportError:  # pragma: no cover - old timm
+        VisionTransformerDistilled = None
+
+    if not isinstance(model, torch.nn.Module) or not isinstance(model, VisionTransformer):
+        raise TypeError(
+            f"ragvit.patch: model must be a timm VisionTransformer, got {type(model).__name__}")
+    if type(model) not in (VisionTransformer, VisionTransformerDistilled):
+        raise _refuse(f"model class {type(model).__name__}",
+                      "only VisionTransformer and VisionTransformerDistilled")
+    if getattr(model, "cls_token", None) is None:
+        raise _refuse("a model without a class token", "class_token=False")
+    if getattr(model, "dynamic_img_size", False):
+        raise _refuse("dynamic_img_size", "the token count must be fixed by img_size")
+    if getattr(model, "attn_pool", None) is not None:
+        raise _refuse("an attention-pool head", f"global_pool={model.global_pool!r}")
+    if model.global_pool not in ("token", "avg"):
+        raise _refuse(f"global_pool={model.global_pool!r}", "only 'token' and 'avg'")
+    for i, blk in enumerate(model.blocks):
+        if type(blk) is not Block:
+            raise _refuse(f"block type {type(blk).__name__}", f"block {i}; only timm Block")
+        attn = blk.attn
+        if type(attn) is not Attention:
+            raise _refuse(f"attention type {type(attn).__name__}",
+                          f"block {i}; only timm Attention (no diff/fused-parallel variants)")
+        if not (isinstance(attn.q_norm, torch.nn.Identity)
+                and isinstance(attn.k_norm, torch.nn.Identity)):
+            raise _refuse("qk_norm", f"block {i}")
+        if getattr(attn, "gate", None) is not None:
+            raise _refuse("gated attention", f"block {i}")
+        if not isinstance(getattr(attn, "norm", torch.nn.Identity()), torch.nn.Identity):
+            raise _refuse("scale_attn_norm (norm before the attention projection)", f"block {i}")
+        if attn.head_dim not in _HEAD_DIMS:
+            raise _refuse(f"head_dim {attn.head_dim}", f"block {i}; ragvit.attention takes "
+                          f"{', '.join(map(str, _HEAD_DIMS))}")
+        if isinstance(blk.mlp, Mlp) and isinstance(blk.mlp.fc1, torch.nn.Conv2d):
+            raise _refuse("convolutional Mlp", f"block {i}")
+
+
+# ---- public entry points ----
+
+
+def patch(model, policy: PruningPolicy | None = None, *, capacity: bool = False,
+          attention=None):
+    """Makes a timm ViT/DeiT run on packed (optionally pruned) tokens, in place.
+
+    Args:
+        model: a timm VisionTransformer or VisionTransformerDistilled with a class token
+            (DeiT, distilled DeiT, DeiT-III, ViT; register tokens allowed), pooling
+            'token' or 'avg'.
+        policy: a ragvit.pruning policy, or None for the lossless path (every token kept,
+            every block through ragvit.attention).
+        capacity: for data-dependent policies, keep packed buffers at their worst-case
+            size instead of reading the new total from the device after each pruning
+            point (no host sync; garbage rows past cu_seqlens[B] cost compute).
+        attention: a replacement for ragvit.attention with its signature (benchmarks
+            use it to run the same pipeline on other attention ops).
+
+    Returns:
+        model itself. Call it under torch.no_grad() or torch.inference_mode(), in eval.
+
+    Raises:
+        TypeError: model is not a timm VisionTransformer, or policy is not a PruningPolicy.
+        UnsupportedModelError (a ValueError): a feature the packed path cannot run
+            (the message names it: qk_norm, gated attention, attention-pool head,
+            dynamic_img_size, no class token, ...).
+        ValueError: the model is already patched, or the policy's layers do not fit.
+    """
+    if is_patched(model):
+        raise ValueError("ragvit.patch: model is already patched; call ragvit.unpatch(model) "
+                         "first")
+    _check_supported(model)
+    if policy is not None:
+        if not isinstance(policy, PruningPolicy):
+            raise TypeError(f"ragvit.patch: policy must be a ragvit.pruning.PruningPolicy or "
+                            f"None, got {type(policy).__name__}")
+        policy.check(len(model.blocks))
+    had_forward = "forward" in vars(model)
+    state = _PatchState(
+        policy=policy,
+        capacity=capacity,
+        attention=attention if attention is not None else ops.attention,
+        saved_forward=vars(model).get("forward"),
+        had_forward=had_forward,
+        num_prefix=int(model.num_prefix_tokens),
+        avg_pool=model.global_pool == "avg",
+        pool_skip=0 if getattr(model, "pool_include_prefix", False) else int(
+            model.num_prefix_tokens),
+    )
+
+    def forward(x: torch.Tensor) -> torch.Tensor:
+        return _forward(model, state, x)[0]
+
+    # object.__setattr__: nn.Module.__setattr__ would be fine for a function, but the
+    # state must not become a submodule or buffer even if a policy is an nn.Module.
+    object.__setattr__(model, _STATE_ATTR, state)
+    object.__setattr__(model, "forward", forward)
+    return model
+
+
+def unpatch(model):
+    """Restores a patched model exactly (its original forward; parameters never changed).
+
+    Returns:
+        model itself.
+
+    Raises:
+        ValueError: the model is not patched.
+    """
+    state = vars(model).get(_STATE_ATTR)
+    if state is None:
+        raise ValueError("ragvit.unpatch: model is not patched")
+    if state.had_forward:
+        object.__setattr__(model, "forward", state.saved_forward)
+    else:
+        object.__delattr__(model, "forward")
+    object.__delattr__(model, _STATE_ATTR)
+    return model
+
+
+def is_patched(model) -> bool:
+    """Whether ragvit.patch has been applied to model (and not undone)."""
+    return _STATE_ATTR in vars(model)
+
+
+def forward_with_decisions(model, x: torch.Tensor):
+    """Runs a patched model and also returns its pruning decisions (for tests and checks).
+
+    Returns:
+        (logits, decisions): decisions[s] is a (B, N) bool mask over the N embedded
+        tokens (prefix first) of the tokens kept at pruning point s; the format that
+        ragvit.reference.vit_forward_reference(..., decisions=) replays.
+    """
+    state = vars(model).get(_STATE_ATTR)
+    if state is None:
+        raise ValueError("ragvit.forward_with_decisions: model is not patched")
+    return _forward(model, state, x, record=True)
+
+
+# ---- the packed pipeline ----
+
+
+@dataclass
+class _Rows:
+    """Packed tokens between blocks; see TokenBatch for the fields."""
+
+    rows: torch.Tensor
+    cu_seqlens: torch.Tensor
+    seq_len: int | None
+    max_seqlen: int
+    origin: torch.Tensor | None = None  # (T,) int64 embedded-token index, when recording
+
+
+def _uniform_cu(state: _PatchState, num_seqs: int, seq_len: int, device) -> torch.Tensor:
+    """(B+1,) int32 cu_seqlens of B images of seq_len tokens, cached per shape/device."""
+    key = (num_seqs, seq_len, device)
+    cu = state.cu_cache.get(key)
+    if cu is None:
+        cu = torch.arange(num_seqs + 1, dtype=torch.int32, device=device) * seq_len
+        if len(state.cu_cache) > 64:
+            state.cu_cache.clear()
+        state.cu_cache[key] = cu
+    return cu
+
+
+def _check_mode(model) -> None:
+    if model.training:
+        raise RuntimeError("ragvit: the patched forward is inference-only; call model.eval()")
+    if torch.is_grad_enabled():
+        raise RuntimeError("ragvit: the patched forward has no backward; run it under "
+                           "torch.no_grad() or torch.inference_mode()")
+
+
+def _block_rows(blk, rows, cu_seqlens, max_seqlen, attention, cls_attn=None):
+    """One timm Block on packed rows (T, C); attention reads views of the qkv output."""
+    attn = blk.attn
+    qkv = attn.qkv(blk.norm1(rows)).view(-1, 3, attn.num_heads, attn.head_dim)  # (T, 3, H, D)
+    if cls_attn is None:
+        o = attention(qkv[:, 0], qkv[:, 1], qkv[:, 2], cu_seqlens, max_seqlen, scale=attn.scale)
+    else:
+        o = attention(qkv[:, 0], qkv[:, 1], qkv[:, 2], cu_seqlens, max_seqlen, scale=attn.scale,
+                      cls_attn=cls_attn)
+    o = attn.proj_drop(attn.proj(o.reshape(o.shape[0], attn.attn_dim)))
+    rows = rows + blk.drop_path1(blk.ls1(o))
+    return rows + blk.drop_path2(blk.ls2(blk.mlp(blk.norm2(rows))))
+
+
+def _forward(model, state: _PatchState, x: torch.Tensor, record: bool = False):
+    _check_mode(model)
+    h = model.norm_pre(model.patch_drop(model._pos_embed(model.patch_embed(x))))
+    B, N, C = h.shape
+    cur = _Rows(h.reshape(B * N, C), _uniform_cu(state, B, N, h.device), N, N)
+    if record:
+        cur.origin = torch.arange(B * N, device=h.device) % N
+    policy = state.policy
+    points = policy.layers if policy is not None else ()
+    decisions = []
+    stage = 0
+    cls_attn = None
+    for i, blk in enumerate(model.blocks):
+        if stage < len(points) and points[stage] == i:
+            cur = _prune(state, cur, i, stage, cls_attn)
+            if record:
+                decisions.append(_decision_mask(cur, B, N))
+            stage += 1
+        cls_attn = None
+        if policy is not None and policy.needs_cls_attn and stage < len(points) \
+                and points[stage] == i + 1:
+            cls_attn = torch.empty(cur.rows.shape[0], dtype=torch.float32, device=h.device)
+        cur.rows = _block_rows(blk, cur.rows, cur.cu_seqlens, cur.max_seqlen, state.attention,
+                               cls_attn)
+    return _head(model, state, cur), decisions
+
+
+def _head(model, state: _PatchState, cur: _Rows) -> torch.Tensor:
+    if state.avg_pool:
+        pooled = _segment_mean(model.norm(cur.rows), cur, state.pool_skip)
+        return model.head(model.head_drop(model.fc_norm(pooled)))
+    prefix = _gather_prefix(cur.rows, cur.cu_seqlens, state.num_prefix)  # (B, P, C)
+    return model.forward_head(model.norm(prefix))
+
+
+def _prune(state: _PatchState, cur: _Rows, layer: int, stage: int, cls_attn) -> _Rows:
+    """Applies the policy at one pruning point and re-packs the kept rows."""
+    batch = TokenBatch(rows=cur.rows, cu_seqlens=cur.cu_seqlens, num_prefix=state.num_prefix,
+                       seq_len=cur.seq_len, max_seqlen=cur.max_seqlen, layer=layer, stage=stage,
+                       cls_attn=cls_attn)
+    sel = state.policy.select(batch)
+    if not isinstance(sel, Selection):
+        raise TypeError(f"{type(state.policy).__name__}.select must return a Selection, got "
+                        f"{type(sel).__name__}")
+    if sel.index is not None:
+        if cur.seq_len is None:
+            raise ValueError(f"{type(state.policy).__name__}.select: an index Selection needs "
+                             "a batch with seq_len known")
+        return _gather_uniform(state, cur, sel.index)
+    keep = (sel.keep | (batch.positions < state.num_prefix)) & (batch.seq_ids < batch.num_seqs)
+    max_seqlen = cur.max_seqlen if sel.max_seqlen is None else min(sel.max_seqlen,
+                                                                     cur.max_seqlen)
+    if cur.seq_len is not None:
+        new = _pack_first(cur, keep, max_seqlen)
+    else:
+        new = _repack_rows(cur, keep, max_seqlen)
+    if not state.capacity:
+        new = _trim(new)
+    return new
+
+
+def _decision_mask(cur: _Rows, num_seqs: int, num_tokens: int) -> torch.Tensor:
+    """(B, N) bool: which embedded tokens the packed rows hold (rows past the total ignored)."""
+    batch = TokenBatch(rows=cur.rows, cu_seqlens=cur.cu_seqlens, num_prefix=0,
+                       seq_len=cur.seq_len, max_seqlen=cur.max_seqlen, layer=0, stage=0)
+    seq = batch.seq_ids
+    flat = torch.where(seq < num_seqs, seq * num_tokens + cur.origin, num_seqs * num_tokens)
+    mask = torch.zeros(num_seqs * num_tokens + 1, dtype=torch.bool, device=seq.device)
+    mask[flat] = True
+    return mask[:-1].view(num_seqs, num_tokens)
+
+
+# ---- token movement ----
+
+
+def _gather_uniform(state: _PatchState, cur: _Rows, index: torch.Tensor) -> _Rows:
+    """Fixed counts: (B, L) rows -> the (B, k) positions of `index`; sync-free torch gather."""
+    B, k = index.shape
+    C = cur.rows.shape[1]
+    rows = cur.rows.view(B, cur.seq_len, C).gather(1, index[:, :, None].expand(B, k, C))
+    origin = None
+    if cur.origin is not None:
+        origin = cur.origin.view(B, cur.seq_len).gather(1, index).reshape(-1)
+    return _Rows(rows.reshape(B * k, C), _uniform_cu(state, B, k, rows.device), k, k, origin)
+
+
+def _pack_first(cur: _Rows, keep: torch.Tensor, max_seqlen: int) -> _Rows:
+    """Mask over (B, L) rows -> packed capacity buffers, through ragvit.pack_into."""
+    B = cur.cu_seqlens.shape[0] - 1
+    L = cur.seq_len
+    T, C = cur.rows.shape
+    out = torch.empty_like(cur.rows)
+    cu = torch.empty(B + 1, dtype=torch.int32, device=out.device)
+    idx = torch.zeros(T, dtype=torch.int32, device=out.device)
+    ops.pack_into(cur.rows.view(B, L, C), keep.view(B, L), out, cu, indices=idx)
+    origin = None
+    if cur.origin is not None:
+        new = TokenBatch(rows=out, cu_seqlens=cu, num_prefix=0, seq_len=None,
+                         max_seqlen=max_seqlen, layer=0, stage=0)
+        src = new.seq_ids.clamp(max=B - 1) * L + idx.long().clamp(0, L - 1)
+        origin = cur.origin[src]
+    return _Rows(out, cu, None, max_seqlen, origin)
+
+
+def _repack_rows(cur: _Rows, keep: torch.Tensor, max_seqlen: int) -> _Rows:
+    """Mask over ragged packed rows -> packed rows (same capacity), via ragvit.repack_into."""
+    T = cur.rows.shape[0]
+    B = cur.cu_seqlens.shape[0] - 1
+    out = torch.empty_like(cur.rows)
+    cu = torch.empty(B + 1, dtype=torch.int32, device=out.device)
+    src = torch.zeros(T, dtype=torch.int32, device=out.device)  # rows past the total stay 0
+    ops.repack_into(cur.rows, cur.cu_seqlens, keep, out, cu, src=src)
+    origin = cur.origin[src.long()] if cur.origin is not None else None
+    return _Rows(out, cu, None, max_seqlen, origin)
+
+
+def _trim(cur: _Rows) -> _Rows:
+    """Eager, data-dependent counts: one host read of cu_seqlens; rows cut to the total."""
+    cu = cur.cu_seqlens.tolist()
+    total = cu[-1]
+    longest = max((b - a for a, b in zip(cu[:-1], cu[1:], strict=True)), default=0)
+    origin = cur.origin[:total] if cur.origin is not None else None
+    return _Rows(cur.rows[:total], cur.cu_seqlens, None, max(longest, 1), origin)
+
+
+def _gather_prefix(rows: torch.Tensor, cu_seqlens: torch.Tensor, num_prefix: int):
+    """(B, P, C) first P rows of every image (prefix rows are never pruned)."""
+    return ops.gather_prefix(rows, cu_seqlens, num_prefix)
+
+
+def _segment_mean(rows: torch.Tensor, cur: _Rows, skip: int) -> torch.Tensor:
+    """(B, C) mean of each image's rows from position `skip` on (float32 sums)."""
+    return ops.segment_mean(rows, cur.cu_seqlens, skip=skip)

@@ -1,0 +1,457 @@
+"""ragvit.patch on timm ViT/DeiT: lossless by default, equal to the padded-masked reference
+with a pruning policy, reversible, and refusing what it cannot run.
+
+CPU tests use random-init models (pretrained=False: no download) at small img_size so the
+suite stays fast; weights are perturbed from a per-test seed so LayerScale and the zero-ish
+heads of a fresh init do not hide mistakes. GPU tests (fp16/bf16, DeiT-T/S/B 224 and B 384,
+batch 1 and 64, the sync-free check) run on the device machine.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+from conftest import requires_cuda, seed_note
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")  # belt and braces: nothing here downloads
+
+timm = pytest.importorskip("timm")
+
+from ragvit import reference, timm_patch  # noqa: E402
+from ragvit.pruning import (  # noqa: E402
+    PruningPolicy,
+    Selection,
+    ThresholdL2,
+    TokenBatch,
+    kept_count,
+    topk_selection,
+)
+from ragvit.timm_patch import is_patched, patch, unpatch  # noqa: E402
+
+CPU_ATOL = 1e-4
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_cpu_thread():
+    """Tiny models: intra-op threads only add barrier waits (seconds on a busy 2-core box)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def make_model(name, gen, img_size=64, dtype=torch.float32, device="cpu", **kwargs):
+    """A random-init timm model in eval, weights perturbed from gen (init seeded from gen)."""
+    with torch.random.fork_rng(devices=[]):  # timm initialises from the global RNG
+        torch.manual_seed(int(torch.randint(2**62, (1,), generator=gen)))
+        model = timm.create_model(name, pretrained=False, img_size=img_size, **kwargs)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn(p.shape, generator=gen) * 0.05)
+    return model.eval().to(device=device, dtype=dtype)
+
+
+def images(gen, batch, img_size, dtype=torch.float32, device="cpu"):
+    return torch.randn(batch, 3, img_size, img_size, generator=gen).to(device=device, dtype=dtype)
+
+
+def max_diff(a, b) -> float:
+    return float((a.double() - b.double()).abs().max())
+
+
+# ---- lossless path ----
+
+LOSSLESS = [
+    pytest.param("deit_tiny_patch16_224", 224, {}, id="deit_tiny_224"),
+    pytest.param("deit_small_patch16_224", 64, {}, id="deit_small"),
+    pytest.param("deit_tiny_distilled_patch16_224", 64, {}, id="deit_tiny_distilled"),
+    pytest.param("deit3_small_patch16_224", 64, {}, id="deit3_small"),
+    pytest.param("deit_tiny_patch16_224", 64, {"global_pool": "avg"}, id="avg_pool"),
+    pytest.param("vit_tiny_patch16_224", 64, {"reg_tokens": 4}, id="vit_tiny_reg4"),
+]
+
+
+@pytest.mark.parametrize("name,img_size,kwargs", LOSSLESS)
+def test_lossless_matches_timm(name, img_size, kwargs, gen, seed):
+    model = make_model(name, gen, img_size, **kwargs)
+    x = images(gen, 2, img_size)
+    with torch.inference_mode():
+        expected = model(x)
+        assert patch(model) is model
+        got = model(x)
+    assert got.shape == expected.shape
+    assert max_diff(got, expected) <= CPU_ATOL, seed_note(seed)
+
+
+# ---- pruning vs the padded-masked reference ----
+
+POLICIES = {
+    "fixed50_b4": lambda: ThresholdL2(0.5, layers=(4,)),
+    "threshold_b4": lambda: ThresholdL2(threshold=1.0, layers=(4,)),
+    "fixed30_b4_7_10": lambda: ThresholdL2(0.3, layers=(4, 7, 10)),
+    "threshold_b2_5_8": lambda: ThresholdL2(threshold=0.9, layers=(2, 5, 8)),
+}
+
+REF_MODELS = {
+    "deit_tiny": ("deit_tiny_patch16_224", 96, {}),
+    "deit_small": ("deit_small_patch16_224", 64, {}),
+    "deit_small_distilled": ("deit_small_distilled_patch16_224", 64, {}),
+    "deit3_small": ("deit3_small_patch16_224", 64, {}),
+    "avg_pool": ("deit_tiny_patch16_224", 64, {"global_pool": "avg"}),
+}
+
+# Every policy on deit_tiny; the one-stage policies on every model (CPU time).
+REF_CASES = [
+    pytest.param(*REF_MODELS[m], p, id=f"{m}-{p}")
+    for m in REF_MODELS for p in POLICIES
+    if m == "deit_tiny" or p in ("fixed50_b4", "threshold_b4")
+]
+
+
+def check_against_reference(model, x, policy, seed, capacity=False):
+    with torch.no_grad():
+        patch(model, policy, capacity=capacity)
+        got, decided = timm_patch.forward_with_decisions(model, x)
+        plain = model(x)
+        expected, ref_decided = reference.vit_forward_reference(model, x, policy,
+                                                                return_decisions=True)
+        replayed = reference.vit_forward_reference(model, x, policy, decisions=decided)
+    assert torch.equal(got, plain), "forward_with_decisions must not change the result"
+    assert len(decided) == len(policy.layers)
+    for ours, theirs in zip(decided, ref_decided, strict=True):
+        assert torch.equal(ours, theirs), "patched and reference made different decisions" + \
+            seed_note(seed)
+        assert ours[:, : model.num_prefix_tokens].all(), "prefix tokens must be kept"
+    assert max_diff(got, expected) <= CPU_ATOL, seed_note(seed)
+    assert max_diff(got, replayed) <= CPU_ATOL, seed_note(seed)
+    return decided
+
+
+@pytest.mark.parametrize("name,img_size,kwargs,policy_name", REF_CASES)
+def test_policy_matches_reference(name, img_size, kwargs, policy_name, gen, seed):
+    model = make_model(name, gen, img_size, **kwargs)
+    x = images(gen, 3, img_size)
+    policy = POLICIES[policy_name]()
+    decided = check_against_reference(model, x, policy, seed)
+    counts = [d.sum(1).tolist() for d in decided]
+    num_patches = model.patch_embed.num_patches
+    if policy.is_fixed:
+        n = num_patches
+        for d, keep in zip(counts, policy.keep, strict=True):
+            n = kept_count(keep, n)
+            assert d == [n + model.num_prefix_tokens] * 3, counts
+
+
+def test_threshold_mode_is_ragged(gen, seed):
+    model = make_model("deit_tiny_patch16_224", gen, 96)
+    x = images(gen, 8, 96)
+    with torch.no_grad():
+        patch(model, ThresholdL2(threshold=1.0, layers=(4,)))
+        _, decided = timm_patch.forward_with_decisions(model, x)
+    counts = decided[0].sum(1).tolist()
+    assert len(set(counts)) > 1, f"threshold mode must give ragged counts, got {counts}" + \
+        seed_note(seed)
+
+
+@pytest.mark.parametrize("policy_name", ["threshold_b4", "threshold_b2_5_8", "fixed50_b4"])
+def test_capacity_mode_matches_trimmed(policy_name, gen, seed):
+    model = make_model("deit_tiny_patch16_224", gen, 64)
+    x = images(gen, 3, 64)
+    policy = POLICIES[policy_name]()
+    with torch.no_grad():
+        patch(model, policy)
+        trimmed = model(x)
+        unpatch(model)
+    check_against_reference(model, x, policy, seed, capacity=True)
+    with torch.no_grad():
+        assert max_diff(model(x), trimmed) <= 1e-5, seed_note(seed)
+
+
+def test_inference_mode_and_batch_one(gen, seed):
+    model = make_model("deit_tiny_patch16_224", gen, 64)
+    x = images(gen, 1, 64)
+    policy = ThresholdL2(threshold=1.0, layers=(3, 6))
+    patch(model, policy)
+    with torch.inference_mode():
+        got = model(x)
+        expected = reference.vit_forward_reference(model, x, policy)
+    assert got.shape == (1, model.num_classes)
+    assert max_diff(got, expected) <= CPU_ATOL, seed_note(seed)
+
+
+@pytest.mark.parametrize("mode", ["bf16_cast", "bf16_autocast"])
+def test_low_precision_cpu_smoke(mode, gen, seed):
+    dtype = torch.bfloat16
+    cast = mode == "bf16_cast"
+    model = make_model("deit_tiny_patch16_224", gen, 64, dtype=dtype if cast else torch.float32)
+    x = images(gen, 2, 64, dtype=dtype if cast else torch.float32)
+    policy = ThresholdL2(threshold=1.0, layers=(4,))
+    patch(model, policy)
+    autocast = torch.autocast("cpu", dtype=dtype, enabled=not cast)
+    with torch.inference_mode(), autocast:
+        got, decided = timm_patch.forward_with_decisions(model, x)
+        # Replay the decisions: bf16 noise may flip a near-tie in the reference's own choice.
+        expected = reference.vit_forward_reference(model, x, policy, decisions=decided)
+    assert got.dtype == dtype and torch.isfinite(got).all()
+    assert max_diff(got, expected) <= 0.05 * float(expected.abs().max()) + 0.02, seed_note(seed)
+
+
+class ClsAttnTopK(PruningPolicy):
+    """Test policy: keep the patch tokens the CLS token attends to most (EViT's score)."""
+
+    needs_cls_attn = True
+
+    def __init__(self, keep, layers):
+        self.keep, self.layers = keep, tuple(layers)
+
+    def select(self, batch):
+        assert batch.cls_attn is not None and batch.cls_attn.dtype == torch.float32
+        return topk_selection(batch, batch.cls_attn, self.keep)
+
+
+@pytest.mark.parametrize("layers", [(4,), (3, 6, 9)], ids=["one_stage", "three_stages"])
+def test_cls_attn_policy_matches_reference(layers, gen, seed):
+    """cls_attn from ragvit.attention equals the reference's explicit softmax of token 0."""
+    model = make_model("deit_small_distilled_patch16_224", gen, 64)
+    x = images(gen, 2, 64)
+    check_against_reference(model, x, ClsAttnTopK(0.6, layers), seed)
+
+
+# ---- patch / unpatch contract ----
+
+
+def test_unpatch_restores_bit_for_bit(gen):
+    model = make_model("deit_tiny_patch16_224", gen, 64)
+    x = images(gen, 2, 64)
+    forward_before = model.forward
+    params_before = {k: (v.data_ptr(), v.clone()) for k, v in model.state_dict().items()}
+    keys_before = list(model.state_dict())
+    modules_before = list(model.modules())
+    with torch.no_grad():
+        expected = model(x)
+        patch(model, ThresholdL2(0.5, layers=(4,)))
+        assert is_patched(model)
+        assert list(model.state_dict()) == keys_before, "patch must not register anything"
+        model(x)
+        assert unpatch(model) is model
+        got = model(x)
+    assert not is_patched(model)
+    assert "forward" not in vars(model)
+    assert model.forward == forward_before
+    assert model.forward.__func__ is type(model).forward
+    assert list(model.modules()) == modules_before
+    state = model.state_dict()
+    assert list(state) == keys_before
+    for k, (ptr, value) in params_before.items():
+        assert state[k].data_ptr() == ptr, f"{k} was copied"
+        assert torch.equal(state[k], value), f"{k} changed"
+    assert torch.equal(got, expected)
+
+
+def test_unpatch_restores_an_instance_forward(gen):
+    model = make_model("deit_tiny_patch16_224", gen, 64)
+    custom = model.forward
+    model.forward = custom  # an instance attribute someone else set
+    patch(model)
+    unpatch(model)
+    assert vars(model)["forward"] is custom
+
+
+def test_double_patch_and_unpatch_unpatched_raise(gen):
+    model = make_model("deit_tiny_patch16_224", gen, 64)
+    with pytest.raises(ValueError, match="model is not patched"):
+        unpatch(model)
+    patch(model)
+    with pytest.raises(ValueError, match="already patched"):
+        patch(model, ThresholdL2(0.5))
+    unpatch(model)
+    patch(model, ThresholdL2(0.5))  # patchable again
+
+
+def test_training_and_autograd_refused(gen):
+    model = make_model("deit_tiny_patch16_224", gen, 64)
+    x = images(gen, 1, 64)
+    patch(model)
+    with pytest.raises(RuntimeError, match="torch.no_grad"):
+        model(x)
+    model.train()
+    with torch.no_grad(), pytest.raises(RuntimeError, match="model.eval"):
+        model(x)
+
+
+def _tiny_vit(**kwargs):
+    from timm.models.vision_transformer import VisionTransformer
+
+    args = dict(img_size=32, patch_size=16, embed_dim=64, depth=2, num_heads=1, num_classes=4)
+    args.update(kwargs)
+    return VisionTransformer(**args).eval()
+
+
+@pytest.mark.parametrize("kwargs,feature", [
+    ({"qk_norm": True}, "qk_norm"),
+    ({"class_token": False, "global_pool": "avg"}, "without a class token"),
+    ({"global_pool": "map"}, "attention-pool head"),
+    ({"dynamic_img_size": True}, "dynamic_img_size"),
+    ({"global_pool": "max"}, "global_pool='max'"),
+    ({"embed_dim": 48, "num_heads": 1}, "head_dim 48"),
+    ({"scale_attn_norm": True}, "scale_attn_norm"),
+    ({"attn_layer": "diff"}, "DiffAttention"),
+], ids=["qk_norm", "no_class_token", "attn_pool", "dynamic_img_size", "max_pool", "head_dim",
+        "scale_attn_norm", "diff_attention"])
+def test_unsupported_models_refused(kwargs, feature):
+    try:
+        model = _tiny_vit(**kwargs)
+    except TypeError as exc:  # this timm lacks the option
+        pytest.skip(f"timm cannot build it: {exc}")
+    with pytest.raises(timm_patch.UnsupportedModelError, match=feature) as info:
+        patch(model)
+    assert isinstance(info.value, ValueError)
+    assert str(info.value).startswith("ragvit.patch: ")
+    assert not is_patched(model)
+
+
+def test_non_vit_and_bad_policy_refused(gen):
+    with pytest.raises(TypeError, match="timm VisionTransformer, got Linear"):
+        patch(torch.nn.Linear(2, 2))
+    model = make_model("deit_tiny_patch16_224", gen, 64)
+    with pytest.raises(TypeError, match="PruningPolicy"):
+        patch(model, policy=0.5)
+    with pytest.raises(ValueError, match="ascending block indices"):
+        patch(model, ThresholdL2(0.5, layers=(12,)))
+    assert not is_patched(model)
+
+
+# ---- policy unit checks ----
+
+
+def test_threshold_l2_arguments():
+    with pytest.raises(ValueError, match="exactly one of keep and threshold"):
+        ThresholdL2()
+    with pytest.raises(ValueError, match="exactly one of keep and threshold"):
+        ThresholdL2(0.5, threshold=1.0)
+    with pytest.raises(ValueError, match=r"keep must be in \(0, 1\]"):
+        ThresholdL2(1.5)
+    with pytest.raises(ValueError, match="threshold must be finite and > 0"):
+        ThresholdL2(threshold=0.0)
+    with pytest.raises(ValueError, match="one value per layer"):
+        ThresholdL2((0.5, 0.5), layers=(4,))
+    assert ThresholdL2(0.5).is_fixed and not ThresholdL2(threshold=1.0).is_fixed
+
+
+def test_topk_uniform_and_ragged_agree(gen):
+    """Fixed-ratio selection: index form (uniform) and mask form (ragged) pick the same rows."""
+    B, L, C, P = 3, 11, 8, 2
+    rows = torch.randn(B * L, C, generator=gen)
+    cu = torch.arange(B + 1, dtype=torch.int32) * L
+    policy = ThresholdL2(0.4)
+    common = dict(rows=rows, cu_seqlens=cu, num_prefix=P, max_seqlen=L, layer=4, stage=0)
+    by_index = policy.select(TokenBatch(seq_len=L, **common))
+    by_mask = policy.select(TokenBatch(seq_len=None, **common))
+    assert isinstance(by_index, Selection) and by_index.index.shape == (B, P + 4)
+    mask = torch.zeros(B, L, dtype=torch.bool).scatter_(1, by_index.index, True)
+    assert torch.equal(mask.view(-1)[P:], (by_mask.keep | mask.view(-1))[P:])
+    assert torch.equal(by_mask.keep.view(B, L)[:, P:], mask[:, P:])
+    norms = rows.norm(dim=1).view(B, L)[:, P:]
+    for b in range(B):
+        kept = norms[b][mask[b, P:]]
+        dropped = norms[b][~mask[b, P:]]
+        assert kept.min() >= dropped.max()
+
+
+# ---- GPU (device machine) ----
+
+GPU_MODELS = [
+    pytest.param("deit_tiny_patch16_224", 224, id="deit_tiny_224"),
+    pytest.param("deit_small_patch16_224", 224, id="deit_small_224"),
+    pytest.param("deit_base_patch16_224", 224, id="deit_base_224"),
+    pytest.param("deit_base_patch16_384", 384, id="deit_base_384"),
+    pytest.param("deit_small_distilled_patch16_224", 224, id="deit_small_distilled_224"),
+    pytest.param("deit3_small_patch16_224", 224, id="deit3_small_224"),
+]
+
+GPU_ATOL = {torch.float16: 0.004, torch.bfloat16: 0.03}
+
+
+def top1_agrees(got, expected, margin):
+    """Top-1 equal on every image whose reference top-2 gap exceeds margin (random weights
+    leave near-ties that any rounding may flip)."""
+    top2 = expected.float().topk(2, dim=1).values
+    decided = (top2[:, 0] - top2[:, 1]) > margin
+    return bool((got.argmax(1) == expected.argmax(1))[decided].all()), int(decided.sum())
+
+
+@pytest.mark.gpu
+@requires_cuda
+@pytest.mark.parametrize("batch", [1, 64])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+@pytest.mark.parametrize("policy_name", ["none", "fixed50_b4", "threshold_b4"])
+@pytest.mark.parametrize("name,img_size", GPU_MODELS)
+def test_gpu_matches_reference(name, img_size, policy_name, dtype, batch, gen, seed):
+    """Issue 5: max |dlogit| vs the same-dtype padded reference <= 0.004 (fp16); also
+    flash-attention's rule against an fp32 reference: err <= 2 * err(reference) + floor."""
+    import copy
+
+    from conftest import ERROR_FLOOR
+
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model32 = timm.create_model(name, pretrained=False).eval().to("cuda")  # plain init
+    model = copy.deepcopy(model32).to(dtype)
+    x32 = images(gen, batch, img_size, device="cuda")
+    x = x32.to(dtype)
+    policy = None if policy_name == "none" else POLICIES[policy_name]()
+    with torch.inference_mode():
+        patch(model, policy)
+        got, decided = timm_patch.forward_with_decisions(model, x)
+        # Replay the patched decisions: rounding must not flip a threshold choice.
+        replay = decided if policy else None
+        expected = reference.vit_forward_reference(model, x, policy, decisions=replay)
+        exact = reference.vit_forward_reference(model32, x32, policy, decisions=replay)
+    torch.cuda.synchronize()
+    err = max_diff(got, expected)
+    err_ours, err_ref = max_diff(got, exact), max_diff(expected, exact)
+    note = f" err vs {dtype} ref {err}, vs fp32 ref {err_ours} (ref's own {err_ref})"
+    assert err <= GPU_ATOL[dtype], note + seed_note(seed)
+    assert err_ours <= 2 * err_ref + ERROR_FLOOR[dtype], note + seed_note(seed)
+    same, counted = top1_agrees(got, expected, 2 * GPU_ATOL[dtype])
+    assert same, f"top-1 differs on one of {counted} clear images" + note + seed_note(seed)
+
+
+@pytest.mark.gpu
+@requires_cuda
+@pytest.mark.parametrize("policy_name", ["none", "fixed50_b4", "fixed30_b4_7_10"])
+def test_gpu_fixed_counts_are_sync_free(policy_name, gen):
+    model = make_model("deit_small_patch16_224", gen, 224, dtype=torch.float16, device="cuda")
+    x = images(gen, 8, 224, dtype=torch.float16, device="cuda")
+    policy = None if policy_name == "none" else POLICIES[policy_name]()
+    patch(model, policy)
+    with torch.inference_mode():
+        model(x)  # warm-up: caches, cuBLAS handles
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            model(x)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    torch.cuda.synchronize()
+
+
+@pytest.mark.gpu
+@requires_cuda
+def test_gpu_capacity_mode_is_sync_free(gen, seed):
+    model = make_model("deit_small_patch16_224", gen, 224, dtype=torch.float16, device="cuda")
+    x = images(gen, 8, 224, dtype=torch.float16, device="cuda")
+    policy = POLICIES["threshold_b2_5_8"]()
+    patch(model, policy, capacity=True)
+    with torch.inference_mode():
+        model(x)
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            got, decided = timm_patch.forward_with_decisions(model, x)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        expected = reference.vit_forward_reference(model, x, policy, decisions=decided)
+    assert max_diff(got, expected) <= GPU_ATOL[torch.float16], seed_note(seed)
