@@ -13,10 +13,8 @@ for ragvit and every baseline in the same process, with the empty-kernel launch 
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import os
-import subprocess
 import sys
 
 import numpy as np
@@ -24,6 +22,7 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import report  # noqa: E402
 import timing  # noqa: E402
 
 import ragvit  # noqa: E402
@@ -225,28 +224,6 @@ def time_case(case: Case, row: dict, args, flusher) -> None:
     row["gpu_us"] = {k: vars(v) for k, v in gpu.items()}
 
 
-def environment() -> dict:
-    def cmd(c):
-        try:
-            return subprocess.check_output(
-                c, shell=True, text=True, stderr=subprocess.DEVNULL
-            ).strip()
-        except Exception:  # noqa: BLE001
-            return "unknown"
-
-    return {
-        "gpu": torch.cuda.get_device_name(),
-        "driver": cmd("nvidia-smi --query-gpu=driver_version --format=csv,noheader | head -1"),
-        "cuda": torch.version.cuda,
-        "torch": torch.__version__,
-        "ragvit": ragvit.__version__,
-        # The GPU machine gets a copy of the tree without .git: pass RAGVIT_GIT_SHA there.
-        "git_sha": os.environ.get("RAGVIT_GIT_SHA")
-        or cmd(f"git -C {os.path.dirname(os.path.abspath(__file__))} rev-parse --short HEAD"),
-        "python": sys.version.split()[0],
-    }
-
-
 def fmt(row, kind, name):
     v = row.get(kind, {}).get(name)
     return f"{v['median']:.1f}" if v else "–"
@@ -322,23 +299,13 @@ def main(argv=None):
         args.calls = min(args.calls, 300)
     flusher = timing.L2Flusher()
     cases = [Case(*g) for g in grid]
-    rows = [check_case(case) for case in cases]
-    bad = [r for r in rows if not r["ragvit_ok"]]
-    print(
-        "all results match" if not bad else f"{len(bad)} grid points FAILED correctness", flush=True
-    )
-    for case, row in zip(cases, rows, strict=True):
-        if row["ragvit_ok"]:
-            time_case(case, row, args, flusher)
-    env = environment()
+    rows, bad = report.check_then_time(
+        cases, check_case, lambda case, row: time_case(case, row, args, flusher),
+        lambda row: row["ragvit_ok"])
+    env = report.environment()
     table = render(rows, env)
     print(table)
-    if args.out:
-        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-        with open(args.out + ".md", "w") as f:
-            f.write(table)
-        with open(args.out + ".json", "w") as f:
-            json.dump({"env": env, "rows": rows}, f, indent=1)
+    report.write_results(args.out, table, env, rows)
     return 1 if bad else 0
 
 

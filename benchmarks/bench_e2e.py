@@ -22,14 +22,13 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import os
-import pathlib
 import sys
 
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import report  # noqa: E402
 import timing  # noqa: E402
 
 import ragvit  # noqa: E402
@@ -174,15 +173,6 @@ def render(rows, env) -> str:
     return "\n".join(lines) + "\n"
 
 
-def environment() -> dict:
-    import timm
-    from bench_attention import environment as base
-
-    env = base()
-    env["timm"] = timm.__version__
-    return env
-
-
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true",
@@ -244,15 +234,12 @@ def main(argv=None):
                               flush=True)
             del model
             torch.cuda.empty_cache()
-    env = environment()
+    import timm
+
+    env = report.environment(timm=timm.__version__)
     table = render(rows, env)
     print(table)
-    if args.out:
-        prefix = pathlib.Path(args.out)
-        prefix.parent.mkdir(parents=True, exist_ok=True)
-        pathlib.Path(f"{prefix}.md").write_text(table)
-        payload = {"env": env, "rows": rows}
-        pathlib.Path(f"{prefix}.json").write_text(json.dumps(payload, indent=1, default=str))
+    report.write_results(args.out, table, env, rows)
     return 1 if bad else 0
 
 

@@ -16,7 +16,6 @@ runs), GPU time per call from CUDA-graph replay (capturable ops) next to the mem
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 
@@ -24,8 +23,8 @@ import numpy as np
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import report  # noqa: E402
 import timing  # noqa: E402
-from bench_attention import environment  # noqa: E402
 
 import ragvit  # noqa: E402
 
@@ -236,23 +235,13 @@ def main(argv=None):
     ragvit.set_debug(False)
     flusher = timing.L2Flusher()
     cases = [Case(*g) for g in grid]
-    rows = [check_case(case) for case in cases]
-    bad = [r for r in rows if not r["ok"]]
-    print(
-        "all results match" if not bad else f"{len(bad)} grid points FAILED correctness", flush=True
-    )
-    for case, row in zip(cases, rows, strict=True):
-        if row["ok"]:
-            time_case(case, row, args, flusher)
-    env = environment()
+    rows, bad = report.check_then_time(
+        cases, check_case, lambda case, row: time_case(case, row, args, flusher),
+        lambda row: row["ok"])
+    env = report.environment()
     table = render(rows, env)
     print(table)
-    if args.out:
-        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-        with open(args.out + ".md", "w") as f:
-            f.write(table)
-        with open(args.out + ".json", "w") as f:
-            json.dump({"env": env, "rows": rows}, f, indent=1, default=float)
+    report.write_results(args.out, table, env, rows)
     return 1 if bad else 0
 
 
