@@ -2,7 +2,10 @@
  * resolve max_seqlen and scale, fill ragvit_attention_args and hand it to the
  * CPU backend or the CUDA launcher.
  * Shapes: q, k, v, out (T, H, D), head dim contiguous, any token/head strides;
- * cu_seqlens (S+1,) int32; cls_attn (T,) float32 or absent.
+ * cu_seqlens (S+1,) int32; cls_attn (T,) float32 or absent; bias (T,) float32
+ * or absent (per-key additive logit bias; on the CPU its values on the tokens
+ * of sequences must be finite, checked here; on CUDA its contents are not read
+ * by the host and non-finite values propagate).
  * Decision: contents of host cu_seqlens are checked fully here (cheap); those
  * of device cu_seqlens are never read (that would sync): the kernels stay in
  * bounds on their own and the debug switch reads their error flag back. */
@@ -21,9 +24,11 @@ static int is_supported_head_dim(int64_t d) {
 static ragvit_status attention_check(const ragvit_tensor *out, const ragvit_tensor *cls_attn,
                                      const ragvit_tensor *q, const ragvit_tensor *k,
                                      const ragvit_tensor *v, const ragvit_tensor *cu_seqlens,
-                                     int32_t *device_type, int32_t *device_id) {
-    const char *const names[] = {"q", "k", "v", "cu_seqlens", "out", "cls_attn"};
-    const ragvit_tensor *const all[] = {q, k, v, cu_seqlens, out, cls_attn};
+                                     const ragvit_tensor *bias, int32_t *device_type,
+                                     int32_t *device_id) {
+    /* inputs first: the alias loop below compares the outputs against all[0 .. 4] */
+    const char *const names[] = {"q", "k", "v", "cu_seqlens", "bias", "out", "cls_attn"};
+    const ragvit_tensor *const all[] = {q, k, v, cu_seqlens, bias, out, cls_attn};
     TRY(tensor_check_ndim(op, "q", q, 3));
     TRY(tensor_check_float(op, "q", q));
     TRY(tensor_check_shape(op, "k", k, 3, q->shape));
@@ -63,21 +68,49 @@ static ragvit_status attention_check(const ragvit_tensor *out, const ragvit_tens
         TRY(tensor_check_dtype(op, "cls_attn", cls_attn, RAGVIT_DTYPE_F32));
         TRY(tensor_check_writable(op, "cls_attn", cls_attn));
     }
-    TRY(tensor_check_devices(op, names, all, 6, device_type, device_id));
-    for (int i = 0; i < 4; i++) {
+    if (bias->is_present) {
+        const int64_t shape[1] = {q->shape[0]};
+        TRY(tensor_check_ndim(op, "bias", bias, 1));
+        TRY(tensor_check_dtype(op, "bias", bias, RAGVIT_DTYPE_F32));
+        TRY(tensor_check_shape(op, "bias", bias, 1, shape));
+    }
+    TRY(tensor_check_devices(op, names, all, 7, device_type, device_id));
+    for (int i = 0; i < 5; i++) {
         TRY(tensor_check_no_alias(op, "out", out, names[i], all[i]));
         TRY(tensor_check_no_alias(op, "cls_attn", cls_attn, names[i], all[i]));
     }
     return tensor_check_no_alias(op, "cls_attn", cls_attn, "out", out);
 }
 
+/* Host bias: its values on the tokens of every sequence, [cu_seqlens[0], cu_seqlens[S])
+ * (validated contents), must be finite: a NaN or inf would turn softmax rows into NaN
+ * without saying why. Rows outside every sequence (a capacity tail) are never read. */
+static ragvit_status attention_check_bias_host(const ragvit_tensor *bias,
+                                               const ragvit_tensor *cu_seqlens) {
+    const int32_t *cu = (const int32_t *)cu_seqlens->data;
+    const int64_t first = cu[0];
+    const int64_t end = cu[(cu_seqlens->shape[0] - 1) * cu_seqlens->strides[0]];
+    const float *b = (const float *)bias->data;
+    for (int64_t t = first; t < end; t++) {
+        const float x = b[t * bias->strides[0]];
+        if (!isfinite(x)) {
+            return ragvit_fail(RAGVIT_STATUS_INVALID_VALUE,
+                               "%s: bias must be finite on the tokens of every sequence, got %g "
+                               "at token %" PRId64,
+                               op, (double)x, t);
+        }
+    }
+    return RAGVIT_STATUS_OK;
+}
+
 ragvit_status ragvit_attention_forward(ragvit_context *ctx, const ragvit_tensor *out,
                                        const ragvit_tensor *cls_attn, const ragvit_tensor *q,
                                        const ragvit_tensor *k, const ragvit_tensor *v,
-                                       const ragvit_tensor *cu_seqlens, int64_t max_seqlen,
-                                       const double *scale_or_null, void *stream) {
+                                       const ragvit_tensor *cu_seqlens, const ragvit_tensor *bias,
+                                       int64_t max_seqlen, const double *scale_or_null,
+                                       void *stream) {
     int32_t device_type = 0, device_id = 0;
-    TRY(attention_check(out, cls_attn, q, k, v, cu_seqlens, &device_type, &device_id));
+    TRY(attention_check(out, cls_attn, q, k, v, cu_seqlens, bias, &device_type, &device_id));
     int64_t total_tokens = q->shape[0];
     if (max_seqlen != RAGVIT_MAX_SEQLEN_AUTO && (max_seqlen < 0 || max_seqlen > INT32_MAX)) {
         return ragvit_fail(RAGVIT_STATUS_INVALID_VALUE,
@@ -94,6 +127,7 @@ ragvit_status ragvit_attention_forward(ragvit_context *ctx, const ragvit_tensor 
                                          max_seqlen == RAGVIT_MAX_SEQLEN_AUTO ? -1 : max_seqlen,
                                          "max_seqlen", &longest));
         if (max_seqlen == RAGVIT_MAX_SEQLEN_AUTO) max_seqlen = longest;
+        if (bias->is_present) TRY(attention_check_bias_host(bias, cu_seqlens));
     } else if (max_seqlen == RAGVIT_MAX_SEQLEN_AUTO) {
         max_seqlen = total_tokens;
     }
@@ -121,6 +155,8 @@ ragvit_status ragvit_attention_forward(ragvit_context *ctx, const ragvit_tensor 
         .max_seqlen = (int32_t)max_seqlen,
         .scale = (float)scale,
         .dtype = q->dtype,
+        .bias = bias->is_present ? (const float *)bias->data : NULL,
+        .bias_stride = bias->is_present ? bias->strides[0] : 0,
     };
     if (a.num_seqs == 0 || total_tokens == 0 || a.num_heads == 0) return RAGVIT_STATUS_OK;
     if (device_type == RAGVIT_DEVICE_CPU) return ragvit_cpu_attention(&a);

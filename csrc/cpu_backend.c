@@ -220,6 +220,7 @@ static void attention_seq_head(const ragvit_attention_args *a, int64_t start, in
     const int64_t lp = round_up_tile(len);
     const int64_t es = dtype_size(a->dtype);
     const int32_t dtype = a->dtype;
+    const float *bias = a->bias; /* (T,) or NULL: logit[i][j] += bias[start + j] */
 
     for (int64_t j = 0; j < len; j++) {
         const int64_t t = start + j;
@@ -252,6 +253,8 @@ static void attention_seq_head(const ragvit_attention_args *a, int64_t start, in
         float row_max = -INFINITY;
         for (int64_t j = 0; j < len; j++) {
             p[j] *= a->scale;
+            if (bias != NULL) /* a separate add: a zero bias leaves p[j] bitwise as it was */
+                p[j] += bias[(start + j) * a->bias_stride];
             if (p[j] > row_max) /* NaN logits skip the max but still poison the sum */
                 row_max = p[j];
         }

@@ -830,7 +830,7 @@ static PyObject *sequence_output(call_state *cs, PyObject *given, const ragvit_t
 
 PyDoc_STRVAR(attention_doc,
 "attention(q, k, v, cu_seqlens, max_seqlen=None, *, scale=None, out=None, cls_attn=None,\n"
-"          stream=None) -> out\n"
+"          bias=None, stream=None) -> out\n"
 "\n"
 "Per-sequence bidirectional softmax attention over packed tokens.\n"
 "\n"
@@ -847,7 +847,15 @@ PyDoc_STRVAR(attention_doc,
 "    out: (T, H, D) output of q's dtype. When omitted it is allocated by q's\n"
 "        library (DLPack exchange API, e.g. torch) or NumPy for host arrays.\n"
 "    cls_attn: optional (T,) float32; receives, for each sequence, the head-mean\n"
-"        softmax probabilities of its first query token over its keys.\n"
+"        softmax probabilities of its first query token over its keys (bias\n"
+"        included: it is the same softmax).\n"
+"    bias: optional (T,) float32, any stride, on the same device, not sharing\n"
+"        memory with out or cls_attn: added to every logit of key j of j's\n"
+"        sequence, for all heads and queries: logits[i, j] = scale q_i.k_j +\n"
+"        bias[j] (ToMe proportional attention: log(size_j)). Must be finite on\n"
+"        the tokens of every sequence; checked on the CPU (ValueError), not on\n"
+"        CUDA (that would sync), where a NaN or inf propagates into the rows\n"
+"        and cls_attn entries of its sequence.\n"
 "    stream: int cudaStream_t handle or object with __cuda_stream__; default: the\n"
 "        producer's current stream (torch.cuda.current_stream()).\n"
 "\n"
@@ -862,21 +870,22 @@ PyDoc_STRVAR(attention_doc,
 static PyObject *py_attention(PyObject *module, PyObject *const *args, Py_ssize_t nargs,
                               PyObject *kwnames) {
     static const char *const names[] = {"q",     "k",   "v",        "cu_seqlens", "max_seqlen",
-                                        "scale", "out", "cls_attn", "stream"};
-    PyObject *values[9];
+                                        "scale", "out", "cls_attn", "bias",       "stream"};
+    PyObject *values[10];
     PyObject *result = NULL, *out_obj = NULL;
-    ragvit_tensor q, k, v, cu, out, cls;
+    ragvit_tensor q, k, v, cu, out, cls, bias;
     int64_t max_seqlen;
     double scale;
     call_state cs;
     call_init(&cs, module, "attention");
-    if (parse_args(cs.op, args, nargs, kwnames, names, 9, 5, 4, values)) return NULL;
+    if (parse_args(cs.op, args, nargs, kwnames, names, 10, 5, 4, values)) return NULL;
     if (parse_max_seqlen(&cs, values[4], &max_seqlen)) return NULL;
     if (parse_float(&cs, values[5], "scale", 0.0, &scale)) return NULL;
-    if (parse_stream(&cs, values[8])) return NULL;
+    if (parse_stream(&cs, values[9])) return NULL;
     if (import_arg(&cs, values[0], "q", &q) || import_arg(&cs, values[1], "k", &k) ||
         import_arg(&cs, values[2], "v", &v) || import_arg(&cs, values[3], "cu_seqlens", &cu) ||
-        import_arg(&cs, values[6], "out", &out) || import_arg(&cs, values[7], "cls_attn", &cls)) {
+        import_arg(&cs, values[6], "out", &out) || import_arg(&cs, values[7], "cls_attn", &cls) ||
+        import_arg(&cs, values[8], "bias", &bias)) {
         goto done;
     }
     if (!out.is_present) {
@@ -890,8 +899,8 @@ static PyObject *py_attention(PyObject *module, PyObject *const *args, Py_ssize_
         Py_INCREF(out_obj);
     }
     if (finish_streams(&cs)) goto done;
-    RAISE_IF(ragvit_attention_forward(&cs.st->ctx, &out, &cls, &q, &k, &v, &cu, max_seqlen,
-                                      values[5] ? &scale : NULL, cs.stream));
+    RAISE_IF(ragvit_attention_forward(&cs.st->ctx, &out, &cls, &q, &k, &v, &cu, &bias,
+                                      max_seqlen, values[5] ? &scale : NULL, cs.stream));
     result = out_obj;
     out_obj = NULL;
 done:

@@ -132,6 +132,9 @@ ragvit_status ragvit_stream_wait(int32_t device_id, void *consumer, void *produc
 /* ---- attention.c ----
  * out: (T, H, D); q, k, v: (T, H, D), last dim contiguous, any token/head
  * strides; cu_seqlens: (S+1,) int32; cls_attn: optional (T,) float32;
+ * bias: optional (T,) float32 added to every logit of key j (ToMe's
+ * proportional attention: log(size_j)), finite on the tokens of every
+ * sequence (checked on the CPU; on CUDA non-finite values propagate);
  * max_seqlen: upper bound on lengths, or RAGVIT_MAX_SEQLEN_AUTO to derive it
  * (CPU: read from cu_seqlens; CUDA: T, since lengths live on the device);
  * scale: NULL means 1/sqrt(D), otherwise finite and > 0. */
@@ -139,8 +142,8 @@ ragvit_status ragvit_stream_wait(int32_t device_id, void *consumer, void *produc
 ragvit_status ragvit_attention_forward(ragvit_context *ctx, const ragvit_tensor *out,
                                        const ragvit_tensor *cls_attn, const ragvit_tensor *q,
                                        const ragvit_tensor *k, const ragvit_tensor *v,
-                                       const ragvit_tensor *cu_seqlens, int64_t max_seqlen,
-                                       const double *scale, void *stream);
+                                       const ragvit_tensor *cu_seqlens, const ragvit_tensor *bias,
+                                       int64_t max_seqlen, const double *scale, void *stream);
 
 /* ---- pack.c ----
  * Step 1 of pack: cu_seqlens_out (B+1,) int32 from keep (B, N) bool/uint8. */

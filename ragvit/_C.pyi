@@ -28,6 +28,7 @@ def attention(
     scale: float | None = None,
     out: Array | None = None,
     cls_attn: Array | None = None,
+    bias: Array | None = None,
     stream: Any = None,
 ) -> Array:
     """Per-sequence bidirectional softmax attention over packed tokens.
@@ -43,11 +44,24 @@ def attention(
         scale: softmax scale, default 1/sqrt(D); must be finite and > 0.
         out: (T, H, D) output of q's dtype; allocated like q when omitted.
         cls_attn: optional (T,) float32; for each sequence receives the
-            head-mean softmax probabilities of its first query over its keys.
+            head-mean softmax probabilities of its first query over its keys
+            (bias included).
+        bias: optional (T,) float32, any stride, same device, not overlapping
+            out or cls_attn: added to the logit of key j for every head and
+            query of j's sequence, logits[i, j] = scale * q_i . k_j + bias[j]
+            (ToMe proportional attention: log(size_j)). Must be finite on the
+            tokens of every sequence: checked on the CPU (ValueError); on CUDA
+            it is not checked (that would sync) and a NaN/inf propagates.
         stream: CUDA stream to launch on (see the module docs).
 
     Returns:
         out.
+
+    Raises:
+        TypeError: a non-array argument, or a wrong dtype (bias: not float32).
+        ValueError: a shape, value, device or aliasing problem (bias: not (T,),
+            another device, overlapping out/cls_attn, non-finite on the CPU).
+        BufferError, MemoryError, RuntimeError: as the module docs say.
     """
 
 def pack(x: Array, keep: Array, *, stream: Any = None) -> tuple[Array, Array, Array]:

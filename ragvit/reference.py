@@ -78,8 +78,23 @@ def _check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         )
 
 
+def _bias64(bias: Any, total_tokens: int) -> torch.Tensor | None:
+    """bias as a float64 CPU (T,) tensor, or None."""
+    if bias is None:
+        return None
+    b = _as_tensor(bias).detach().to("cpu", torch.float64)
+    if b.shape != (total_tokens,):
+        raise ValueError(f"bias must be (T,) = ({total_tokens},), got {tuple(b.shape)}")
+    return b
+
+
 def attention_reference(
-    q: Any, k: Any, v: Any, cu_seqlens: Any, scale: float | None = None
+    q: Any,
+    k: Any,
+    v: Any,
+    cu_seqlens: Any,
+    scale: float | None = None,
+    bias: Any = None,
 ) -> torch.Tensor:
     """Per-sequence softmax attention in float64 on the CPU.
 
@@ -89,12 +104,15 @@ def attention_reference(
         cu_seqlens: (S+1,) integer array, exclusive prefix sums of the lengths;
             cu_seqlens[S] <= T.
         scale: softmax scale; default 1/sqrt(D).
+        bias: optional (T,) per-key additive logit bias: logits[i, j] =
+            scale * q_i . k_j + bias[j] for keys j of i's sequence.
 
     Returns:
         (T, H, D) float64 CPU tensor; rows covered by no sequence are NaN.
     """
     q, k, v = (_as_tensor(t).detach().to("cpu", torch.float64) for t in (q, k, v))
     _check_qkv(q, k, v)
+    b = _bias64(bias, q.shape[0])
     total_tokens, _, head_dim = q.shape
     if scale is None:
         scale = 1.0 / math.sqrt(head_dim)
@@ -105,18 +123,24 @@ def attention_reference(
         qs = q[start:end].transpose(0, 1)  # (H, L, D)
         ks = k[start:end].transpose(0, 1)
         vs = v[start:end].transpose(0, 1)
-        probs = torch.softmax((qs @ ks.transpose(1, 2)) * scale, dim=-1)  # (H, L, L)
+        logits = (qs @ ks.transpose(1, 2)) * scale  # (H, L, L)
+        if b is not None:
+            logits = logits + b[start:end]
+        probs = torch.softmax(logits, dim=-1)
         out[start:end] = (probs @ vs).transpose(0, 1)
     return out
 
 
-def cls_attn_reference(q: Any, k: Any, cu_seqlens: Any, scale: float | None = None) -> torch.Tensor:
+def cls_attn_reference(
+    q: Any, k: Any, cu_seqlens: Any, scale: float | None = None, bias: Any = None
+) -> torch.Tensor:
     """Head-mean softmax probabilities of each sequence's first query, in float64.
 
     Args:
         q, k: (T, H, D) arrays of any float dtype and any strides.
         cu_seqlens: (S+1,) integer array, exclusive prefix sums of the lengths.
         scale: softmax scale; default 1/sqrt(D).
+        bias: optional (T,) per-key additive logit bias (as attention_reference).
 
     Returns:
         (T,) float64 CPU tensor: entry cu_seqlens[s] + j holds the mean over heads
@@ -125,6 +149,7 @@ def cls_attn_reference(q: Any, k: Any, cu_seqlens: Any, scale: float | None = No
     """
     q, k = (_as_tensor(t).detach().to("cpu", torch.float64) for t in (q, k))
     _check_qkv(q, k, k)
+    b = _bias64(bias, q.shape[0])
     total_tokens, _, head_dim = q.shape
     if scale is None:
         scale = 1.0 / math.sqrt(head_dim)
@@ -135,6 +160,8 @@ def cls_attn_reference(q: Any, k: Any, cu_seqlens: Any, scale: float | None = No
         first = q[start]  # (H, D)
         keys = k[start:end]  # (L, H, D)
         scores = torch.einsum("hd,lhd->hl", first, keys) * scale
+        if b is not None:
+            scores = scores + b[start:end]
         out[start:end] = torch.softmax(scores, dim=-1).mean(dim=0)
     return out
 
@@ -212,6 +239,7 @@ def padded_sdpa(
     max_seqlen: int | None = None,
     *,
     scale: float | None = None,
+    bias: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The SDPA baseline: zero-padded batch, key-padding mask, in q's dtype.
 
@@ -220,12 +248,15 @@ def padded_sdpa(
         cu_seqlens: (S+1,) integer array, exclusive prefix sums of the lengths.
         max_seqlen: padded length Lmax (>= every length); default: the longest.
         scale: softmax scale; default 1/sqrt(D).
+        bias: optional (T,) per-key additive logit bias; when given, the mask is
+            a float (S, 1, 1, Lmax) attn_mask in q's dtype holding the bias on
+            real keys and -inf on padded ones.
 
     Returns:
         (T, H, D) tensor of q's dtype on q's device, computed by
         torch.nn.functional.scaled_dot_product_attention on (S, H, Lmax, D)
-        zero-padded inputs with a boolean (S, 1, 1, Lmax) key mask and gathered
-        back; rows covered by no sequence are NaN.
+        zero-padded inputs with a boolean (S, 1, 1, Lmax) key mask (or the float
+        bias mask) and gathered back; rows covered by no sequence are NaN.
     """
     _check_qkv(q, k, v)
     total_tokens, num_heads, head_dim = q.shape
@@ -247,6 +278,13 @@ def padded_sdpa(
         for dst, src in zip(padded, (q, k, v), strict=True):
             dst[s, :, : end - start] = src[start:end].transpose(0, 1)
         mask[s, ..., : end - start] = True
+    if bias is not None:
+        if bias.shape != (total_tokens,):
+            raise ValueError(f"bias must be (T,) = ({total_tokens},), got {tuple(bias.shape)}")
+        float_mask = torch.full(mask.shape, -math.inf, dtype=q.dtype, device=q.device)
+        for s, (start, end) in enumerate(pairs):
+            float_mask[s, 0, 0, : end - start] = bias[start:end].to(q.device, q.dtype)
+        mask = float_mask
     result = torch.nn.functional.scaled_dot_product_attention(
         padded[0], padded[1], padded[2], attn_mask=mask, scale=scale
     )

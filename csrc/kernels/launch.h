@@ -21,7 +21,9 @@ extern "C" {
 #endif
 
 /* out, q, k, v: (T, H, D) of one dtype (F16, BF16, F32), head dim contiguous;
- * cu_seqlens: (S+1,) int32; cls_attn: (T,) float32 or NULL. Sequence s covers
+ * cu_seqlens: (S+1,) int32; cls_attn: (T,) float32 or NULL; bias: (T,) float32
+ * or NULL, added to every logit of key j (logit[i][j] = scale q_i.k_j + bias[j],
+ * all heads and queries; cls_attn includes it). Sequence s covers
  * tokens [cu_seqlens[s], cu_seqlens[s+1]); tokens outside every sequence are
  * never written. A sequence with start < 0, end < start, end > total_tokens
  * or length > max_seqlen is skipped and flagged. */
@@ -45,6 +47,9 @@ typedef struct {
     int32_t max_seqlen;
     float scale;
     int32_t dtype; /* ragvit_dtype */
+    /* Last, so the no-bias kernels read every other field at the same offset. */
+    const float *bias;
+    int64_t bias_stride;
 } ragvit_attention_args;
 
 /* pack: x (B, N, C); keep (B, N) of 1-byte elements (nonzero = keep).

@@ -1,13 +1,16 @@
 /* ragged_attention.cu — softmax attention inside each packed sequence: q, k, v, out
  * (T, H, D) fp16/bf16/fp32 with the head dim contiguous, cu_seqlens (S+1,) int32,
- * optional cls_attn (T,) fp32; fp32 math, D in {32, 64, 80, 96, 128}.
+ * optional cls_attn (T,) fp32, optional per-key logit bias (T,) fp32; fp32 math, D in
+ * {32, 64, 80, 96, 128}. The bias is a template flag (has_bias): the no-bias kernels are
+ * the same code as without the feature; with it, key j's base-2 logit gains bias[j] * log2 e.
  * simple: grid = (query tiles of 16, H, S), block = 4 warps x 4 query rows; K/V tiles of
  * 32 keys staged as fp32 in shared memory, online softmax in base 2 (scale*log2 e is
  * folded in, so exp2f replaces expf). cls: grid = (S), 256 threads, a thread per key that
  * sums its probabilities over the heads in order (deterministic, no atomics).
  * fp16/bf16 with aligned rows go to the tensor-core kernel (ragged_attention_mma.cuh);
  * the simple kernel serves fp32 and unaligned views.
- * Covered by tests/test_ops.py (attention cases) and the sanitizer run. */
+ * Covered by tests/test_ops.py (attention cases), tests/test_attention_bias.py (bias=) and
+ * the sanitizer run. */
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <math.h>
@@ -116,10 +119,11 @@ static __device__ __forceinline__ float ragged_attention_dot16(uint4 x, uint4 y,
     return acc;
 }
 
-/* Base-2 logit of query token `query` against key token `key` in head h, computed by
- * one thread; bitwise the same on every call with the same arguments. is_vec: rows
- * are 16-byte aligned (D * sizeof(T) is always a multiple of 16). */
-template <typename T, bool is_vec>
+/* Base-2 logit of query token `query` against key token `key` in head h (plus the key's
+ * bias when has_bias), computed by one thread; bitwise the same on every call with the
+ * same arguments. is_vec: rows are 16-byte aligned (D * sizeof(T) is always a multiple
+ * of 16). */
+template <typename T, bool is_vec, bool has_bias>
 static __device__ __forceinline__ float ragged_attention_cls_logit(const ragvit_attention_args &a,
                                                                    int64_t query, int64_t key,
                                                                    int64_t h, float q_scale) {
@@ -135,6 +139,8 @@ static __device__ __forceinline__ float ragged_attention_cls_logit(const ragvit_
         for (int d = 0; d < a.head_dim; ++d)
             acc = fmaf(ragged_attention_to_float(qr[d]), ragged_attention_to_float(kr[d]), acc);
     }
+    if (has_bias)
+        return fmaf(acc, q_scale, a.bias[key * a.bias_stride] * kLog2e);
     return acc * q_scale;
 }
 
@@ -154,7 +160,7 @@ static __device__ __forceinline__ void ragged_attention_merge(float &m, float &l
 /* Block (x, y, z) handles query tiles x, x + gridDim.x, ... of heads y, y + gridDim.y, ...
  * of sequences z, z + gridDim.z, ...; every loop bound below is uniform across the block,
  * so each __syncthreads is reached by all of its threads. */
-template <int D, typename T>
+template <int D, typename T, bool has_bias>
 static __global__ void __launch_bounds__(kAttnThreads, 4)
     ragged_attention_simple_kernel(const ragvit_attention_args a) {
     constexpr int kSlots = (D + 31) / 32; /* output dims per lane: d = lane + 32 * i */
@@ -241,12 +247,17 @@ static __global__ void __launch_bounds__(kAttnThreads, 4)
                         }
                     }
 
-                    /* Online softmax; key kv0 (lane 0) is always valid, so m_new is finite. */
+                    /* Online softmax; key kv0 (lane 0) is always valid, so m_new is finite
+                     * (with a bias: when the bias is finite). Keys past len read no bias. */
                     const bool is_key = kv0 + lane < len;
+                    float key_bias = 0.0f;
+                    if (has_bias && is_key)
+                        key_bias = a.bias[(int64_t)(start + kv0 + lane) * a.bias_stride] * kLog2e;
                     float p[kAttnRowsPerWarp];
 #pragma unroll
                     for (int r = 0; r < kAttnRowsPerWarp; ++r) {
-                        const float sv = is_key ? score[r] : -INFINITY;
+                        const float sv =
+                            is_key ? (has_bias ? score[r] + key_bias : score[r]) : -INFINITY;
                         const float m_new = fmaxf(m[r], ragged_attention_warp_max(sv));
                         const float alpha = exp2f(m[r] - m_new);
                         p[r] = exp2f(sv - m_new);
@@ -300,7 +311,7 @@ static __global__ void __launch_bounds__(kAttnThreads, 4)
  * max and sum of the first query's logits (a block reduction per head), pass 2 gives
  * thread tid the keys j = tid (mod 256) and sums their probabilities over heads 0..H-1
  * in order, so every cls_attn entry is written once, by one thread, deterministically. */
-template <typename T, bool is_vec>
+template <typename T, bool is_vec, bool has_bias>
 static __global__ void __launch_bounds__(kClsThreads, 2)
     ragged_attention_cls_kernel(const ragvit_attention_args a) {
     extern __shared__ float cls_s[]; /* [H] max, then [H] 1 / sum, per head */
@@ -322,7 +333,7 @@ static __global__ void __launch_bounds__(kClsThreads, 2)
             float m = -INFINITY, l = 0.0f;
             for (int j = tid; j < len; j += kClsThreads) {
                 const float x =
-                    ragged_attention_cls_logit<T, is_vec>(a, start, start + j, h, q_scale);
+                    ragged_attention_cls_logit<T, is_vec, has_bias>(a, start, start + j, h, q_scale);
                 ragged_attention_merge(m, l, x, 1.0f);
             }
 #pragma unroll
@@ -350,7 +361,7 @@ static __global__ void __launch_bounds__(kClsThreads, 2)
             float sum = 0.0f;
             for (int h = 0; h < a.num_heads; ++h) {
                 const float x =
-                    ragged_attention_cls_logit<T, is_vec>(a, start, start + j, h, q_scale);
+                    ragged_attention_cls_logit<T, is_vec, has_bias>(a, start, start + j, h, q_scale);
                 sum += exp2f(x - head_m[h]) * head_inv_l[h];
             }
             a.cls_attn[(int64_t)(start + j) * a.cls_attn_stride] = sum / (float)a.num_heads;
@@ -386,7 +397,10 @@ static ragvit_status ragged_attention_simple_launch_hdim(const ragvit_attention_
             tiles = 1;
     }
     const dim3 grid((unsigned)tiles, (unsigned)heads, (unsigned)seqs);
-    ragged_attention_simple_kernel<D, T><<<grid, kAttnThreads, 0, stream>>>(*a);
+    if (a->bias != nullptr)
+        ragged_attention_simple_kernel<D, T, true><<<grid, kAttnThreads, 0, stream>>>(*a);
+    else
+        ragged_attention_simple_kernel<D, T, false><<<grid, kAttnThreads, 0, stream>>>(*a);
     CUDA_TRY(cudaGetLastError());
     return RAGVIT_STATUS_OK;
 }
@@ -440,10 +454,15 @@ static ragvit_status ragged_attention_cls_launch_dtype(const ragvit_attention_ar
                         a->head_dim * es % 16 == 0;
     const dim3 grid((unsigned)a->num_seqs);
     const size_t smem = 2 * sizeof(float) * (size_t)a->num_heads;
-    if (is_vec)
-        ragged_attention_cls_kernel<T, true><<<grid, kClsThreads, smem, stream>>>(*a);
+    const bool has_bias = a->bias != nullptr;
+    if (is_vec && has_bias)
+        ragged_attention_cls_kernel<T, true, true><<<grid, kClsThreads, smem, stream>>>(*a);
+    else if (is_vec)
+        ragged_attention_cls_kernel<T, true, false><<<grid, kClsThreads, smem, stream>>>(*a);
+    else if (has_bias)
+        ragged_attention_cls_kernel<T, false, true><<<grid, kClsThreads, smem, stream>>>(*a);
     else
-        ragged_attention_cls_kernel<T, false><<<grid, kClsThreads, smem, stream>>>(*a);
+        ragged_attention_cls_kernel<T, false, false><<<grid, kClsThreads, smem, stream>>>(*a);
     CUDA_TRY(cudaGetLastError());
     return RAGVIT_STATUS_OK;
 }

@@ -8,7 +8,12 @@
  * grid row y = H: block (0, H, s) scores sequence s's first query against every key of every
  * head (tensor cores, K read once more), then one thread a key sums the head probabilities in
  * head order: deterministic, no atomics, no zeroing pass, no wait on other blocks.
- * Covered by dev/test_attention_mma.cu (and tests/test_ops.py through the dispatcher). */
+ * The optional per-key bias (T,) is a template flag (has_bias = false compiles to the kernel
+ * as it was without the feature): base-2 logits become s * scale * log2 e + bias * log2 e,
+ * read from global memory (two loads a lane per 64-key tile, spread to the mma fragment
+ * layout by shuffles: +1..12 registers, no spills), cls_attn included.
+ * Covered by dev/test_attention_mma.cu (and tests/test_ops.py, tests/test_attention_bias.py
+ * through the dispatcher). */
 #ifndef RAGVIT_RAGGED_ATTENTION_MMA_CUH
 #define RAGVIT_RAGGED_ATTENTION_MMA_CUH
 
@@ -180,7 +185,7 @@ static __device__ __forceinline__ void ragged_attention_mma_load_kv(
  * written. Key tiles stream through a ring of num_stages stages (cp.async group g = key
  * tile g, the first also holding Q): tile t + num_stages - 1 is in flight while tile t is
  * consumed, so one barrier per tile suffices. Block-uniform: all threads call it alike. */
-template <typename Elem, int D>
+template <typename Elem, int D, bool has_bias>
 static __device__ __forceinline__ void ragged_attention_mma_tile(
     Elem *s_q, Elem *s_kv, int num_stages, const ragvit_attention_args &a, int start, int h,
     int q0, int len, float scale_log2) {
@@ -277,6 +282,27 @@ static __device__ __forceinline__ void ragged_attention_mma_tile(
                     if (n * 8 + 2 * tig + (e & 1) >= num_keys)
                         s_acc[n][e] = -INFINITY;
         }
+        if (has_bias) {
+            /* base-2 logits now, so the max below is taken over them. Lane l loads keys l
+             * and l + 32 of the tile (a key past the end reads nothing: 0, and its -inf
+             * stays); this thread's keys n * 8 + 2 * tig + {0, 1} come by shuffle (the
+             * whole warp is here: is_active is warp-uniform), two registers, not 16. */
+            const float *bias = a.bias + ((int64_t)start + t * kKeys) * a.bias_stride;
+            const float b_lo =
+                lane < num_keys ? __ldg(bias + (int64_t)lane * a.bias_stride) : 0.0f;
+            const float b_hi =
+                lane + 32 < num_keys ? __ldg(bias + (int64_t)(lane + 32) * a.bias_stride) : 0.0f;
+#pragma unroll
+            for (int n = 0; n < kKeys / 8; ++n)
+#pragma unroll
+                for (int c = 0; c < 2; ++c) {
+                    const float b = __shfl_sync(0xffffffffu, n < 4 ? b_lo : b_hi,
+                                                (n & 3) * 8 + 2 * tig + c) *
+                                    RAGGED_ATTENTION_MMA_LOG2E;
+                    s_acc[n][c] = fmaf(s_acc[n][c], scale_log2, b);
+                    s_acc[n][c + 2] = fmaf(s_acc[n][c + 2], scale_log2, b);
+                }
+        }
         float mx0 = -INFINITY, mx1 = -INFINITY;
 #pragma unroll
         for (int n = 0; n < kKeys / 8; ++n) {
@@ -288,16 +314,24 @@ static __device__ __forceinline__ void ragged_attention_mma_tile(
         mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 1));
         mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 2));
         mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 2));
-        /* key t * 64 is valid, so both maxima are finite; scale_log2 > 0 commutes with max */
-        const float m0 = fmaxf(row_max0, mx0 * scale_log2);
-        const float m1 = fmaxf(row_max1, mx1 * scale_log2);
+        /* key t * 64 is valid, so both maxima are finite (with a bias: a finite one);
+         * without a bias, scale_log2 > 0 commutes with max and folds into the exp2's fma */
+        const float m0 = fmaxf(row_max0, has_bias ? mx0 : mx0 * scale_log2);
+        const float m1 = fmaxf(row_max1, has_bias ? mx1 : mx1 * scale_log2);
         float sum0 = 0.0f, sum1 = 0.0f;
 #pragma unroll
         for (int n = 0; n < kKeys / 8; ++n) {
-            s_acc[n][0] = ragged_attention_mma_exp2(fmaf(s_acc[n][0], scale_log2, -m0));
-            s_acc[n][1] = ragged_attention_mma_exp2(fmaf(s_acc[n][1], scale_log2, -m0));
-            s_acc[n][2] = ragged_attention_mma_exp2(fmaf(s_acc[n][2], scale_log2, -m1));
-            s_acc[n][3] = ragged_attention_mma_exp2(fmaf(s_acc[n][3], scale_log2, -m1));
+            if (has_bias) {
+                s_acc[n][0] = ragged_attention_mma_exp2(s_acc[n][0] - m0);
+                s_acc[n][1] = ragged_attention_mma_exp2(s_acc[n][1] - m0);
+                s_acc[n][2] = ragged_attention_mma_exp2(s_acc[n][2] - m1);
+                s_acc[n][3] = ragged_attention_mma_exp2(s_acc[n][3] - m1);
+            } else {
+                s_acc[n][0] = ragged_attention_mma_exp2(fmaf(s_acc[n][0], scale_log2, -m0));
+                s_acc[n][1] = ragged_attention_mma_exp2(fmaf(s_acc[n][1], scale_log2, -m0));
+                s_acc[n][2] = ragged_attention_mma_exp2(fmaf(s_acc[n][2], scale_log2, -m1));
+                s_acc[n][3] = ragged_attention_mma_exp2(fmaf(s_acc[n][3], scale_log2, -m1));
+            }
             sum0 += s_acc[n][0] + s_acc[n][1];
             sum1 += s_acc[n][2] + s_acc[n][3];
         }
@@ -418,12 +452,13 @@ static __device__ __forceinline__ void ragged_attention_mma_cls_scores(
  * probabilities in head order (from the kept scores, or else warp w rescoring key tiles w,
  * w + warps, ... for every head: the same fp32 score bit for bit), then stores the mean.
  * Nothing depends on timing: the result is reproducible, with no atomics and no zeroing.
- * q, k point at the sequence's first token of head 0. */
-template <typename Elem, int D>
+ * q, k point at the sequence's first token of head 0; bias (has_bias only) at its first
+ * token's bias, added to every score (both passes alike, so the rescored bits match). */
+template <typename Elem, int D, bool has_bias>
 static __device__ __forceinline__ void ragged_attention_mma_cls(
     unsigned char *smem, int smem_bytes, float *cls, int64_t cls_stride, const Elem *q,
-    int64_t q_head, const Elem *k, int64_t k_stride, int64_t k_head, int num_heads, int len,
-    float scale_log2) {
+    int64_t q_head, const Elem *k, int64_t k_stride, int64_t k_head, const float *bias,
+    int64_t bias_stride, int num_heads, int len, float scale_log2) {
     constexpr int kTile = 16 * (D + 8); /* elements of one 16-key tile */
     constexpr int kTileBytes = kTile * (int)sizeof(Elem);
     const int lane = threadIdx.x & 31;
@@ -494,10 +529,20 @@ static __device__ __forceinline__ void ragged_attention_mma_cls(
             ragged_attention_mma_cp_async_commit();
             float x, y;
             ragged_attention_mma_cls_scores<Elem, D>(ring + buf * kTile, q_frag, &x, &y);
-            x *= scale_log2;
-            y *= scale_log2;
+            if (!has_bias) {
+                x *= scale_log2;
+                y *= scale_log2;
+            }
             const bool is_x = is_key_lane && t * 16 + key_x < len;
             const bool is_y = is_key_lane && t * 16 + key_x + 8 < len;
+            if (has_bias) { /* keys past the end read no bias (and are never used) */
+                const float bx =
+                    is_x ? __ldg(bias + (int64_t)(t * 16 + key_x) * bias_stride) : 0.0f;
+                const float by =
+                    is_y ? __ldg(bias + (int64_t)(t * 16 + key_x + 8) * bias_stride) : 0.0f;
+                x = fmaf(x, scale_log2, bx * RAGGED_ATTENTION_MMA_LOG2E);
+                y = fmaf(y, scale_log2, by * RAGGED_ATTENTION_MMA_LOG2E);
+            }
             buf = buf + 1 == num_bufs ? 0 : buf + 1;
             fill = fill + 1 == num_bufs ? 0 : fill + 1;
             if (++step_n == inner) {
@@ -570,7 +615,7 @@ static __device__ __forceinline__ void ragged_attention_mma_cls(
  * smem: Q rows (16 per warp), then num_stages stages of 64 K rows and 64 V rows, each row
  * D + 8 elements. Min blocks per SM: 4 for D <= 64 (<= 128 registers, no spills), 3 for
  * D = 80, 96 (<= 168) and 2 for D = 128 (~185). */
-template <typename Elem, int D>
+template <typename Elem, int D, bool has_bias>
 static __global__ void
 __launch_bounds__(RAGGED_ATTENTION_MMA_MAX_WARPS * 32, D <= 64 ? 4 : (D <= 96 ? 3 : 2))
     ragged_attention_mma_kernel(const __grid_constant__ ragvit_attention_args a, int max_len,
@@ -597,16 +642,17 @@ __launch_bounds__(RAGGED_ATTENTION_MMA_MAX_WARPS * 32, D <= 64 ? 4 : (D <= 96 ? 
         const int len = end - start;
         if (h == a.num_heads) {
             if (blockIdx.x == 0 && len > 0)
-                ragged_attention_mma_cls<Elem, D>(
+                ragged_attention_mma_cls<Elem, D, has_bias>(
                     ragged_attention_mma_smem, smem_bytes,
                     a.cls_attn + (int64_t)start * a.cls_attn_stride, a.cls_attn_stride,
                     q_all + (int64_t)start * a.q_stride_token, a.q_stride_head,
                     k_all + (int64_t)start * a.k_stride_token, a.k_stride_token, a.k_stride_head,
+                    has_bias ? a.bias + (int64_t)start * a.bias_stride : NULL, a.bias_stride,
                     a.num_heads, len, scale_log2);
             continue;
         }
         for (int q0 = blockIdx.x * rows; q0 < len; q0 += gridDim.x * rows)
-            ragged_attention_mma_tile<Elem, D>(s_q, s_kv, num_stages, a, start, h, q0, len,
+            ragged_attention_mma_tile<Elem, D, has_bias>(s_q, s_kv, num_stages, a, start, h, q0, len,
                                                scale_log2);
     }
 }
@@ -748,9 +794,14 @@ template <typename Elem, int D>
 static ragvit_status ragged_attention_mma_launch_hdim(const ragvit_attention_args *a,
                                                       const ragged_attention_mma_plan *plan,
                                                       cudaStream_t stream) {
-    ragged_attention_mma_kernel<Elem, D>
-        <<<plan->grid, 32 * plan->num_warps, (size_t)plan->smem_bytes, stream>>>(
-            *a, plan->max_len, plan->num_stages, plan->smem_bytes);
+    if (a->bias != NULL)
+        ragged_attention_mma_kernel<Elem, D, true>
+            <<<plan->grid, 32 * plan->num_warps, (size_t)plan->smem_bytes, stream>>>(
+                *a, plan->max_len, plan->num_stages, plan->smem_bytes);
+    else
+        ragged_attention_mma_kernel<Elem, D, false>
+            <<<plan->grid, 32 * plan->num_warps, (size_t)plan->smem_bytes, stream>>>(
+                *a, plan->max_len, plan->num_stages, plan->smem_bytes);
     CUDA_TRY(cudaGetLastError());
     return RAGVIT_STATUS_OK;
 }
@@ -800,7 +851,9 @@ static ragvit_status ragged_attention_mma_init_hdim(const ragvit_device_info *de
         return RAGVIT_STATUS_OK;
     if (bytes > dev->smem_per_block_optin) /* the plans then stay under the device's limit */
         bytes = dev->smem_per_block_optin;
-    CUDA_TRY(cudaFuncSetAttribute(ragged_attention_mma_kernel<Elem, D>,
+    CUDA_TRY(cudaFuncSetAttribute(ragged_attention_mma_kernel<Elem, D, false>,
+                                  cudaFuncAttributeMaxDynamicSharedMemorySize, (int)bytes));
+    CUDA_TRY(cudaFuncSetAttribute(ragged_attention_mma_kernel<Elem, D, true>,
                                   cudaFuncAttributeMaxDynamicSharedMemorySize, (int)bytes));
     return RAGVIT_STATUS_OK;
 }
