@@ -1,28 +1,90 @@
 """Token-pruning policies for ragvit.patch: score tokens, choose which ones to keep.
 
 A policy sees a `TokenBatch` (the packed `(T, C)` rows of a batch at one pruning point,
-their `cu_seqlens`, and optionally the head-mean CLS attention of the previous attention
-call) and returns a `Selection`: either per-image keep indices (fixed counts, sync-free,
-capturable in a CUDA graph exactly) or a `(T,)` keep mask over the packed rows (counts
-that depend on the data). Policies own no kernels: they use small device-side torch ops
-and never read device memory on the host, so the patched forward stays sync-free.
-The same policy object drives the packed pipeline (`ragvit.patch`) and the padded-masked
-reference (`ragvit.reference.vit_forward_reference`), so both make the same decisions.
+their `cu_seqlens`, and on request the head-mean CLS attention, value norms and keys of an
+attention call) and returns a `Selection`: per-image keep indices (fixed counts,
+sync-free, capturable in a CUDA graph exactly), optionally with a merge map (ToMe), or a
+`(T,)` keep mask over the packed rows (counts that depend on the data); either may carry
+fusion weights (the dropped rows of every image averaged into one appended token, EViT).
+Policies own no kernels: they use small device-side torch ops and never read device
+memory on the host, so the patched forward stays sync-free. The same policy object drives
+the packed pipeline (`ragvit.patch`) and the padded-masked reference
+(`ragvit.reference.vit_forward_reference`), so both make the same decisions.
 
-Pruning point `layers=(i, ...)`: tokens are pruned at the input of block i (after i
-blocks have run); `cls_attn` then comes from block i-1's attention call.
+Pruning points `layers=(i, ...)`:
+    block input (default; ThresholdL2, DynamicViT): tokens are pruned at the input of
+        block i (after i blocks have run); `cls_attn` / `value_norm` / `keys` then come
+        from block i-1's attention call.
+    mid block (`prune_mid_block = True`; EViT, ATS, ToMe): tokens are pruned inside
+        block i, after its attention residual and before its MLP; `cls_attn` /
+        `value_norm` / `keys` come from block i's own attention call (no extra pass).
+
+| policy | scores | counts |
+| --- | --- | --- |
+| `ThresholdL2` | token L2 norm | fixed (keep=) or ragged (threshold=) |
+| `EViT` | head-mean CLS attention; dropped tokens fused | fixed |
+| `ATS` | CLS attention x value norm, inverse-transform sampling | ragged |
+| `ToMe` | bipartite matching of head-mean keys; merges, log(size) bias | fixed |
+| `DynamicViT` | learned per-stage prediction MLPs | fixed |
+
+Fixed counts run sync-free; ragged ones read the new total once per stage in an eager
+forward, or none with `ragvit.patch(..., capacity=True)`.
+
+Writing your own policy
+-----------------------
+Subclass `PruningPolicy`, set `layers` and the class flags, implement `select`::
+
+    class ClsTopK(PruningPolicy):
+        # Keeps the ceil(keep * n) patch tokens the CLS token attends to most.
+        needs_cls_attn = True      # batch.cls_attn: (T,) float32
+        prune_mid_block = False    # prune at block inputs
+        is_fixed = True            # same count for every image -> sync-free
+
+        def __init__(self, keep, layers):
+            self.keep, self.layers = keep, tuple(layers)
+
+        def select(self, batch):
+            return topk_selection(batch, batch.cls_attn, self.keep)
+
+Rules that keep the two pipelines equal and the forward sync-free:
+    * compute only from `batch` (rows, cu_seqlens, seq_ids, positions, is_patch, cls_attn,
+      value_norm, keys, sizes, num_tokens) with device-side torch ops; no `.item()`,
+      `.tolist()`, `nonzero` or boolean-mask indexing (they sync the host);
+    * treat rows past `cu_seqlens[B]` as garbage (`batch.is_patch` is False there) and
+      break ties by position (stable sorts), so the packed and padded runs agree;
+    * return `Selection(index=...)` only when `batch.seq_len` is known and every image
+      keeps the same count (set `is_fixed = True`); otherwise `Selection(keep=...)` with
+      a host bound `max_seqlen` if you know one (capacity mode sizes buffers with it);
+    * `fuse_weights=` (T,) float32 appends one token per image: the weighted mean of its
+      dropped rows (EViT); `assign=` merges tokens instead of dropping them (ToMe);
+      prefix rows are always kept whatever you return;
+    * `check(depth)` validates `layers`; override it to validate more, calling super;
+    * test it like tests/test_policies.py does: `check_against_reference` (patched vs
+      reference logits and decisions) plus a float64 re-implementation of the scores.
+Helpers: `topk_selection` (per-image top-k in both forms), `segment_mean_scores`,
+`kept_count`.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+import warnings
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from functools import cached_property
 
 import torch
 
-__all__ = ["PruningPolicy", "Selection", "ThresholdL2", "TokenBatch"]
+__all__ = [
+    "ATS",
+    "DynamicViT",
+    "EViT",
+    "PruningPolicy",
+    "Selection",
+    "ThresholdL2",
+    "ToMe",
+    "TokenBatch",
+]
 
 
 @dataclass
@@ -39,9 +101,18 @@ class TokenBatch:
             so rows.view(B, L, C) is valid), else None (ragged).
         max_seqlen: host upper bound on every length.
         layer: the pruning point (index of the block about to run).
+        num_tokens: N, tokens per image when embedded (prefix included), before any
+            pruning (DynamicViT keeps fractions of the initial patch count).
         stage: 0 for the policy's first pruning point, 1 for the second, ...
         cls_attn: (T,) float32 head-mean softmax attention of each image's first token
-            over its keys in the previous attention call, when the policy asked for it.
+            over its keys in the feeding attention call (the previous block's, or this
+            block's for mid-block points), when the policy asked for it.
+        value_norm: (T,) float32 head-mean L2 norm of each row's value vectors in the same
+            attention call, when the policy asked for it (`needs_value_norm`).
+        keys: (T, D) float32 head-mean key vectors of the same attention call, when the
+            policy asked for them (`needs_keys`; ToMe's similarity metric).
+        sizes: (T,) float32 number of embedded tokens each row stands for, once a merging
+            policy has merged rows (None: every row is one token).
     """
 
     rows: torch.Tensor
@@ -52,6 +123,10 @@ class TokenBatch:
     layer: int
     stage: int
     cls_attn: torch.Tensor | None = None
+    num_tokens: int | None = None
+    value_norm: torch.Tensor | None = None
+    keys: torch.Tensor | None = None
+    sizes: torch.Tensor | None = None
 
     @property
     def num_seqs(self) -> int:
@@ -103,27 +178,45 @@ class Selection:
             depend on the data (an eager forward reads the new total once; capacity mode
             does not).
         max_seqlen: optional host upper bound on the kept length of every image.
+        fuse_weights: optional (T,) float32: every image gets one extra token after its
+            kept ones, sum(w x) / sum(w) over its dropped rows in float32 (zeros when
+            sum(w) == 0, e.g. nothing dropped): EViT's inattentive-token fusion. The count
+            of every image grows by exactly 1 (still fixed for an index Selection).
+        assign: optional (B, L) int64 with an index Selection (token merging, ToMe): the
+            output slot in [0, k) of every token; slot j becomes the size-weighted mean of
+            the tokens assigned to it and its size their total (index[:, j] names the
+            token that represents it). Later attention calls add log(size) to every key's
+            logits (proportional attention, through ragvit.attention's bias).
     """
 
     index: torch.Tensor | None = None
     keep: torch.Tensor | None = None
     max_seqlen: int | None = None
+    fuse_weights: torch.Tensor | None = None
+    assign: torch.Tensor | None = None
 
     def __post_init__(self):
         if (self.index is None) == (self.keep is None):
             raise ValueError("Selection: exactly one of index and keep must be given")
+        if self.assign is not None and self.index is None:
+            raise ValueError("Selection: assign needs an index Selection")
 
 
 class PruningPolicy:
     """Base class of pruning policies.
 
     Subclasses set `layers` (ascending block indices, see the module docs), set
-    `needs_cls_attn` when `select` reads `batch.cls_attn`, set `is_fixed` to False when
-    per-image counts depend on token values, and implement `select`.
+    `needs_cls_attn` / `needs_value_norm` when `select` reads `batch.cls_attn` /
+    `batch.value_norm`, set `prune_mid_block` to prune between a block's attention and
+    its MLP, set `is_fixed` to False when per-image counts depend on token values, and
+    implement `select`.
     """
 
     layers: tuple[int, ...] = ()
     needs_cls_attn: bool = False
+    needs_value_norm: bool = False
+    needs_keys: bool = False
+    prune_mid_block: bool = False
     is_fixed: bool = True
 
     def select(self, batch: TokenBatch) -> Selection:
@@ -147,9 +240,10 @@ class PruningPolicy:
                 f"{type(self).__name__}: layers must be ascending block indices in "
                 f"[0, {depth}), got {layers}"
             )
-        if self.needs_cls_attn and layers[0] == 0:
-            raise ValueError(
-                f"{type(self).__name__}: layer 0 has no previous attention for cls_attn")
+        needs = self.needs_cls_attn or self.needs_value_norm or self.needs_keys
+        if needs and not self.prune_mid_block and layers[0] == 0:
+            raise ValueError(f"{type(self).__name__}: layer 0 has no previous attention for "
+                             "cls_attn / value_norm / keys")
 
 
 def kept_count(keep_ratio: float, num_patches: int) -> int:
@@ -271,3 +365,382 @@ class ThresholdL2(PruningPolicy):
         keep = batch.is_patch & ((scores >= self.threshold[batch.stage] * mean[seq])
                                  | (masked >= best[seq]))
         return Selection(keep=keep, max_seqlen=batch.max_seqlen)
+
+
+def _per_stage(name: str, value, layers: tuple[int, ...], cast, rule: str, ok) -> tuple:
+    """One value per pruning point from a scalar or a sequence, validated."""
+    values = tuple(cast(v) for v in value) if isinstance(value, Sequence) else \
+        (cast(value),) * len(layers)
+    if len(values) != len(layers):
+        raise ValueError(f"{name}: one value per layer needed, got {len(values)} for {layers}")
+    for v in values:
+        if not ok(v):
+            raise ValueError(f"{name}: {rule}, got {v}")
+    return values
+
+
+def _layers(name: str, layers) -> tuple[int, ...]:
+    if isinstance(layers, int | str) or not isinstance(layers, Sequence):
+        raise TypeError(f"{name}: layers must be a sequence of ints, got {layers!r}")
+    return tuple(int(i) for i in layers)
+
+
+def _cls_attn(batch: TokenBatch, name: str) -> torch.Tensor:
+    if batch.cls_attn is None:
+        raise ValueError(f"{name}.select: batch.cls_attn must be given (needs_cls_attn)")
+    return batch.cls_attn
+
+
+class EViT(PruningPolicy):
+    """EViT (Liang et al., ICLR 2022): keep the patch tokens the CLS token attends to most.
+
+    Inside each block of `layers`, after its attention residual and before its MLP, every
+    image keeps its top ceil(keep_rate * n) patch tokens by head-mean CLS attention of
+    that block's own attention call (the kernel's `cls_attn` output; prefix tokens always
+    kept; a fused token of an earlier stage counts as a patch token). With `fuse=True`
+    the dropped tokens are averaged into one token appended per image, weighted by their
+    CLS attention: sum(a x) / sum(a) (the EViT code uses the unnormalised sum(a x); the
+    weighted mean is what ragvit.repack computes and keeps the fused token on the scale
+    of the others). Counts are fixed: sync-free and CUDA-graph capturable.
+
+    Args:
+        keep_rate: fraction in (0, 1], or one per pruning point (EViT, DeiT-S: 0.7).
+        layers: block indices, ascending (EViT, DeiT-S: (3, 6, 9)).
+        fuse: fuse the dropped tokens into one (True) or drop them (False).
+
+    Raises:
+        ValueError: keep_rate out of (0, 1] or one per layer of the wrong length.
+        TypeError: layers is not a sequence.
+    """
+
+    needs_cls_attn = True
+    prune_mid_block = True
+    is_fixed = True
+
+    def __init__(self, keep_rate: float | Sequence[float] = 0.7,
+                 layers: Sequence[int] = (3, 6, 9), *, fuse: bool = True):
+        self.layers = _layers("EViT", layers)
+        self.keep_rate = _per_stage("EViT", keep_rate, self.layers, float,
+                                    "keep_rate must be in (0, 1]", lambda v: 0.0 < v <= 1.0)
+        self.fuse = bool(fuse)
+
+    def __repr__(self) -> str:
+        return f"EViT(keep_rate={self.keep_rate}, layers={self.layers}, fuse={self.fuse})"
+
+    def select(self, batch: TokenBatch) -> Selection:
+        scores = _cls_attn(batch, "EViT")
+        keep_rate = self.keep_rate[batch.stage]
+        sel = topk_selection(batch, scores, keep_rate)
+        if self.fuse and keep_rate < 1.0:
+            sel.fuse_weights = torch.where(batch.is_patch, scores.float(),
+                                           torch.zeros((), device=scores.device))
+        return sel
+
+
+def ats_significance(batch: TokenBatch) -> torch.Tensor:
+    """(T,) float64 ATS significance: cls_attn * value_norm over each image's patch tokens,
+    normalised to sum 1 per image (uniform when an image's total is 0; 0 off patches)."""
+    sig = _cls_attn(batch, "ATS").double() * batch.value_norm.double()
+    is_patch = batch.is_patch
+    sig = torch.where(is_patch, sig, torch.zeros((), dtype=sig.dtype, device=sig.device))
+    seq = batch.seq_ids
+    zeros = torch.zeros(batch.num_seqs + 1, dtype=torch.float64, device=sig.device)
+    total = zeros.index_add(0, seq, sig)[seq]
+    count = zeros.index_add(0, seq, is_patch.double())[seq]
+    uniform = is_patch.double() / count.clamp(min=1)
+    return torch.where(total > 0, sig / total.clamp(min=torch.finfo(torch.float64).tiny),
+                       uniform)
+
+
+def ats_sample(batch: TokenBatch, num_samples: int) -> torch.Tensor:
+    """(T,) bool ATS keep mask: deterministic inverse-transform sampling of significance.
+
+    Per image, patch tokens are sorted by ascending significance (ties by position), their
+    cumulative sum is the CDF, and each of the num_samples quantiles (i + 0.5) / K picks
+    the first token whose CDF exceeds it; duplicates collapse, so counts are ragged.
+    """
+    p = ats_significance(batch)
+    seq = batch.seq_ids
+    T, B = batch.total_tokens, batch.num_seqs
+    order = torch.sort(p, stable=True).indices
+    order = order[torch.sort(seq[order], stable=True).indices]  # by image, then by p
+    seq_sorted = seq[order]
+    csum = torch.cumsum(p[order], 0)
+    cu = batch.cu_seqlens.long()
+    before = torch.cat([csum.new_zeros(1), csum])[cu]  # (B+1,) mass before each image
+    # One monotone key over the batch: image b's CDF lives in [2b, 2b + 1].
+    key = 2.0 * seq_sorted.double() + (csum - before[seq_sorted])
+    K = num_samples
+    quant = (torch.arange(K, dtype=torch.float64, device=p.device) + 0.5) / K
+    images = torch.arange(B, device=p.device)
+    idx = torch.searchsorted(key, (2.0 * images.double()[:, None] + quant).reshape(-1),
+                             right=True).view(B, K)
+    first, last = cu[:-1, None], cu[1:, None] - 1
+    n_patch = (batch.lengths - batch.num_prefix)[:, None]
+    idx = torch.minimum(torch.maximum(idx, first), last.clamp(min=0))
+    target = torch.where(n_patch > 0, order[idx.clamp(max=max(T - 1, 0))], T)
+    keep = torch.zeros(T + 1, dtype=torch.bool, device=p.device)
+    keep[target.reshape(-1)] = True
+    return keep[:T] & batch.is_patch
+
+
+class ATS(PruningPolicy):
+    """ATS, Adaptive Token Sampling (Fayyaz et al., ECCV 2022), parameter-free at inference.
+
+    Inside each block of `layers`, after its attention residual and before its MLP:
+    significance S_j = cls_attn_j * ||v_j|| (head-mean CLS attention and head-mean value
+    norm of that block's attention call) over the patch tokens, normalised per image;
+    `num_samples` evenly spaced quantiles (i + 0.5) / K of its CDF (tokens sorted by
+    ascending significance) each pick one token; duplicates collapse. Each image keeps a
+    different number of tokens (at most min(K, n) + prefix): counts are data-dependent
+    (an eager forward syncs once per stage; use capacity mode to stay sync-free).
+
+    Args:
+        num_samples: K, an int >= 1, or one per pruning point.
+        layers: block indices, ascending.
+
+    Raises:
+        ValueError: num_samples < 1 or one per layer of the wrong length.
+        TypeError: layers is not a sequence.
+    """
+
+    needs_cls_attn = True
+    needs_value_norm = True
+    prune_mid_block = True
+    is_fixed = False
+
+    def __init__(self, num_samples: int | Sequence[int] = 108, layers: Sequence[int] = (3,)):
+        self.layers = _layers("ATS", layers)
+        self.num_samples = _per_stage("ATS", num_samples, self.layers, _as_int,
+                                      "num_samples must be an int >= 1", lambda v: v >= 1)
+
+    def __repr__(self) -> str:
+        return f"ATS(num_samples={self.num_samples}, layers={self.layers})"
+
+    def select(self, batch: TokenBatch) -> Selection:
+        if batch.value_norm is None:
+            raise ValueError("ATS.select: batch.value_norm must be given (needs_value_norm)")
+        K = self.num_samples[batch.stage]
+        return Selection(keep=ats_sample(batch, K),
+                         max_seqlen=min(batch.max_seqlen, batch.num_prefix + K))
+
+
+def _as_int(v) -> int:
+    if isinstance(v, bool) or int(v) != v:
+        raise ValueError(f"ATS: num_samples must be an int >= 1, got {v}")
+    return int(v)
+
+
+def tome_match(batch: TokenBatch, r: int) -> Selection:
+    """ToMe's bipartite soft matching on a uniform batch: an index + assign Selection.
+
+    Tokens at even positions form set A, odd positions set B (as in ToMe); prefix tokens
+    are never merged nor merged into. Every A patch token's best match in B is its
+    highest cosine similarity of head-mean keys; the r A tokens with the most similar
+    matches (ties: earlier first) merge into them. Output order: prefix, the unmerged A
+    tokens, then every B token, each group by position (ToMe's order for a CLS token).
+
+    Args:
+        batch: uniform batch (seq_len known) with keys.
+        r: tokens to merge per image; capped at (L - P) // 2.
+
+    Returns:
+        Selection(index=(B, L - r), assign=(B, L)).
+    """
+    B, L, P = batch.num_seqs, batch.seq_len, batch.num_prefix
+    dev = batch.rows.device
+    r = max(0, min(r, (L - P) // 2))
+    metric = batch.keys.float().view(B, L, -1)
+    metric = metric / torch.linalg.vector_norm(metric, dim=-1, keepdim=True).clamp(min=1e-12)
+    pos = torch.arange(L, device=dev)
+    a_pos, b_pos = pos[0::2], pos[1::2]
+    scores = metric[:, 0::2] @ metric[:, 1::2].transpose(1, 2)  # (B, |A|, |B|)
+    scores = scores.masked_fill((b_pos < P)[None, None, :], -math.inf)
+    node_max, node_idx = scores.max(dim=-1)
+    node_max = node_max.masked_fill((a_pos < P)[None, :], -math.inf)
+    edge = torch.sort(node_max, dim=-1, descending=True, stable=True).indices
+    src_a, unm_a = edge[:, :r], torch.sort(edge[:, r:], dim=-1).values
+    # Prefix tokens (node_max -inf, never a source) lead unm_a; put all P first.
+    n_pre_a, n_pre_b = (P + 1) // 2, P // 2
+    index = torch.cat([pos[:P].expand(B, P), a_pos[unm_a[:, n_pre_a:]],
+                       b_pos[n_pre_b:].expand(B, -1)], dim=1)
+    k = L - r
+    slot = torch.empty(B, L, dtype=torch.long, device=dev)
+    slot.scatter_(1, index, torch.arange(k, device=dev).expand(B, k))
+    src_pos, dst_pos = a_pos[src_a], b_pos[node_idx.gather(1, src_a)]
+    assign = slot.scatter(1, src_pos, slot.gather(1, dst_pos))
+    return Selection(index=index, assign=assign)
+
+
+class ToMe(PruningPolicy):
+    """ToMe, Token Merging (Bolya et al., ICLR 2023), training-free at inference.
+
+    Inside each block of `layers`, after its attention residual and before its MLP, every
+    image merges r tokens by bipartite soft matching on the head-mean keys of that block's
+    attention call (see `tome_match`); merged tokens are size-weighted means, sizes are
+    tracked across blocks, and every later attention call adds log(size) to the keys'
+    logits (proportional attention, ragvit.attention's bias=). Prefix tokens are never
+    merged. Counts are fixed (L - r per block): sync-free and CUDA-graph capturable.
+    Unlike ToMe's code, merging runs in float32 whatever the model dtype.
+
+    Args:
+        r: tokens merged per image at each pruning point, an int >= 0, or one per layer.
+        layers: block indices, ascending; None: every block (resolved by `check`).
+
+    Raises:
+        ValueError: r < 0, or one per layer of the wrong length.
+        TypeError: layers is not a sequence or None.
+    """
+
+    needs_keys = True
+    prune_mid_block = True
+    is_fixed = True
+
+    def __init__(self, r: int | Sequence[int] = 8, layers: Sequence[int] | None = None):
+        self._every_block = layers is None
+        self._r = r
+        self.layers = () if layers is None else _layers("ToMe", layers)
+        self.r = self._resolve_r()
+
+    def _resolve_r(self) -> tuple[int, ...]:
+        if self._every_block and not isinstance(self._r, Sequence):
+            _per_stage("ToMe", self._r, (0,), _as_count, "r must be an int >= 0",
+                       lambda v: v >= 0)
+        return _per_stage("ToMe", self._r, self.layers, _as_count, "r must be an int >= 0",
+                          lambda v: v >= 0)
+
+    def __repr__(self) -> str:
+        return f"ToMe(r={self.r}, layers={self.layers})"
+
+    def check(self, depth: int) -> None:
+        if self._every_block:
+            self.layers = tuple(range(depth))
+            self.r = self._resolve_r()
+        super().check(depth)
+
+    def select(self, batch: TokenBatch) -> Selection:
+        if batch.keys is None:
+            raise ValueError("ToMe.select: batch.keys must be given (needs_keys)")
+        if batch.seq_len is None:
+            raise ValueError("ToMe.select: batch must be uniform (seq_len known); ToMe's "
+                             "counts are fixed")
+        return tome_match(batch, self.r[batch.stage])
+
+
+def _as_count(v) -> int:
+    if isinstance(v, bool) or int(v) != v:
+        raise ValueError(f"ToMe: r must be an int >= 0, got {v}")
+    return int(v)
+
+
+class DynamicViTPredictor(torch.nn.Module):
+    """DynamicViT's prediction module (PredictorLG): local + global features -> keep logit.
+
+    in_conv = LayerNorm, Linear(C, C), GELU; the first C/2 channels are the token's local
+    feature, the mean of the last C/2 over the image's patch tokens its global feature;
+    out_conv = Linear(C, C/2), GELU, Linear(C/2, C/4), GELU, Linear(C/4, 2), LogSoftmax.
+    Attribute names match the DynamicViT checkpoints (`score_predictor.{i}.*`).
+    """
+
+    def __init__(self, embed_dim: int):
+        super().__init__()
+        C = embed_dim
+        self.in_conv = torch.nn.Sequential(torch.nn.LayerNorm(C), torch.nn.Linear(C, C),
+                                           torch.nn.GELU())
+        self.out_conv = torch.nn.Sequential(
+            torch.nn.Linear(C, C // 2), torch.nn.GELU(), torch.nn.Linear(C // 2, C // 4),
+            torch.nn.GELU(), torch.nn.Linear(C // 4, 2), torch.nn.LogSoftmax(dim=-1))
+
+    def score(self, batch: TokenBatch) -> torch.Tensor:
+        """(T,) float32 log-probability of keeping each row (garbage/prefix: any value)."""
+        x = self.in_conv(batch.rows)
+        half = x.shape[1] // 2
+        w = batch.is_patch.to(x.dtype)[:, None]
+        seq = batch.seq_ids
+        sums = torch.zeros(batch.num_seqs + 1, x.shape[1] - half, dtype=x.dtype,
+                           device=x.device).index_add_(0, seq, x[:, half:] * w)
+        counts = torch.zeros(batch.num_seqs + 1, 1, dtype=x.dtype,
+                             device=x.device).index_add_(0, seq, w)
+        global_x = (sums / counts.clamp(min=1))[seq]
+        return self.out_conv(torch.cat([x[:, :half], global_x], dim=1))[:, 0].float()
+
+
+class DynamicViT(PruningPolicy):
+    """DynamicViT (Rao et al., NeurIPS 2021) at inference: learned keep scores, top-k.
+
+    At the input of each block of `layers`, stage s scores every patch token with its own
+    prediction module (`DynamicViTPredictor`) and keeps the int(keep_rates[s] * n0) best
+    (n0 = the image's initial patch count; at least 1); prefix tokens are always kept.
+    Counts are fixed: sync-free and CUDA-graph capturable. DynamicViT orders kept tokens
+    by score; ragvit keeps them in position order (attention does not care).
+
+    Args:
+        keep_rates: fractions in (0, 1] of the initial patch count, one per stage
+            (DynamicViT/DeiT-S: 0.7, 0.49, 0.343).
+        layers: block indices, ascending (DynamicViT: 3, 6, 9).
+        predictor: the trained prediction modules: a state dict (keys `{s}.in_conv...`,
+            optionally prefixed `score_predictor.`, as in DynamicViT checkpoints), a
+            torch.nn.ModuleList of DynamicViTPredictor, or None for a random
+            initialisation (warns: accuracy needs trained predictors), created on first
+            use with the model's width, device and dtype.
+
+    Raises:
+        ValueError: a keep rate out of (0, 1], a length mismatch, or a state dict that
+            does not hold one predictor per stage.
+        TypeError: layers is not a sequence, or predictor has an unsupported type.
+    """
+
+    is_fixed = True
+
+    def __init__(self, keep_rates: float | Sequence[float] = (0.7, 0.49, 0.343),
+                 layers: Sequence[int] = (3, 6, 9), predictor=None):
+        self.layers = _layers("DynamicViT", layers)
+        self.keep_rates = _per_stage("DynamicViT", keep_rates, self.layers, float,
+                                     "keep_rates must be in (0, 1]", lambda v: 0.0 < v <= 1.0)
+        self.predictors = None
+        if isinstance(predictor, torch.nn.ModuleList):
+            self.predictors = predictor.eval()
+        elif isinstance(predictor, Mapping):
+            self.predictors = self._from_state_dict(predictor).eval()
+        elif predictor is not None:
+            raise TypeError(f"DynamicViT: predictor must be a state dict, a ModuleList or "
+                            f"None, got {type(predictor).__name__}")
+        if self.predictors is not None and len(self.predictors) != len(self.layers):
+            raise ValueError(f"DynamicViT: predictor must hold one module per layer "
+                             f"({len(self.layers)}), got {len(self.predictors)}")
+
+    def _from_state_dict(self, state: Mapping) -> torch.nn.ModuleList:
+        prefix = "score_predictor."
+        state = {(k[len(prefix):] if k.startswith(prefix) else k): v for k, v in state.items()}
+        if "0.in_conv.0.weight" not in state:
+            raise ValueError("DynamicViT: predictor state dict must hold "
+                             "'[score_predictor.]0.in_conv.0.weight'")
+        embed_dim = state["0.in_conv.0.weight"].shape[0]
+        stages = len({k.split(".", 1)[0] for k in state})
+        modules = torch.nn.ModuleList(DynamicViTPredictor(embed_dim) for _ in range(stages))
+        modules.load_state_dict(state)
+        return modules
+
+    def __repr__(self) -> str:
+        return f"DynamicViT(keep_rates={self.keep_rates}, layers={self.layers})"
+
+    def _modules_for(self, rows: torch.Tensor) -> torch.nn.ModuleList:
+        if self.predictors is None:
+            warnings.warn("DynamicViT: prediction modules are randomly initialised; accuracy "
+                          "needs trained predictors (pass predictor=state_dict)", stacklevel=3)
+            self.predictors = torch.nn.ModuleList(
+                DynamicViTPredictor(rows.shape[1]) for _ in self.layers).eval()
+        p = next(self.predictors.parameters())
+        if p.device != rows.device or p.dtype != rows.dtype:
+            self.predictors.to(device=rows.device, dtype=rows.dtype)
+        return self.predictors
+
+    def select(self, batch: TokenBatch) -> Selection:
+        if batch.num_tokens is None:
+            raise ValueError("DynamicViT.select: batch.num_tokens (initial count) must be given")
+        predictor = self._modules_for(batch.rows)[batch.stage]
+        scores = predictor.score(batch)
+        n0 = batch.num_tokens - batch.num_prefix
+        k = max(1, int(n0 * self.keep_rates[batch.stage]))
+        n = (batch.seq_len if batch.seq_len is not None else batch.max_seqlen) - batch.num_prefix
+        return topk_selection(batch, scores, min(1.0, k / max(n, 1)))

@@ -296,79 +296,166 @@ def padded_sdpa(
 # ---- the padded-masked ViT pipeline ----
 
 
-def _reference_block(blk, h: torch.Tensor, mask: torch.Tensor | None, want_cls: bool):
-    """One timm Block on padded (B, L, C) tokens; mask (B, L) marks real tokens (None: all).
+def _reference_attention_half(blk, h: torch.Tensor, mask: torch.Tensor | None, want_cls: bool,
+                              want_value_norm: bool = False, want_keys: bool = False,
+                              sizes: torch.Tensor | None = None):
+    """h + ls1(attn(norm1(h))) on padded (B, L, C) tokens; mask (B, L) marks real tokens.
+
+    With sizes (B, L) float32 (merged tokens), every key's logits get + log(size) (ToMe's
+    proportional attention) through a float SDPA mask that is -inf on padding.
 
     Returns:
-        (h, cls_attn): cls_attn is (B, L) float32 head-mean softmax attention of token 0
-        over the real keys (zero on padding), or None unless want_cls.
+        (h, cls_attn, value_norm, keys): cls_attn is (B, L) float32 head-mean softmax
+        attention of token 0 over the real keys (zero on padding), or None unless want_cls;
+        value_norm is (B, L) float32 head-mean L2 norm of the value vectors, keys (B, L, D)
+        float32 head-mean keys, or None.
     """
     attn = blk.attn
     B, L, C = h.shape
     qkv = attn.qkv(blk.norm1(h)).view(B, L, 3, attn.num_heads, attn.head_dim)
     q, k, v = qkv.permute(2, 0, 3, 1, 4).unbind(0)  # (B, H, L, D) each
-    key_mask = None if mask is None else mask[:, None, None, :]
+    bias = None  # (B, L) float32 additive key bias, -inf on padding
+    if sizes is not None:
+        bias = torch.log(sizes.float())
+        if mask is not None:
+            bias = bias.masked_fill(~mask, -math.inf)
+        key_mask = bias.to(h.dtype)[:, None, None, :]
+    else:
+        key_mask = None if mask is None else mask[:, None, None, :]
     o = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=key_mask,
                                                          scale=attn.scale)
     o = attn.proj_drop(attn.proj(o.transpose(1, 2).reshape(B, L, attn.attn_dim)))
-    cls = None
+    cls = value_norm = keys = None
     if want_cls:
         logits = (q[:, :, :1].float() @ k.float().transpose(-1, -2)).squeeze(2) * attn.scale
-        if mask is not None:
+        if bias is not None:
+            logits = logits + bias[:, None, :]
+        elif mask is not None:
             logits = logits.masked_fill(~mask[:, None, :], -math.inf)
         cls = torch.softmax(logits, dim=-1).mean(dim=1)  # (B, L)
-    h = h + blk.drop_path1(blk.ls1(o))
-    h = h + blk.drop_path2(blk.ls2(blk.mlp(blk.norm2(h))))
-    return h, cls
+    if want_value_norm:
+        value_norm = torch.linalg.vector_norm(v.float(), dim=-1).mean(dim=1)  # (B, L)
+    if want_keys:
+        keys = k.float().mean(dim=1)  # (B, L, D)
+    return h + blk.drop_path1(blk.ls1(o)), cls, value_norm, keys
 
 
-def _reference_prune(policy, h, mask, origin, uniform, layer, stage, num_prefix, cls, decision):
-    """Applies one pruning point to padded tokens; returns (h, mask, origin, uniform)."""
+def _reference_mlp_half(blk, h: torch.Tensor) -> torch.Tensor:
+    return h + blk.drop_path2(blk.ls2(blk.mlp(blk.norm2(h))))
+
+
+def _fuse_reference(h, weights, dropped) -> torch.Tensor:
+    """(B, C) sum(w x) / sum(w) over dropped tokens of padded h, float32, zeros if sum 0."""
+    w = torch.where(dropped, weights.float(), torch.zeros((), device=h.device))
+    total = w.sum(1, keepdim=True)
+    fused = (w[:, :, None] * h.float()).sum(1) / torch.where(total > 0, total, 1.0)
+    return fused.to(h.dtype)
+
+
+def _merge_reference(h, sizes, assign, k):
+    """Size-weighted merge of padded h (B, L, C) into k slots (float32); (h', sizes')."""
+    B, L, C = h.shape
+    s = torch.ones(B, L, device=h.device) if sizes is None else sizes.float()
+    total = torch.zeros(B, k, device=h.device).index_put_(
+        (torch.arange(B, device=h.device)[:, None].expand(B, L), assign), s, accumulate=True)
+    acc = torch.zeros(B, k, C, device=h.device)
+    for b in range(B):
+        acc[b].index_add_(0, assign[b], h[b].float() * s[b, :, None])
+    return (acc / total[:, :, None]).to(h.dtype), total
+
+
+def _reference_prune(policy, h, mask, origin, uniform, layer, stage, num_prefix, cls, value_norm,
+                     keys, sizes, decision, num_tokens, num_fused):
+    """Applies one pruning point to padded tokens (origin: (B, L) decision-mask column of
+    each token: its embedded index, or N + f for the f-th fused token).
+
+    Returns:
+        (h, mask, origin, uniform, num_fused, sizes).
+    """
     from .pruning import TokenBatch
 
     B, L, C = h.shape
-    if decision is not None:
+
+    def flat(t):
+        """Padded (B, L, ...) -> the packed (T, ...) rows the policy sees."""
+        if t is None:
+            return None
+        return t.reshape(B * L, *t.shape[2:]) if uniform else t[mask]
+
+    rows = flat(h)
+    if uniform:
+        lengths = torch.full((B,), L, dtype=torch.int64, device=h.device)
+    else:
+        lengths = mask.sum(1)
+    cu = torch.zeros(B + 1, dtype=torch.int32, device=h.device)
+    cu[1:] = torch.cumsum(lengths, 0)
+    batch = TokenBatch(rows=rows, cu_seqlens=cu, num_prefix=num_prefix,
+                       seq_len=L if uniform else None, max_seqlen=L, layer=layer,
+                       stage=stage, cls_attn=flat(cls), value_norm=flat(value_norm),
+                       keys=flat(keys), sizes=flat(sizes), num_tokens=num_tokens)
+    sel = policy.select(batch)
+    if sel.assign is not None:  # merging (ToMe): uniform in, uniform out
+        k = sel.index.shape[1]
+        h, sizes = _merge_reference(h, sizes, sel.assign, k)
+        origin = origin.gather(1, sel.index)
+        if decision is not None:  # merges cannot be replayed from a mask: verify instead
+            alive = torch.zeros_like(decision).scatter_(1, origin, True)
+            if not torch.equal(alive, decision):
+                raise ValueError(f"decisions cannot be replayed for a merging policy "
+                                 f"({type(policy).__name__}) and differ from the "
+                                 f"reference's own at pruning point {stage}")
+        return h, None, origin, True, num_fused, sizes
+    if sizes is not None:
+        raise ValueError(f"{type(policy).__name__}.select: merged tokens (sizes) need merging "
+                         "Selections in the reference")
+
+    def to_padded(t, fill):
+        if t is None:
+            return None
+        if uniform:
+            return t.view(B, L).clone()
+        out = torch.full((B, L), fill, dtype=t.dtype, device=h.device)
+        out[mask] = t
+        return out
+
+    if decision is not None:  # replay: the patched run's choice, the policy's fuse weights
         keep = decision.gather(1, origin)
         if mask is not None:
             keep &= mask
         keep[:, :num_prefix] = True
         new_uniform = False
+    elif sel.index is not None:
+        keep = torch.zeros(B, L, dtype=torch.bool, device=h.device)
+        keep.scatter_(1, sel.index, True)
+        new_uniform = uniform
     else:
-        if uniform:
-            rows = h.reshape(B * L, C)
-            lengths = torch.full((B,), L, dtype=torch.int64, device=h.device)
-            cls_rows = None if cls is None else cls.reshape(-1)
-        else:
-            rows = h[mask]
-            lengths = mask.sum(1)
-            cls_rows = None if cls is None else cls[mask]
-        cu = torch.zeros(B + 1, dtype=torch.int32, device=h.device)
-        cu[1:] = torch.cumsum(lengths, 0)
-        batch = TokenBatch(rows=rows, cu_seqlens=cu, num_prefix=num_prefix,
-                           seq_len=L if uniform else None, max_seqlen=L, layer=layer,
-                           stage=stage, cls_attn=cls_rows)
-        sel = policy.select(batch)
-        if sel.index is not None:
-            keep = torch.zeros(B, L, dtype=torch.bool, device=h.device)
-            keep.scatter_(1, sel.index, True)
-        else:
-            keep_rows = sel.keep | (batch.positions < num_prefix)
-            if uniform:
-                keep = keep_rows.view(B, L).clone()
-            else:
-                keep = torch.zeros(B, L, dtype=torch.bool, device=h.device)
-                keep[mask] = keep_rows
-        new_uniform = uniform and sel.index is not None
+        keep = to_padded(sel.keep | (batch.positions < num_prefix), False)
+        new_uniform = False
+    real = torch.ones_like(keep) if mask is None else mask
+    fused = None
+    if sel.fuse_weights is not None:
+        fused = _fuse_reference(h, to_padded(sel.fuse_weights.float(), 0.0), real & ~keep)
     lengths = keep.sum(1)
-    new_len = sel.index.shape[1] if decision is None and new_uniform else int(lengths.max())
+    if decision is None and new_uniform:
+        new_len = sel.index.shape[1]
+    else:
+        new_len = int(lengths.max())
     # Kept tokens first, in their original order (stable sort), then cut to the longest.
     order = torch.sort((~keep).to(torch.int8), dim=1, stable=True).indices[:, :new_len]
     h = h.gather(1, order[:, :, None].expand(B, new_len, C))
     origin = origin.gather(1, order)
+    if fused is not None:  # appended after each image's kept tokens (ragvit.repack's layout)
+        h = torch.cat([h, torch.zeros_like(h[:, :1])], dim=1)
+        h[torch.arange(B, device=h.device), lengths] = fused
+        origin = torch.cat([origin, origin[:, :1]], dim=1)
+        origin[torch.arange(B, device=h.device), lengths] = num_tokens + num_fused
+        lengths = lengths + 1
+        new_len += 1
+        num_fused += 1
     new_mask = None
     if not new_uniform:
         new_mask = torch.arange(new_len, device=h.device)[None, :] < lengths[:, None]
-    return h, new_mask, origin, new_uniform
+    return h, new_mask, origin, new_uniform, num_fused, None
 
 
 def vit_forward_reference(model, x: torch.Tensor, policy=None, *, decisions=None,
@@ -385,9 +472,13 @@ def vit_forward_reference(model, x: torch.Tensor, policy=None, *, decisions=None
             ragvit.patch (patched or not: only its modules are used), in eval.
         x: (B, 3, H, W) images.
         policy: a ragvit.pruning policy or None (no pruning).
-        decisions: optional list, one (B, N) bool mask per pruning point over the N
-            embedded tokens (as ragvit.timm_patch.forward_with_decisions returns):
-            replayed instead of asking the policy, so numerical noise cannot flip a choice.
+        decisions: optional list, one (B, N + F) bool mask per pruning point over the N
+            embedded tokens and the F fused tokens made so far (as
+            ragvit.timm_patch.forward_with_decisions returns): replayed instead of the
+            policy's choice, so numerical noise cannot flip it (fusion weights still come
+            from the policy). Merging policies (ToMe) cannot be replayed from masks: the
+            reference merges on its own and raises ValueError if its surviving tokens
+            differ from the given decisions.
         return_decisions: also return the decisions made, in the same format.
 
     Returns:
@@ -400,25 +491,40 @@ def vit_forward_reference(model, x: torch.Tensor, policy=None, *, decisions=None
     if decisions is not None and len(decisions) != len(points):
         raise ValueError(f"decisions must hold one mask per pruning point ({len(points)}), "
                          f"got {len(decisions)}")
-    needs_cls = policy is not None and policy.needs_cls_attn
+    mid = policy is not None and policy.prune_mid_block
     mask = None
     uniform = True
     origin = torch.arange(N, device=h.device).expand(B, N)
     made = []
-    cls = None
-    stage = 0
+    cls = value_norm = keys = sizes = None
+    stage = num_fused = 0
+
+    def prune(h, mask, origin, uniform, i, stage, cls, value_norm, keys, sizes, num_fused):
+        decision = decisions[stage] if decisions is not None else None
+        h, mask, origin, uniform, num_fused, sizes = _reference_prune(
+            policy, h, mask, origin, uniform, i, stage, P, cls, value_norm, keys, sizes,
+            decision, N, num_fused)
+        if return_decisions:
+            width = N + num_fused
+            valid = origin if mask is None else torch.where(mask, origin, width)
+            made_mask = torch.zeros(B, width + 1, dtype=torch.bool, device=h.device)
+            made.append(made_mask.scatter_(1, valid, True)[:, :width])
+        return h, mask, origin, uniform, num_fused, sizes
+
     for i, blk in enumerate(model.blocks):
-        if stage < len(points) and points[stage] == i:
-            decision = decisions[stage] if decisions is not None else None
-            h, mask, origin, uniform = _reference_prune(policy, h, mask, origin, uniform, i,
-                                                        stage, P, cls, decision)
-            if return_decisions:
-                valid = origin if mask is None else torch.where(mask, origin, N)
-                made_mask = torch.zeros(B, N + 1, dtype=torch.bool, device=h.device)
-                made.append(made_mask.scatter_(1, valid, True)[:, :N])
+        if not mid and stage < len(points) and points[stage] == i:
+            h, mask, origin, uniform, num_fused, sizes = prune(
+                h, mask, origin, uniform, i, stage, cls, value_norm, keys, sizes, num_fused)
             stage += 1
-        want_cls = needs_cls and stage < len(points) and points[stage] == i + 1
-        h, cls = _reference_block(blk, h, mask, want_cls)
+        feeds = stage < len(points) and points[stage] == (i if mid else i + 1)
+        h, cls, value_norm, keys = _reference_attention_half(
+            blk, h, mask, feeds and policy.needs_cls_attn, feeds and policy.needs_value_norm,
+            feeds and policy.needs_keys, sizes)
+        if mid and feeds:
+            h, mask, origin, uniform, num_fused, sizes = prune(
+                h, mask, origin, uniform, i, stage, cls, value_norm, keys, sizes, num_fused)
+            stage += 1
+        h = _reference_mlp_half(blk, h)
     if model.global_pool == "avg":
         skip = 0 if getattr(model, "pool_include_prefix", False) else P
         hn = model.norm(h).float()

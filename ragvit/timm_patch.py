@@ -12,6 +12,10 @@ re-packs them. Decision that is not obvious: token moves between stages are isol
 the `_gather_*`, `_pack_*`, `_repack_*` and `_segment_*` helpers below (ragvit's C ops,
 plus a torch gather for fixed counts); none reads the device on the host, so a forward
 with fixed-count policies is sync-free and capturable in a CUDA graph.
+Each block runs as two halves (`_attention_half`, `_mlp_half`) so a policy can prune
+between them (EViT, ATS, ToMe: `prune_mid_block`) with the scores of that block's own
+attention call; merged tokens (ToMe) carry sizes, and attention then adds log(size) to
+every key's logits through ragvit.attention's bias.
 
 Only eval-mode inference without autograd is supported (ragvit.attention has no
 backward; drop-path and dropout are identities in eval).
@@ -215,6 +219,9 @@ class _Rows:
     seq_len: int | None
     max_seqlen: int
     origin: torch.Tensor | None = None  # (T,) int64 embedded-token index, when recording
+    num_tokens: int = 0  # N, embedded tokens per image (decision masks)
+    num_fused: int = 0  # fused tokens made so far; fused token f has origin N + f
+    sizes: torch.Tensor | None = None  # (T,) float32 tokens per row once merged (ToMe)
 
 
 def _uniform_cu(state: _PatchState, num_seqs: int, seq_len: int, device) -> torch.Tensor:
@@ -237,17 +244,35 @@ def _check_mode(model) -> None:
                            "torch.no_grad() or torch.inference_mode()")
 
 
-def _block_rows(blk, rows, cu_seqlens, max_seqlen, attention, cls_attn=None):
-    """One timm Block on packed rows (T, C); attention reads views of the qkv output."""
+def _attention_half(blk, cur: _Rows, attention, cls_attn=None, want_value_norm=False,
+                    want_keys=False):
+    """rows + ls1(attn(norm1(rows))) on packed rows (T, C); attention reads views of qkv,
+    with bias log(size) per key once tokens have been merged (ToMe's proportional attention).
+
+    Returns:
+        (rows, value_norm, keys): value_norm (T,) float32 head-mean L2 norm of the value
+        vectors when want_value_norm, keys (T, D) float32 head-mean keys when want_keys,
+        else None.
+    """
     attn = blk.attn
-    qkv = attn.qkv(blk.norm1(rows)).view(-1, 3, attn.num_heads, attn.head_dim)  # (T, 3, H, D)
-    if cls_attn is None:
-        o = attention(qkv[:, 0], qkv[:, 1], qkv[:, 2], cu_seqlens, max_seqlen, scale=attn.scale)
-    else:
-        o = attention(qkv[:, 0], qkv[:, 1], qkv[:, 2], cu_seqlens, max_seqlen, scale=attn.scale,
-                      cls_attn=cls_attn)
+    qkv = attn.qkv(blk.norm1(cur.rows)).view(-1, 3, attn.num_heads, attn.head_dim)  # (T,3,H,D)
+    kwargs = {}
+    if cls_attn is not None:
+        kwargs["cls_attn"] = cls_attn
+    if cur.sizes is not None:
+        kwargs["bias"] = torch.log(cur.sizes)
+    o = attention(qkv[:, 0], qkv[:, 1], qkv[:, 2], cur.cu_seqlens, cur.max_seqlen,
+                  scale=attn.scale, **kwargs)
+    value_norm = keys = None
+    if want_value_norm:
+        value_norm = torch.linalg.vector_norm(qkv[:, 2].float(), dim=-1).mean(dim=1)
+    if want_keys:
+        keys = qkv[:, 1].float().mean(dim=1)
     o = attn.proj_drop(attn.proj(o.reshape(o.shape[0], attn.attn_dim)))
-    rows = rows + blk.drop_path1(blk.ls1(o))
+    return cur.rows + blk.drop_path1(blk.ls1(o)), value_norm, keys
+
+
+def _mlp_half(blk, rows):
     return rows + blk.drop_path2(blk.ls2(blk.mlp(blk.norm2(rows))))
 
 
@@ -255,26 +280,36 @@ def _forward(model, state: _PatchState, x: torch.Tensor, record: bool = False):
     _check_mode(model)
     h = model.norm_pre(model.patch_drop(model._pos_embed(model.patch_embed(x))))
     B, N, C = h.shape
-    cur = _Rows(h.reshape(B * N, C), _uniform_cu(state, B, N, h.device), N, N)
+    cur = _Rows(h.reshape(B * N, C), _uniform_cu(state, B, N, h.device), N, N, num_tokens=N)
     if record:
         cur.origin = torch.arange(B * N, device=h.device) % N
     policy = state.policy
     points = policy.layers if policy is not None else ()
+    mid = policy is not None and policy.prune_mid_block
     decisions = []
     stage = 0
-    cls_attn = None
+    cls_attn = value_norm = keys = None
     for i, blk in enumerate(model.blocks):
-        if stage < len(points) and points[stage] == i:
-            cur = _prune(state, cur, i, stage, cls_attn)
+        if not mid and stage < len(points) and points[stage] == i:
+            cur = _prune(state, cur, i, stage, cls_attn, value_norm, keys)
             if record:
                 decisions.append(_decision_mask(cur, B, N))
             stage += 1
+        # The attention call that feeds the next pruning point: this block's (mid-block
+        # points) or the one before the point (block-input points).
+        feeds = stage < len(points) and points[stage] == (i if mid else i + 1)
         cls_attn = None
-        if policy is not None and policy.needs_cls_attn and stage < len(points) \
-                and points[stage] == i + 1:
+        if feeds and policy.needs_cls_attn:
             cls_attn = torch.empty(cur.rows.shape[0], dtype=torch.float32, device=h.device)
-        cur.rows = _block_rows(blk, cur.rows, cur.cu_seqlens, cur.max_seqlen, state.attention,
-                               cls_attn)
+        cur.rows, value_norm, keys = _attention_half(
+            blk, cur, state.attention, cls_attn, feeds and policy.needs_value_norm,
+            feeds and policy.needs_keys)
+        if mid and feeds:
+            cur = _prune(state, cur, i, stage, cls_attn, value_norm, keys)
+            if record:
+                decisions.append(_decision_mask(cur, B, N))
+            stage += 1
+        cur.rows = _mlp_half(blk, cur.rows)
     return _head(model, state, cur), decisions
 
 
@@ -286,24 +321,33 @@ def _head(model, state: _PatchState, cur: _Rows) -> torch.Tensor:
     return model.forward_head(model.norm(prefix))
 
 
-def _prune(state: _PatchState, cur: _Rows, layer: int, stage: int, cls_attn) -> _Rows:
+def _prune(state: _PatchState, cur: _Rows, layer: int, stage: int, cls_attn,
+           value_norm, keys) -> _Rows:
     """Applies the policy at one pruning point and re-packs the kept rows."""
     batch = TokenBatch(rows=cur.rows, cu_seqlens=cur.cu_seqlens, num_prefix=state.num_prefix,
                        seq_len=cur.seq_len, max_seqlen=cur.max_seqlen, layer=layer, stage=stage,
-                       cls_attn=cls_attn)
+                       cls_attn=cls_attn, value_norm=value_norm, keys=keys, sizes=cur.sizes,
+                       num_tokens=cur.num_tokens)
     sel = state.policy.select(batch)
     if not isinstance(sel, Selection):
         raise TypeError(f"{type(state.policy).__name__}.select must return a Selection, got "
                         f"{type(sel).__name__}")
+    fused_origin = cur.num_tokens + cur.num_fused  # decision-mask column of a new fused token
     if sel.index is not None:
         if cur.seq_len is None:
             raise ValueError(f"{type(state.policy).__name__}.select: an index Selection needs "
                              "a batch with seq_len known")
-        return _gather_uniform(state, cur, sel.index)
+        return _gather_uniform(state, cur, sel.index, sel.fuse_weights, fused_origin,
+                               sel.assign)
+    if cur.sizes is not None:
+        raise ValueError(f"{type(state.policy).__name__}.select: merged tokens (sizes) need "
+                         "index Selections")
     keep = (sel.keep | (batch.positions < state.num_prefix)) & (batch.seq_ids < batch.num_seqs)
     max_seqlen = cur.max_seqlen if sel.max_seqlen is None else min(sel.max_seqlen,
                                                                      cur.max_seqlen)
-    if cur.seq_len is not None:
+    if sel.fuse_weights is not None:
+        new = _repack_rows(cur, keep, max_seqlen + 1, sel.fuse_weights, fused_origin)
+    elif cur.seq_len is not None:
         new = _pack_first(cur, keep, max_seqlen)
     else:
         new = _repack_rows(cur, keep, max_seqlen)
@@ -313,28 +357,75 @@ def _prune(state: _PatchState, cur: _Rows, layer: int, stage: int, cls_attn) -> 
 
 
 def _decision_mask(cur: _Rows, num_seqs: int, num_tokens: int) -> torch.Tensor:
-    """(B, N) bool: which embedded tokens the packed rows hold (rows past the total ignored)."""
+    """(B, N + F) bool: which embedded tokens (and which of the F fused tokens made so far,
+    columns N..N+F-1) the packed rows hold; rows past the total are ignored."""
     batch = TokenBatch(rows=cur.rows, cu_seqlens=cur.cu_seqlens, num_prefix=0,
                        seq_len=cur.seq_len, max_seqlen=cur.max_seqlen, layer=0, stage=0)
+    width = num_tokens + cur.num_fused
     seq = batch.seq_ids
-    flat = torch.where(seq < num_seqs, seq * num_tokens + cur.origin, num_seqs * num_tokens)
-    mask = torch.zeros(num_seqs * num_tokens + 1, dtype=torch.bool, device=seq.device)
+    flat = torch.where(seq < num_seqs, seq * width + cur.origin, num_seqs * width)
+    mask = torch.zeros(num_seqs * width + 1, dtype=torch.bool, device=seq.device)
     mask[flat] = True
-    return mask[:-1].view(num_seqs, num_tokens)
+    return mask[:-1].view(num_seqs, width)
 
 
 # ---- token movement ----
 
 
-def _gather_uniform(state: _PatchState, cur: _Rows, index: torch.Tensor) -> _Rows:
-    """Fixed counts: (B, L) rows -> the (B, k) positions of `index`; sync-free torch gather."""
+def _gather_uniform(state: _PatchState, cur: _Rows, index: torch.Tensor, fuse_weights=None,
+                    fused_origin: int = 0, assign=None) -> _Rows:
+    """Fixed counts: (B, L) rows -> the (B, k) positions of `index` (plus one fused row per
+    image when fuse_weights is given; size-weighted merges when assign is); sync-free."""
     B, k = index.shape
-    C = cur.rows.shape[1]
-    rows = cur.rows.view(B, cur.seq_len, C).gather(1, index[:, :, None].expand(B, k, C))
+    L, C = cur.seq_len, cur.rows.shape[1]
+    x = cur.rows.view(B, L, C)
+    sizes = None
+    if assign is not None:
+        rows, sizes = _merge(x, cur.sizes, assign, k)
+        sizes = sizes.reshape(-1)
+    else:
+        rows = x.gather(1, index[:, :, None].expand(B, k, C))
+        if cur.sizes is not None:
+            sizes = cur.sizes.view(B, L).gather(1, index).reshape(-1)
     origin = None
     if cur.origin is not None:
-        origin = cur.origin.view(B, cur.seq_len).gather(1, index).reshape(-1)
-    return _Rows(rows.reshape(B * k, C), _uniform_cu(state, B, k, rows.device), k, k, origin)
+        origin = cur.origin.view(B, L).gather(1, index)
+    num_fused = cur.num_fused
+    if fuse_weights is not None:
+        if sizes is not None:
+            raise ValueError("ragvit.patch: fusion of merged tokens (sizes) is not supported")
+        dropped = torch.ones(B, L, dtype=torch.bool, device=x.device).scatter_(1, index, False)
+        fused = _fuse(x, fuse_weights.view(B, L), dropped)
+        rows = torch.cat([rows, fused[:, None]], dim=1)
+        k, num_fused = k + 1, num_fused + 1
+        if origin is not None:
+            origin = torch.cat([origin, origin.new_full((B, 1), fused_origin)], dim=1)
+    origin = origin.reshape(-1) if origin is not None else None
+    return _Rows(rows.reshape(B * k, C), _uniform_cu(state, B, k, rows.device), k, k, origin,
+                 cur.num_tokens, num_fused, sizes)
+
+
+def _merge(x: torch.Tensor, sizes, assign: torch.Tensor, k: int):
+    """Size-weighted merge of padded x (B, L, C) into k slots per image (float32 sums).
+
+    Returns:
+        ((B, k, C) of x's dtype, (B, k) float32 sizes).
+    """
+    B, L, C = x.shape
+    s = torch.ones(B, L, device=x.device) if sizes is None else sizes.view(B, L)
+    total = torch.zeros(B, k, device=x.device).scatter_add_(1, assign, s)
+    acc = torch.zeros(B, k, C, device=x.device).scatter_add_(
+        1, assign[:, :, None].expand(B, L, C), x.float() * s[:, :, None])
+    return (acc / total[:, :, None]).to(x.dtype), total
+
+
+def _fuse(x: torch.Tensor, weights: torch.Tensor, dropped: torch.Tensor) -> torch.Tensor:
+    """(B, C) sum(w x) / sum(w) over the dropped tokens of padded x (B, L, C), in float32,
+    zeros where sum(w) == 0 (ragvit.repack's fusion rule); x's dtype."""
+    w = torch.where(dropped, weights.float(), torch.zeros((), device=x.device))
+    total = w.sum(1, keepdim=True)
+    fused = torch.einsum("bl,blc->bc", w, x.float()) / torch.where(total > 0, total, 1.0)
+    return fused.to(x.dtype)
 
 
 def _pack_first(cur: _Rows, keep: torch.Tensor, max_seqlen: int) -> _Rows:
@@ -352,19 +443,27 @@ def _pack_first(cur: _Rows, keep: torch.Tensor, max_seqlen: int) -> _Rows:
                          max_seqlen=max_seqlen, layer=0, stage=0)
         src = new.seq_ids.clamp(max=B - 1) * L + idx.long().clamp(0, L - 1)
         origin = cur.origin[src]
-    return _Rows(out, cu, None, max_seqlen, origin)
+    return _Rows(out, cu, None, max_seqlen, origin, cur.num_tokens, cur.num_fused)
 
 
-def _repack_rows(cur: _Rows, keep: torch.Tensor, max_seqlen: int) -> _Rows:
-    """Mask over ragged packed rows -> packed rows (same capacity), via ragvit.repack_into."""
-    T = cur.rows.shape[0]
+def _repack_rows(cur: _Rows, keep: torch.Tensor, max_seqlen: int, fuse_weights=None,
+                 fused_origin: int = 0) -> _Rows:
+    """Mask over packed rows -> packed rows via ragvit.repack_into (capacity T, or T + B
+    with fusion: one fused row appended per image)."""
+    T, C = cur.rows.shape
     B = cur.cu_seqlens.shape[0] - 1
-    out = torch.empty_like(cur.rows)
+    capacity = T + (B if fuse_weights is not None else 0)
+    out = torch.empty(capacity, C, dtype=cur.rows.dtype, device=cur.rows.device)
     cu = torch.empty(B + 1, dtype=torch.int32, device=out.device)
-    src = torch.zeros(T, dtype=torch.int32, device=out.device)  # rows past the total stay 0
-    ops.repack_into(cur.rows, cur.cu_seqlens, keep, out, cu, src=src)
-    origin = cur.origin[src.long()] if cur.origin is not None else None
-    return _Rows(out, cu, None, max_seqlen, origin)
+    src = torch.zeros(capacity, dtype=torch.int32, device=out.device)  # rows past the total: 0
+    kwargs = {} if fuse_weights is None else {"fuse_weights": fuse_weights.float()}
+    ops.repack_into(cur.rows, cur.cu_seqlens, keep, out, cu, src=src, **kwargs)
+    origin = None
+    if cur.origin is not None:
+        s = src.long()
+        origin = torch.where(s >= 0, cur.origin[s.clamp(min=0)], fused_origin)
+    num_fused = cur.num_fused + (fuse_weights is not None)
+    return _Rows(out, cu, None, max_seqlen, origin, cur.num_tokens, num_fused)
 
 
 def _trim(cur: _Rows) -> _Rows:
@@ -373,7 +472,8 @@ def _trim(cur: _Rows) -> _Rows:
     total = cu[-1]
     longest = max((b - a for a, b in zip(cu[:-1], cu[1:], strict=True)), default=0)
     origin = cur.origin[:total] if cur.origin is not None else None
-    return _Rows(cur.rows[:total], cur.cu_seqlens, None, max(longest, 1), origin)
+    return _Rows(cur.rows[:total], cur.cu_seqlens, None, max(longest, 1), origin,
+                 cur.num_tokens, cur.num_fused, cur.sizes)
 
 
 def _gather_prefix(rows: torch.Tensor, cu_seqlens: torch.Tensor, num_prefix: int):
