@@ -5,8 +5,8 @@ PIP := $(PYTHON) -m pip
 
 .PHONY: demo test install build test-deps gpu-check clean
 
-demo: install
-	$(PYTHON) -m ragvit.demo
+demo: test-deps install
+	HF_HUB_OFFLINE=1 $(PYTHON) -m ragvit.demo
 
 install:
 	$(PIP) install -q "setuptools>=64" wheel "numpy>=2.0"

@@ -1,0 +1,128 @@
+"""`python -m ragvit.bench` and benchmarks/ragvit_benchmarks.ipynb on the CPU, tiny mode.
+
+The CLI runs in a subprocess as a user would run it (--help, a tiny DeiT-Tiny 64 px sweep
+that must print "all results match", the table and write JSON/CSV; malformed arguments
+must give argparse's usage error, exit 2, not a traceback). The notebook executes top to
+bottom headless through nbclient with RAGVIT_NB_TINY=1, so it cannot rot. Budget: well
+under a minute on two slow cores.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+pytest.importorskip("timm")
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+NOTEBOOK = os.path.join(ROOT, "benchmarks", "ragvit_benchmarks.ipynb")
+
+
+def run_cli(*args, timeout=120, **env):
+    full_env = dict(os.environ, HF_HUB_OFFLINE="1", **env)
+    full_env["PYTHONPATH"] = ROOT + os.pathsep + full_env.get("PYTHONPATH", "")
+    return subprocess.run([sys.executable, "-m", "ragvit.bench", *args], cwd=ROOT,
+                          env=full_env, capture_output=True, text=True, timeout=timeout)
+
+
+def test_help():
+    r = run_cli("--help")
+    assert r.returncode == 0, r.stderr
+    assert "usage: python -m ragvit.bench" in r.stdout
+    for flag in ("--config", "--model", "--keep", "--threshold", "--pipelines", "--out"):
+        assert flag in r.stdout
+
+
+def test_tiny_cpu_sweep(tmp_path):
+    prefix = str(tmp_path / "tiny")
+    r = run_cli("--config", "tiny", "--batches", "1", "2", "--reps", "2", "--no-progress",
+                "--out", prefix)
+    assert r.returncode == 0, r.stdout + r.stderr
+    out = r.stdout
+    assert "all results match" in out
+    assert out.index("max |dlogit|") < out.index("all results match") < out.index("img/s")
+    assert "| BS | kept |" in out and "ragvit img/s" in out
+    with open(prefix + ".json") as f:
+        result = json.load(f)
+    assert result["failed"] == 0
+    assert result["config"]["model"] == "deit_tiny_patch16_224"
+    assert [row["batch"] for row in result["rows"]] == [1, 2]
+    for row in result["rows"]:
+        assert row["check"]["ok"] and row["check"]["err"]["ragvit"] <= 1e-4
+        assert set(row["timing"]) == {"timm_eager", "reference", "ragvit"}  # CPU pipelines
+        assert all(t["images_per_s"] > 0 for t in row["timing"].values())
+    with open(prefix + ".csv") as f:
+        rows = list(csv.DictReader(f))
+    assert len(rows) == 6 and {r["pipeline"] for r in rows} == {"timm_eager", "reference",
+                                                                   "ragvit"}
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--batches", "0"], "--batches"),
+    (["--keep", "1.5"], "--keep"),
+    (["--keep", "0.5", "--threshold", "1.0"], "not allowed with"),
+    (["--pipelines", "bogus"], "--pipelines"),
+    (["--config", "nope"], "--config"),
+    (["--reps", "x"], "--reps"),
+    (["--model", "not_a_model"], "unknown timm model"),
+    (["--device", "cpu", "--pipelines", "timm_graph"], "GPU only"),
+], ids=lambda v: v if isinstance(v, str) else "_".join(v))
+def test_malformed_arguments_are_usage_errors(args, message, capsys):
+    from ragvit import bench
+
+    with pytest.raises(SystemExit) as exc:
+        bench.main(args)
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert "usage:" in err and message in err
+
+
+def test_malformed_arguments_subprocess():
+    """The user-visible form: exit 2, usage on stderr, no traceback."""
+    r = run_cli("--config", "tiny", "--layers", "99")  # past DeiT-Tiny's 12 blocks
+    assert r.returncode == 2, r.stdout + r.stderr
+    assert "usage:" in r.stderr and "layers" in r.stderr
+    assert "Traceback" not in r.stderr
+
+
+def test_load_results_reads_bench_e2e_json(tmp_path):
+    from ragvit import bench
+
+    path = tmp_path / "e2e.json"
+    timing = {"ms": {"median": 2.0, "p20": 1.9, "p80": 2.1}, "images_per_s": 500.0}
+    path.write_text(json.dumps({"env": {"gpu": "NVIDIA H200"}, "rows": [{
+        "model": "DeiT-S 224", "policy": "l2_keep50_b4", "batch": 1,
+        "check": {"kept_fraction_last_stage": 0.5, "err_ragvit_vs_reference": 1e-3},
+        "timing": {"timm_eager": timing, "ragvit": timing}}]}))
+    rows = bench.load_results(str(path))
+    assert [r["pipeline"] for r in rows] == ["timm_eager", "ragvit"]
+    assert rows[1]["device"] == "NVIDIA H200" and rows[1]["max_dlogit"] == 1e-3
+
+
+def test_notebook_executes_in_tiny_mode(monkeypatch):
+    try:
+        import ipykernel  # noqa: F401
+        import matplotlib  # noqa: F401
+        import nbclient
+        import nbformat
+    except ImportError as e:
+        pytest.skip(f"notebook test needs nbclient, nbformat, ipykernel and matplotlib "
+                    f"(pip install -r requirements-test.txt): {e}")
+    monkeypatch.setenv("RAGVIT_NB_TINY", "1")
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("PYTHONPATH", ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    nb = nbformat.read(NOTEBOOK, as_version=4)
+    client = nbclient.NotebookClient(nb, timeout=180, kernel_name="python3",
+                                     resources={"metadata": {"path": os.path.dirname(NOTEBOOK)}})
+    client.execute()
+    text = "".join(o.get("text", "") for c in nb.cells if c.cell_type == "code"
+                   for o in c.outputs)
+    images = sum("image/png" in o.get("data", {}) for c in nb.cells if c.cell_type == "code"
+                 for o in c.outputs)
+    assert "tiny mode" in text and "ran 2 configurations" in text
+    assert images >= 3  # throughput/speedup, attention µs, kept fraction vs speedup
