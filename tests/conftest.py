@@ -261,3 +261,23 @@ def covered_rows(cu_seqlens, total_tokens: int) -> torch.Tensor:
 def seed_note(seed: int) -> str:
     """Suffix for assertion messages that names the seed."""
     return f" [seed={seed}]"
+
+
+# ---- named length sets shared by the attention tests: (gen, on_cuda) -> (lengths, T) ----
+
+
+def lengths_one_token(gen, on_cuda):
+    return [1], 1
+
+
+def lengths_deit_197(gen, on_cuda):
+    return [197], 197
+
+
+def lengths_deit_577(gen, on_cuda):
+    return [577], 577
+
+
+def lengths_zero_length(gen, on_cuda):
+    lengths = [0, 5, 0, 0, 37, 1, 0] if not on_cuda else [0, 5, 0, 0, 197, 1, 0, 64, 0]
+    return lengths, sum(lengths)

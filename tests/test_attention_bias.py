@@ -24,6 +24,10 @@ from conftest import (
     covered_rows,
     devices,
     gpu_marks,
+    lengths_deit_197,
+    lengths_deit_577,
+    lengths_one_token,
+    lengths_zero_length,
     make_cu_seqlens,
     make_qkv,
     poison,
@@ -40,28 +44,11 @@ NUM_HEADS = {"cpu": 2, "cuda": 6}
 HEAD_DIMS = (64, 80)
 
 
-def _one_token(gen, on_cuda):
-    return [1], 1
-
-
-def _deit_197(gen, on_cuda):
-    return [197], 197
-
-
-def _deit_577(gen, on_cuda):
-    return [577], 577
-
-
 def _ragged_mix(gen, on_cuda):
     if on_cuda:
         lengths = random_lengths(gen, 32, 1, 577, include=(1, 197, 198, 577))
     else:
         lengths = random_lengths(gen, 5, 2, 96, include=(1, 197, 65))
-    return lengths, sum(lengths)
-
-
-def _zero_length(gen, on_cuda):
-    lengths = [0, 5, 0, 0, 37, 1, 0] if not on_cuda else [0, 5, 0, 0, 197, 1, 0, 64, 0]
     return lengths, sum(lengths)
 
 
@@ -72,11 +59,11 @@ def _capacity_tail(gen, on_cuda):
 
 
 LENGTH_CASES = {
-    "one_token": _one_token,
-    "deit_197": _deit_197,
-    "deit_577": _deit_577,
+    "one_token": lengths_one_token,
+    "deit_197": lengths_deit_197,
+    "deit_577": lengths_deit_577,
     "ragged_mix": _ragged_mix,
-    "zero_length": _zero_length,
+    "zero_length": lengths_zero_length,
     "capacity_tail": _capacity_tail,
 }
 # (q/k/v layout, bias layout): the qkv_view run also reads a strided bias

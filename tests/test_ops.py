@@ -32,6 +32,10 @@ from conftest import (
     devices,
     dtype_params,
     gpu_marks,
+    lengths_deit_197,
+    lengths_deit_577,
+    lengths_one_token,
+    lengths_zero_length,
     make_cu_seqlens,
     make_qkv,
     poison,
@@ -58,18 +62,6 @@ LAYOUTS = ("contiguous", "qkv_view")
 # ---- named length sets: (gen, on_cuda) -> (lengths, total_tokens) ----
 
 
-def _one_token(gen, on_cuda):
-    return [1], 1
-
-
-def _deit_197(gen, on_cuda):
-    return [197], 197
-
-
-def _deit_577(gen, on_cuda):
-    return [577], 577
-
-
 def _ragged_mix(gen, on_cuda):
     if on_cuda:
         lengths = random_lengths(gen, 32, 1, 577, include=(1, 197, 198, 577))
@@ -83,11 +75,6 @@ def _many_seqs_256(gen, on_cuda):
         lengths = random_lengths(gen, 256, 1, 300, include=(1, 197, 577))
     else:
         lengths = random_lengths(gen, 256, 0, 12, include=(1, 0))
-    return lengths, sum(lengths)
-
-
-def _zero_length(gen, on_cuda):
-    lengths = [0, 5, 0, 0, 37, 1, 0] if not on_cuda else [0, 5, 0, 0, 197, 1, 0, 64, 0]
     return lengths, sum(lengths)
 
 
@@ -107,12 +94,12 @@ def _long_among_short(gen, on_cuda):
 
 
 LENGTH_CASES = {
-    "one_token": _one_token,
-    "deit_197": _deit_197,
-    "deit_577": _deit_577,
+    "one_token": lengths_one_token,
+    "deit_197": lengths_deit_197,
+    "deit_577": lengths_deit_577,
     "ragged_mix": _ragged_mix,
     "many_seqs_256": _many_seqs_256,
-    "zero_length": _zero_length,
+    "zero_length": lengths_zero_length,
     "capacity_tail": _capacity_tail,
     "tile_edges": _tile_edges,
     "long_among_short": _long_among_short,
