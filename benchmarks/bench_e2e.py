@@ -185,13 +185,7 @@ def main(argv=None):
                               flush=True)
             del model
             torch.cuda.empty_cache()
-    import timm
-
-    env = report.environment(timm=timm.__version__)
-    table = render(rows, env)
-    print(table)
-    report.write_results(args.out, table, env, rows)
-    return 1 if bad else 0
+    return report.publish(rows, bad, render, args.out, timm=timm.__version__)
 
 
 if __name__ == "__main__":

@@ -238,11 +238,7 @@ def main(argv=None):
     rows, bad = report.check_then_time(
         cases, check_case, lambda case, row: time_case(case, row, args, flusher),
         lambda row: row["ok"])
-    env = report.environment()
-    table = render(rows, env)
-    print(table)
-    report.write_results(args.out, table, env, rows)
-    return 1 if bad else 0
+    return report.publish(rows, bad, render, args.out)
 
 
 if __name__ == "__main__":

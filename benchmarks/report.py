@@ -49,6 +49,16 @@ def check_then_time(cases, check, time, is_ok):
     return rows, bad
 
 
+def publish(rows: list, bad: int, render, prefix: str | None, **extra) -> int:
+    """Renders rows with this run's environment, prints the table, writes the results;
+    returns the exit code (1 when any row failed correctness)."""
+    env = environment(**extra)
+    table = render(rows, env)
+    print(table)
+    write_results(prefix, table, env, rows)
+    return 1 if bad else 0
+
+
 def write_results(prefix: str | None, table: str, env: dict, rows: list) -> None:
     """Writes the Markdown table and the JSON record when a prefix was given."""
     if not prefix:
