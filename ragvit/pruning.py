@@ -480,7 +480,8 @@ def ats_sample(batch: TokenBatch, num_samples: int) -> torch.Tensor:
     idx = torch.minimum(torch.maximum(idx, first), last.clamp(min=0))
     target = torch.where(n_patch > 0, order[idx.clamp(max=max(T - 1, 0))], T)
     keep = torch.zeros(T + 1, dtype=torch.bool, device=p.device)
-    keep[target.reshape(-1)] = True
+    # scatter_, not keep[target] = True: CUDA index_put_ syncs the host
+    keep.scatter_(0, target.reshape(-1), True)
     return keep[:T] & batch.is_patch
 
 

@@ -31,7 +31,8 @@ import torch
 from . import ops
 from .pruning import PruningPolicy, Selection, TokenBatch
 
-__all__ = ["UnsupportedModelError", "forward_with_decisions", "is_patched", "patch", "unpatch"]
+__all__ = ["UnsupportedModelError", "forward_with_decisions", "is_patched", "kept_mask", "patch",
+           "unpatch"]
 
 _STATE_ATTR = "_ragvit_patch_state"
 _HEAD_DIMS = (32, 64, 80, 96, 128)
@@ -197,14 +198,26 @@ def forward_with_decisions(model, x: torch.Tensor):
     """Runs a patched model and also returns its pruning decisions (for tests and checks).
 
     Returns:
-        (logits, decisions): decisions[s] is a (B, N) bool mask over the N embedded
-        tokens (prefix first) of the tokens kept at pruning point s; the format that
-        ragvit.reference.vit_forward_reference(..., decisions=) replays.
+        (logits, decisions): decisions[s] describes pruning point s over the N embedded
+        tokens (prefix first) and the F fused tokens made before it (columns N..N+F-1):
+        a (B, N + F) bool mask of the tokens kept, or for a merging policy (ToMe) a
+        (B, N + F) int64 map from every token alive before the point to the column of
+        the token it merged into (its own column when kept; -1 for tokens already gone).
+        The format ragvit.reference.vit_forward_reference(..., decisions=) replays;
+        `kept_mask` turns either into the bool mask of kept tokens.
     """
     state = vars(model).get(_STATE_ATTR)
     if state is None:
         raise ValueError("ragvit.forward_with_decisions: model is not patched")
     return _forward(model, state, x, record=True)
+
+
+def kept_mask(decision: torch.Tensor) -> torch.Tensor:
+    """(B, N + F) bool mask of the tokens kept by one decision of forward_with_decisions
+    (a bool mask is returned as is; a merge map keeps the tokens that map to themselves)."""
+    if decision.dtype == torch.bool:
+        return decision
+    return decision == torch.arange(decision.shape[1], device=decision.device)
 
 
 # ---- the packed pipeline ----
@@ -222,6 +235,7 @@ class _Rows:
     num_tokens: int = 0  # N, embedded tokens per image (decision masks)
     num_fused: int = 0  # fused tokens made so far; fused token f has origin N + f
     sizes: torch.Tensor | None = None  # (T,) float32 tokens per row once merged (ToMe)
+    merged: torch.Tensor | None = None  # merge decision of the pruning point that made it
 
 
 def _uniform_cu(state: _PatchState, num_seqs: int, seq_len: int, device) -> torch.Tensor:
@@ -293,7 +307,7 @@ def _forward(model, state: _PatchState, x: torch.Tensor, record: bool = False):
         if not mid and stage < len(points) and points[stage] == i:
             cur = _prune(state, cur, i, stage, cls_attn, value_norm, keys)
             if record:
-                decisions.append(_decision_mask(cur, B, N))
+                decisions.append(_decision(cur, B, N))
             stage += 1
         # The attention call that feeds the next pruning point: this block's (mid-block
         # points) or the one before the point (block-input points).
@@ -307,7 +321,7 @@ def _forward(model, state: _PatchState, x: torch.Tensor, record: bool = False):
         if mid and feeds:
             cur = _prune(state, cur, i, stage, cls_attn, value_norm, keys)
             if record:
-                decisions.append(_decision_mask(cur, B, N))
+                decisions.append(_decision(cur, B, N))
             stage += 1
         cur.rows = _mlp_half(blk, cur.rows)
     return _head(model, state, cur), decisions
@@ -356,16 +370,21 @@ def _prune(state: _PatchState, cur: _Rows, layer: int, stage: int, cls_attn,
     return new
 
 
-def _decision_mask(cur: _Rows, num_seqs: int, num_tokens: int) -> torch.Tensor:
-    """(B, N + F) bool: which embedded tokens (and which of the F fused tokens made so far,
-    columns N..N+F-1) the packed rows hold; rows past the total are ignored."""
+def _decision(cur: _Rows, num_seqs: int, num_tokens: int) -> torch.Tensor:
+    """The decision of the pruning point that made `cur` (forward_with_decisions' format):
+    (B, N + F) bool, which embedded tokens (and which of the F fused tokens made so far,
+    columns N..N+F-1) the packed rows hold, rows past the total ignored; after a merge,
+    (B, N + F) int64, for every token alive before it the column of the token it merged
+    into (its own when kept), -1 for tokens gone earlier."""
+    if cur.merged is not None:
+        return cur.merged
     batch = TokenBatch(rows=cur.rows, cu_seqlens=cur.cu_seqlens, num_prefix=0,
                        seq_len=cur.seq_len, max_seqlen=cur.max_seqlen, layer=0, stage=0)
     width = num_tokens + cur.num_fused
     seq = batch.seq_ids
     flat = torch.where(seq < num_seqs, seq * width + cur.origin, num_seqs * width)
     mask = torch.zeros(num_seqs * width + 1, dtype=torch.bool, device=seq.device)
-    mask[flat] = True
+    mask.scatter_(0, flat, True)  # not mask[flat] = True: CUDA index_put_ syncs the host
     return mask[:-1].view(num_seqs, width)
 
 
@@ -387,9 +406,14 @@ def _gather_uniform(state: _PatchState, cur: _Rows, index: torch.Tensor, fuse_we
         rows = x.gather(1, index[:, :, None].expand(B, k, C))
         if cur.sizes is not None:
             sizes = cur.sizes.view(B, L).gather(1, index).reshape(-1)
-    origin = None
+    origin = merged = None
     if cur.origin is not None:
-        origin = cur.origin.view(B, L).gather(1, index)
+        old_origin = cur.origin.view(B, L)
+        origin = old_origin.gather(1, index)
+        if assign is not None:  # decision: the origin of the slot each token merges into
+            merged = torch.full((B, cur.num_tokens + cur.num_fused), -1, dtype=torch.int64,
+                                device=x.device).scatter_(1, old_origin,
+                                                          origin.gather(1, assign))
     num_fused = cur.num_fused
     if fuse_weights is not None:
         if sizes is not None:
@@ -402,7 +426,7 @@ def _gather_uniform(state: _PatchState, cur: _Rows, index: torch.Tensor, fuse_we
             origin = torch.cat([origin, origin.new_full((B, 1), fused_origin)], dim=1)
     origin = origin.reshape(-1) if origin is not None else None
     return _Rows(rows.reshape(B * k, C), _uniform_cu(state, B, k, rows.device), k, k, origin,
-                 cur.num_tokens, num_fused, sizes)
+                 cur.num_tokens, num_fused, sizes, merged)
 
 
 def _merge(x: torch.Tensor, sizes, assign: torch.Tensor, k: int):
