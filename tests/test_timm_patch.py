@@ -123,7 +123,8 @@ def check_against_reference(model, x, policy, seed, capacity=False):
     for ours, theirs in zip(decided, ref_decided, strict=True):
         assert torch.equal(ours, theirs), "patched and reference made different decisions" + \
             seed_note(seed)
-        assert ours[:, : model.num_prefix_tokens].all(), "prefix tokens must be kept"
+        kept = timm_patch.kept_mask(ours)
+        assert kept[:, : model.num_prefix_tokens].all(), "prefix tokens must be kept"
     assert max_diff(got, expected) <= CPU_ATOL, seed_note(seed)
     assert max_diff(got, replayed) <= CPU_ATOL, seed_note(seed)
     return decided
@@ -371,7 +372,10 @@ GPU_MODELS = [
     pytest.param("deit3_small_patch16_224", 224, id="deit3_small_224"),
 ]
 
-GPU_ATOL = {torch.float16: 0.004, torch.bfloat16: 0.03}
+# fp16: the bar. bf16 (8-bit mantissa, one ulp = 0.0156 at |logit| 2-4): the bf16
+# reference itself is up to 0.077 from an fp32 reference (measured on the H200, DeiT-B 384,
+# batch 64), so 0.1; the fp32 rule below is the sharper check.
+GPU_ATOL = {torch.float16: 0.004, torch.bfloat16: 0.1}
 
 
 def top1_agrees(got, expected, margin):
