@@ -2,7 +2,7 @@
 
 CPU (CI): argument errors, the eager fallback (one CudaGraphFallbackWarning per reason,
 outputs equal to eager), the LRU bound, timm_patch.graph_capture's temporary capacity
-mode. GPU (device machine,
+mode, and the bench pipeline accepting data-dependent policies. GPU (device machine,
 `python -m pytest -q tests/test_graph.py`): replays vs eager for a fixed-count policy and
 capacity-mode policies (ThresholdL2 threshold=, ATS), batch 1 and 8, DeiT-S and distilled
 DeiT-S (random init); fresh inputs per replay; a poisoned static output; flat memory over
@@ -24,7 +24,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 timm = pytest.importorskip("timm")
 
 import ragvit  # noqa: E402
-from ragvit import graph, timm_patch  # noqa: E402
+from ragvit import bench, graph, timm_patch  # noqa: E402
 from ragvit.graph import CudaGraphFallbackWarning, cuda_graph  # noqa: E402
 from ragvit.pruning import ATS, ThresholdL2  # noqa: E402
 from ragvit.timm_patch import patch, unpatch  # noqa: E402
@@ -243,6 +243,25 @@ def test_graph_capture_unpatched_is_a_no_op(gen):
     model = make_model("deit_tiny_patch16_224", gen)
     with timm_patch.graph_capture(model) as cache:
         assert cache is None
+
+
+# ---- bench pipeline ----
+
+
+def test_bench_graph_pipeline_takes_data_dependent_policies(gen, seed):
+    """ragvit_graph no longer refuses threshold policies (on the CPU it runs eagerly)."""
+    model = make_model("deit_tiny_patch16_224", gen)
+    policy = bench.make_policy(keep=None, threshold=1.0, layers=(4,))
+    x = images(gen, 2, 64)
+    with torch.inference_mode():
+        with bench.patched(model, policy):
+            expected = model(x)
+        with pytest.warns(CudaGraphFallbackWarning), \
+                bench.make_pipeline("ragvit_graph", model, policy, x) as fn:
+            got = fn()
+            assert timm_patch.is_patched(model)
+    assert not timm_patch.is_patched(model)
+    assert torch.equal(got, expected), seed_note(seed)
 
 
 # ---- GPU (device machine) ----
