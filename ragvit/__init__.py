@@ -4,7 +4,8 @@ Packed ragged attention and token packing launched from C on tensors imported
 through DLPack (incl. the DLPack C exchange API), the CUDA Array Interface or
 NumPy, with a CPU backend computing the same ops. ``ragvit.patch(model, policy)``
 runs a timm ViT/DeiT on packed pruned tokens (torch and timm are imported only
-when it is first used; policies live in ``ragvit.pruning``).
+when it is first used; policies live in ``ragvit.pruning``), and
+``ragvit.cuda_graph(model)`` replays it as CUDA graphs, one per input shape.
 """
 
 from .ops import (
@@ -28,6 +29,7 @@ __version__ = "0.1.0"
 # The timm shim needs torch: import it on first use so `import ragvit` works without.
 _TIMM_PATCH_NAMES = ("patch", "unpatch", "is_patched", "UnsupportedModelError",
                      "forward_with_decisions")
+_GRAPH_NAMES = ("cuda_graph", "CudaGraphFallbackWarning", "GraphedModel")
 
 
 def __getattr__(name):
@@ -35,14 +37,21 @@ def __getattr__(name):
         from . import timm_patch
 
         return getattr(timm_patch, name)
+    if name in _GRAPH_NAMES:
+        from . import graph
+
+        return getattr(graph, name)
     raise AttributeError(f"module 'ragvit' has no attribute {name!r}")
 
 
 __all__ = [
+    "CudaGraphFallbackWarning",
+    "GraphedModel",
     "UnsupportedModelError",
     "__version__",
     "attention",
     "cuda_available",
+    "cuda_graph",
     "cuda_device_count",
     "cuda_is_compiled",
     "forward_with_decisions",

@@ -12,7 +12,8 @@ inputs:
                with key-padding masks and SDPA (what users write without ragvit)
   fa2_packed   ragvit's packed pipeline with torch's FA2 varlen as attention (GPU only)
   ragvit       ragvit.patch(model, policy), eager
-  ragvit_graph the same replayed as one CUDA graph (GPU only, fixed-count policies)
+  ragvit_graph the same through ragvit.cuda_graph: replayed as one CUDA graph per batch size
+               (GPU only; data-dependent policies, e.g. --threshold, run in capacity mode)
 GPU times come from CUDA events around each forward, CPU times from perf_counter; both are
 medians with p20/p80. Models are random-init (pretrained=False; speed does not depend on
 the weights, and nothing is downloaded). The functions are importable (see `run`).
@@ -218,10 +219,13 @@ def make_pipeline(name: str, model, policy, x):
         with patched(model, policy):
             yield lambda: model(x)
     elif name == "ragvit_graph":
-        if not policy.is_fixed:
-            raise ValueError("ragvit_graph needs a fixed-count policy (--keep)")
+        from .graph import cuda_graph
+
         with patched(model, policy):
-            yield graphed(model, x)
+            # clone_output=False: the static output, like timm_graph (`graphed`) returns.
+            run = cuda_graph(model, clone_output=False)
+            run(x)  # capture now, as `graphed` does, so no timed call includes it
+            yield lambda: run(x)
     else:
         raise ValueError(f"unknown pipeline {name!r}; choose from {', '.join(PIPELINES)}")
 

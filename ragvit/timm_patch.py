@@ -23,6 +23,7 @@ backward; drop-path and dropout are identities in eval).
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -31,8 +32,8 @@ import torch
 from . import ops
 from .pruning import PruningPolicy, Selection, TokenBatch
 
-__all__ = ["UnsupportedModelError", "forward_with_decisions", "is_patched", "kept_mask", "patch",
-           "unpatch"]
+__all__ = ["UnsupportedModelError", "forward_with_decisions", "graph_capture", "is_patched",
+           "kept_mask", "patch", "unpatch"]
 
 _STATE_ATTR = "_ragvit_patch_state"
 _HEAD_DIMS = (32, 64, 80, 96, 128)
@@ -192,6 +193,28 @@ def unpatch(model):
 def is_patched(model) -> bool:
     """Whether ragvit.patch has been applied to model (and not undone)."""
     return _STATE_ATTR in vars(model)
+
+
+@contextlib.contextmanager
+def graph_capture(model):
+    """For ragvit.cuda_graph: what a patched forward needs to be captured, for a with block.
+
+    Inside, the model runs in capacity mode (no host read of the pruned totals, whatever
+    `patch(..., capacity=)` said; index Selections are unaffected) with an empty
+    cu_seqlens cache of its own. Yields that cache (a dict; None for an unpatched model):
+    a captured graph reads its tensors, so the caller keeps it as long as the graph.
+    Both are restored on exit, even after an exception.
+    """
+    state = vars(model).get(_STATE_ATTR)
+    if state is None:
+        yield None
+        return
+    saved = state.capacity, state.cu_cache
+    state.capacity, state.cu_cache = True, {}
+    try:
+        yield state.cu_cache
+    finally:
+        state.capacity, state.cu_cache = saved
 
 
 def forward_with_decisions(model, x: torch.Tensor):

@@ -1,0 +1,513 @@
+"""ragvit.cuda_graph: replayed CUDA graphs equal the eager forward of the same model.
+
+CPU (CI): argument errors, the eager fallback (one CudaGraphFallbackWarning per reason,
+outputs equal to eager), the LRU bound, timm_patch.graph_capture's temporary capacity
+mode, and the bench pipeline accepting data-dependent policies. GPU (device machine,
+`python -m pytest -q tests/test_graph.py`): replays vs eager for a fixed-count policy and
+capacity-mode policies (ThresholdL2 threshold=, ATS), batch 1 and 8, DeiT-S and distilled
+DeiT-S (random init); fresh inputs per replay; a poisoned static output; flat memory over
+100 replays; non-default streams; the LRU bound; autocast; re-patching; fallbacks.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import warnings
+
+import pytest
+import torch
+from conftest import TOL, requires_cuda, seed_note
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+timm = pytest.importorskip("timm")
+
+import ragvit  # noqa: E402
+from ragvit import bench, graph, timm_patch  # noqa: E402
+from ragvit.graph import CudaGraphFallbackWarning, cuda_graph  # noqa: E402
+from ragvit.pruning import ATS, ThresholdL2  # noqa: E402
+from ragvit.timm_patch import patch, unpatch  # noqa: E402
+
+CPU_ATOL = 1e-4
+# fp16 logits, eager (trimmed rows) vs graph (capacity rows) or autocast: GEMM shapes differ.
+GPU_MODE_SWITCH_ATOL = 4e-3
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_cpu_thread():
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def make_model(name, gen, img_size=64, dtype=torch.float32, device="cpu"):
+    """A random-init timm model in eval, weights perturbed from gen (as test_timm_patch)."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(int(torch.randint(2**62, (1,), generator=gen)))
+        model = timm.create_model(name, pretrained=False, img_size=img_size)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn(p.shape, generator=gen) * 0.05)
+    return model.eval().to(device=device, dtype=dtype)
+
+
+def images(gen, batch, img_size, dtype=torch.float32, device="cpu"):
+    return torch.randn(batch, 3, img_size, img_size, generator=gen).to(device=device, dtype=dtype)
+
+
+def fallback_warnings(records):
+    return [w for w in records if issubclass(w.category, CudaGraphFallbackWarning)]
+
+
+# ---- arguments ----
+
+
+def test_exported():
+    assert ragvit.cuda_graph is cuda_graph
+    assert ragvit.CudaGraphFallbackWarning is CudaGraphFallbackWarning
+    assert ragvit.GraphedModel is graph.GraphedModel
+    for name in ("cuda_graph", "CudaGraphFallbackWarning", "GraphedModel"):
+        assert name in ragvit.__all__
+
+
+@pytest.mark.parametrize("kwargs,exc,message", [
+    ({"model": torch.ones(1)}, TypeError, "model must be a torch.nn.Module, got Tensor"),
+    ({"max_graphs": 0}, ValueError, "max_graphs must be an int >= 1, got 0"),
+    ({"max_graphs": -3}, ValueError, "max_graphs must be an int >= 1, got -3"),
+    ({"max_graphs": 2.0}, TypeError, "max_graphs must be an int >= 1, got float"),
+    ({"max_graphs": True}, TypeError, "max_graphs must be an int >= 1, got bool"),
+    ({"warmup": 0}, ValueError, "warmup must be an int >= 1, got 0"),
+    ({"warmup": "3"}, TypeError, "warmup must be an int >= 1, got str"),
+    ({"clone_output": 1}, TypeError, "clone_output must be a bool, got int"),
+], ids=["model", "max_graphs_0", "max_graphs_neg", "max_graphs_float", "max_graphs_bool",
+        "warmup_0", "warmup_str", "clone_output_int"])
+def test_argument_errors(kwargs, exc, message):
+    args = {"model": torch.nn.Linear(2, 2), **kwargs}
+    model = args.pop("model")
+    with pytest.raises(exc) as info:
+        cuda_graph(model, **args)
+    assert type(info.value) is exc
+    assert str(info.value) == f"ragvit.cuda_graph: {message}"
+
+
+def test_input_must_be_a_tensor():
+    g = cuda_graph(torch.nn.Identity())
+    with pytest.raises(TypeError, match=r"^ragvit.cuda_graph: input must be a torch.Tensor, "
+                                        r"got list$"):
+        g([1.0, 2.0])
+    import numpy as np
+
+    with pytest.raises(TypeError, match="got ndarray"):
+        g(np.zeros(3))
+    assert g.cache_info().eager_calls == 0
+
+
+def test_output_structure():
+    t = torch.zeros(2)
+    assert graph._flatten(t) == ((t,), None)
+    outs, kind = graph._flatten((t, t))
+    assert kind is tuple and len(outs) == 2
+    assert graph._flatten([t])[1] is list
+    with pytest.raises(TypeError, match="must return a tensor or a tuple/list of tensors, "
+                                        "got dict"):
+        graph._flatten({"logits": t})
+    with pytest.raises(TypeError, match="got tuple"):
+        graph._flatten((t, 1))
+
+
+# ---- LRU bound (the cache logic, without a GPU) ----
+
+
+def test_lru_evicts_least_recently_used():
+    lru = graph._LRU(2)
+    assert lru.put("a", 1) == [] and lru.put("b", 2) == []
+    assert lru.get("a") == 1  # a is now the most recent
+    assert lru.keys() == ["b", "a"]
+    assert lru.put("c", 3) == [("b", 2)]
+    assert lru.keys() == ["a", "c"] and len(lru) == 2
+    assert lru.get("b") is None
+    assert lru.reserve() == [("a", 1)]  # room for one more
+    assert lru.keys() == ["c"]
+    assert lru.put("d", 4) == []
+    assert lru.pop_all() == [("c", 3), ("d", 4)] and len(lru) == 0
+
+
+def test_lru_bound_one():
+    lru = graph._LRU(1)
+    lru.put("a", 1)
+    assert lru.reserve() == [("a", 1)] and len(lru) == 0
+    lru.put("b", 2)
+    assert lru.put("c", 3) == [("b", 2)]
+    assert lru.keys() == ["c"]
+
+
+# ---- eager fallback (CPU) ----
+
+CPU_POLICIES = {
+    "none": lambda: None,
+    "keep50": lambda: ThresholdL2(0.5, layers=(4,)),
+    "threshold": lambda: ThresholdL2(threshold=1.0, layers=(4,)),
+    "ats": lambda: ATS(num_samples=8, layers=(3,)),
+}
+
+
+@pytest.mark.parametrize("policy_name", list(CPU_POLICIES))
+def test_cpu_falls_back_once_and_equals_eager(policy_name, gen, seed):
+    model = make_model("deit_tiny_patch16_224", gen)
+    patch(model, CPU_POLICIES[policy_name]())
+    state = vars(model)[timm_patch._STATE_ATTR]
+    g = cuda_graph(model)
+    x1, x2 = images(gen, 2, 64), images(gen, 3, 64)
+    with torch.inference_mode():
+        expected1, expected2 = model(x1), model(x2)
+        with pytest.warns(CudaGraphFallbackWarning,
+                          match="running the model eagerly: the input is on the cpu"):
+            got1 = g(x1)
+        with warnings.catch_warnings(record=True) as rec:
+            warnings.simplefilter("always")
+            got2 = g(x2)
+    assert not fallback_warnings(rec), "the fallback warning must be issued once"
+    assert torch.equal(got1, expected1), seed_note(seed)
+    assert torch.equal(got2, expected2), seed_note(seed)
+    info = g.cache_info()
+    assert (info.eager_calls, info.captures, info.hits, info.num_graphs) == (2, 0, 0, 0)
+    assert state.capacity is False
+
+
+def test_training_and_grad_fall_back_with_autograd(gen):
+    """An unpatched model keeps autograd through the fallback; each reason warns once."""
+    model = make_model("deit_tiny_patch16_224", gen)
+    g = cuda_graph(model)
+    x = images(gen, 1, 64)
+    with pytest.warns(CudaGraphFallbackWarning, match="gradients are enabled"):
+        out = g(x)
+    assert out.requires_grad
+    out.sum().backward()
+    assert model.head.weight.grad is not None
+    model.train()
+    with torch.no_grad():
+        with pytest.warns(CudaGraphFallbackWarning, match="training mode"):
+            g(x)
+        with warnings.catch_warnings(record=True) as rec:
+            warnings.simplefilter("always")
+            g(x)
+    assert not fallback_warnings(rec)
+    assert g.cache_info().eager_calls == 3
+
+
+def test_patched_model_with_grad_still_raises(gen):
+    """Never silently wrong: the fallback calls the patched forward, which refuses autograd."""
+    model = make_model("deit_tiny_patch16_224", gen)
+    patch(model, ThresholdL2(0.5))
+    g = cuda_graph(model)
+    with pytest.warns(CudaGraphFallbackWarning, match="gradients are enabled"), \
+            pytest.raises(RuntimeError, match="torch.no_grad"):
+        g(images(gen, 1, 64))
+
+
+# ---- capacity mode for the capture ----
+
+
+def test_graph_capture_switches_capacity_temporarily(gen, seed):
+    model = make_model("deit_tiny_patch16_224", gen)
+    policy = ThresholdL2(threshold=1.0, layers=(4,))
+    patch(model, policy)  # capacity=False: eager reads the totals on the host
+    state = vars(model)[timm_patch._STATE_ATTR]
+    x = images(gen, 3, 64)
+    with torch.inference_mode():
+        expected = model(x)
+        cache_before = state.cu_cache
+        with timm_patch.graph_capture(model) as cache:
+            assert state.capacity is True
+            assert cache == {} and cache is state.cu_cache and cache is not cache_before
+            got = model(x)
+            assert cache, "the capture's cu_seqlens must land in the yielded cache"
+        assert state.capacity is False and state.cu_cache is cache_before
+        with pytest.raises(KeyError), timm_patch.graph_capture(model):
+            raise KeyError("boom")
+        assert state.capacity is False and state.cu_cache is cache_before
+    assert float((got.double() - expected.double()).abs().max()) <= CPU_ATOL, seed_note(seed)
+
+
+def test_graph_capture_keeps_capacity_true(gen):
+    model = make_model("deit_tiny_patch16_224", gen)
+    patch(model, ThresholdL2(threshold=1.0), capacity=True)
+    with timm_patch.graph_capture(model):
+        pass
+    assert vars(model)[timm_patch._STATE_ATTR].capacity is True
+
+
+def test_graph_capture_unpatched_is_a_no_op(gen):
+    model = make_model("deit_tiny_patch16_224", gen)
+    with timm_patch.graph_capture(model) as cache:
+        assert cache is None
+
+
+# ---- bench pipeline ----
+
+
+def test_bench_graph_pipeline_takes_data_dependent_policies(gen, seed):
+    """ragvit_graph no longer refuses threshold policies (on the CPU it runs eagerly)."""
+    model = make_model("deit_tiny_patch16_224", gen)
+    policy = bench.make_policy(keep=None, threshold=1.0, layers=(4,))
+    x = images(gen, 2, 64)
+    with torch.inference_mode():
+        with bench.patched(model, policy):
+            expected = model(x)
+        with pytest.warns(CudaGraphFallbackWarning), \
+                bench.make_pipeline("ragvit_graph", model, policy, x) as fn:
+            got = fn()
+            assert timm_patch.is_patched(model)
+    assert not timm_patch.is_patched(model)
+    assert torch.equal(got, expected), seed_note(seed)
+
+
+# ---- GPU (device machine) ----
+
+GPU_MODELS = [
+    pytest.param("deit_small_patch16_224", id="deit_small"),
+    pytest.param("deit_small_distilled_patch16_224", id="deit_small_distilled"),
+]
+
+GPU_POLICIES = {
+    "keep50": lambda: ThresholdL2(0.5, layers=(4,)),  # fixed counts
+    "threshold": lambda: ThresholdL2(threshold=1.0, layers=(4,)),  # data-dependent
+    "ats": lambda: ATS(num_samples=108, layers=(3,)),  # data-dependent
+}
+
+FP16 = TOL[torch.float16]
+
+
+def gpu_model(name, gen, dtype=torch.float16):
+    return make_model(name, gen, 224, dtype=dtype, device="cuda")
+
+
+def gpu_images(gen, batch, dtype=torch.float16):
+    return images(gen, batch, 224, dtype=dtype, device="cuda")
+
+
+def assert_close(got, expected, seed, **tol):
+    torch.cuda.synchronize()
+    assert got.shape == expected.shape
+    assert torch.isfinite(got).all(), seed_note(seed)
+    torch.testing.assert_close(got, expected, **(tol or FP16), msg=lambda m: m + seed_note(seed))
+
+
+@pytest.mark.gpu
+@requires_cuda
+@pytest.mark.parametrize("batch", [1, 8])
+@pytest.mark.parametrize("policy_name", list(GPU_POLICIES))
+@pytest.mark.parametrize("name", GPU_MODELS)
+def test_gpu_replay_equals_eager(name, policy_name, batch, gen, seed):
+    """Same patched model (data-dependent policies patched with capacity=True, so eager
+    runs the same kernels as the graph), fresh inputs on every replay."""
+    model = gpu_model(name, gen)
+    policy = GPU_POLICIES[policy_name]()
+    patch(model, policy, capacity=not policy.is_fixed)
+    g = cuda_graph(model)
+    previous = []
+    with torch.inference_mode():
+        for _ in range(3):
+            x = gpu_images(gen, batch)
+            expected = model(x)
+            got = g(x)
+            assert_close(got, expected, seed)
+            for old, old_copy in previous:  # fresh outputs: earlier ones untouched
+                assert torch.equal(old, old_copy)
+                assert not torch.equal(got, old), "a new input must change the output"
+            previous.append((got, got.clone()))
+    info = g.cache_info()
+    assert (info.captures, info.hits, info.eager_calls, info.num_graphs) == (1, 2, 0, 1)
+
+
+@pytest.mark.gpu
+@requires_cuda
+@pytest.mark.parametrize("policy_name", ["keep50", "threshold"])
+def test_gpu_static_output_is_overwritten(policy_name, gen, seed):
+    """clone_output=False returns the static buffer: poisoned with NaN, the next replay
+    must overwrite all of it."""
+    model = gpu_model("deit_small_patch16_224", gen)
+    policy = GPU_POLICIES[policy_name]()
+    patch(model, policy, capacity=not policy.is_fixed)
+    g = cuda_graph(model, clone_output=False)
+    with torch.inference_mode():
+        x1, x2 = gpu_images(gen, 4), gpu_images(gen, 4)
+        out1 = g(x1)
+        out1.fill_(math.nan)
+        out2 = g(x2)
+        assert out2 is out1
+        assert_close(out2, model(x2), seed)
+
+
+@pytest.mark.gpu
+@requires_cuda
+@pytest.mark.parametrize("policy", [ThresholdL2(threshold=1.0, layers=(4,)), ATS(108, (3,))],
+                         ids=["threshold", "ats"])
+def test_gpu_capture_switches_to_capacity_mode(policy, gen, seed):
+    """A model patched with capacity=False is captured in capacity mode; eager stays as is."""
+    model = gpu_model("deit_small_patch16_224", gen)
+    patch(model, policy)
+    state = vars(model)[timm_patch._STATE_ATTR]
+    g = cuda_graph(model)
+    with torch.inference_mode():
+        for _ in range(2):
+            x = gpu_images(gen, 8)
+            got = g(x)
+            assert state.capacity is False
+            expected = model(x)  # eager: trimmed to the real totals (one host read)
+            assert_close(got, expected, seed, atol=GPU_MODE_SWITCH_ATOL, rtol=FP16["rtol"])
+
+
+@pytest.mark.gpu
+@requires_cuda
+@pytest.mark.parametrize("policy_name", ["keep50", "threshold"])
+def test_gpu_memory_flat_over_100_replays(policy_name, gen):
+    model = gpu_model("deit_small_patch16_224", gen)
+    patch(model, GPU_POLICIES[policy_name](), capacity=policy_name != "keep50")
+    g = cuda_graph(model)
+    with torch.inference_mode():
+        x = gpu_images(gen, 1)
+        out = g(x)
+        torch.cuda.synchronize()
+        before = torch.cuda.memory_allocated()
+        for _ in range(100):
+            x = gpu_images(gen, 1)
+            out = g(x)
+        torch.cuda.synchronize()
+        after = torch.cuda.memory_allocated()
+    assert out.shape == (1, 1000)
+    assert after == before, f"memory_allocated grew from {before} to {after}"
+    info = g.cache_info()
+    assert (info.captures, info.hits, info.num_graphs) == (1, 100, 1)
+
+
+@pytest.mark.gpu
+@requires_cuda
+def test_gpu_non_default_streams(gen, seed):
+    """Capture on a side stream, replay on the default and another stream, no manual syncs
+    between calls: the wrapper orders each call after the previous call's stream."""
+    model = gpu_model("deit_small_patch16_224", gen)
+    patch(model, GPU_POLICIES["keep50"]())
+    g = cuda_graph(model)
+    with torch.inference_mode():
+        x, y = gpu_images(gen, 2), gpu_images(gen, 2)
+        ex, ey = model(x), model(y)
+        s1, s2 = torch.cuda.Stream(), torch.cuda.Stream()
+        s1.wait_stream(torch.cuda.current_stream())
+        s2.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(s1):
+            gx = g(x)  # capture + replay, caller on s1
+        gy = g(y)  # default stream
+        with torch.cuda.stream(s2):
+            gx2 = g(x)
+        gy2 = g(y)
+        torch.cuda.synchronize()
+    assert_close(gx, ex, seed)
+    assert_close(gy, ey, seed)
+    assert_close(gx2, ex, seed)
+    assert_close(gy2, ey, seed)
+    assert g.cache_info().captures == 1
+
+
+@pytest.mark.gpu
+@requires_cuda
+def test_gpu_new_batch_size_captures_and_lru_evicts(gen, seed):
+    model = gpu_model("deit_small_patch16_224", gen)
+    patch(model, GPU_POLICIES["keep50"]())
+    g = cuda_graph(model, max_graphs=2)
+
+    def call(batch):
+        x = gpu_images(gen, batch)
+        assert_close(g(x), model(x), seed)
+
+    def batches():
+        return [key[0][0] for key in g.cached_keys()]
+
+    with torch.inference_mode():
+        call(1)
+        call(2)
+        assert batches() == [1, 2] and g.cache_info().captures == 2
+        call(1)  # hit: 1 becomes the most recent
+        assert batches() == [2, 1]
+        call(3)  # evicts 2
+        assert batches() == [1, 3]
+        call(2)  # captured again, evicts 1
+        assert batches() == [3, 2]
+    info = g.cache_info()
+    assert (info.captures, info.hits, info.evictions, info.num_graphs) == (4, 1, 2, 2)
+
+
+@pytest.mark.gpu
+@requires_cuda
+def test_gpu_unpatched_baseline_and_repatching(gen, seed):
+    """A plain timm model graphs too; patching or unpatching afterwards is seen."""
+    model = gpu_model("deit_small_patch16_224", gen)
+    g = cuda_graph(model)
+    with torch.inference_mode():
+        x = gpu_images(gen, 1)
+        assert_close(g(x), model(x), seed)
+        patch(model, GPU_POLICIES["keep50"]())
+        assert_close(g(x), model(x), seed)  # captured anew: the pruned forward
+        unpatch(model)
+        assert_close(g(x), model(x), seed)
+    assert g.cache_info().captures == 3
+
+
+@pytest.mark.gpu
+@requires_cuda
+def test_gpu_autocast_is_part_of_the_key(gen, seed):
+    model = gpu_model("deit_small_patch16_224", gen, dtype=torch.float32)
+    patch(model, GPU_POLICIES["keep50"]())
+    g = cuda_graph(model)
+    x = gpu_images(gen, 2, dtype=torch.float32)
+    with torch.inference_mode():
+        with torch.autocast("cuda", dtype=torch.float16):
+            got16, expected16 = g(x), model(x)
+        got32, expected32 = g(x), model(x)
+    assert_close(got32, expected32, seed, atol=1e-4, rtol=1e-4)
+    assert_close(got16.float(), expected16.float(), seed, atol=GPU_MODE_SWITCH_ATOL,
+                 rtol=FP16["rtol"])
+    assert [key[3] for key in g.cached_keys()] == [torch.float16, None]
+
+
+@pytest.mark.gpu
+@requires_cuda
+def test_gpu_debug_mode_falls_back(gen, seed):
+    model = gpu_model("deit_small_patch16_224", gen)
+    patch(model, GPU_POLICIES["keep50"]())
+    g = cuda_graph(model)
+    ragvit.set_debug(True)  # conftest restores it
+    with torch.inference_mode():
+        x = gpu_images(gen, 1)
+        with pytest.warns(CudaGraphFallbackWarning, match="debug mode"):
+            got = g(x)
+        assert_close(got, model(x), seed)
+    assert g.cache_info().captures == 0
+
+
+class _SyncingPolicy(ThresholdL2):
+    """Fixed counts, but reads the device on the host: not capturable."""
+
+    def select(self, batch):
+        float(batch.rows.float().sum().item())
+        return super().select(batch)
+
+
+@pytest.mark.gpu
+@requires_cuda
+def test_gpu_capture_failure_is_an_error(gen, seed):
+    model = gpu_model("deit_small_patch16_224", gen)
+    patch(model, _SyncingPolicy(0.5, layers=(4,)))
+    state = vars(model)[timm_patch._STATE_ATTR]
+    g = cuda_graph(model)
+    x = gpu_images(gen, 1)
+    with torch.inference_mode():
+        with pytest.raises(RuntimeError, match="capturing the forward failed"):
+            g(x)
+        assert state.capacity is False
+        out = model(x)  # eager still works afterwards
+    torch.cuda.synchronize()
+    assert torch.isfinite(out).all()
+    assert g.cache_info().num_graphs == 0
