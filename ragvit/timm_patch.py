@@ -55,6 +55,7 @@ class _PatchState:
     num_prefix: int
     avg_pool: bool
     pool_skip: int
+    dense_until_pruning: bool = True
     cu_cache: dict = field(default_factory=dict)
 
 
@@ -113,7 +114,7 @@ def _check_supported(model) -> None:
 
 
 def patch(model, policy: PruningPolicy | None = None, *, capacity: bool = False,
-          attention=None):
+          attention=None, dense_until_pruning: bool = True):
     """Makes a timm ViT/DeiT run on packed (optionally pruned) tokens, in place.
 
     Args:
@@ -127,6 +128,12 @@ def patch(model, policy: PruningPolicy | None = None, *, capacity: bool = False,
             point (no host sync; garbage rows past cu_seqlens[B] cost compute).
         attention: a replacement for ragvit.attention with its signature (benchmarks
             use it to run the same pipeline on other attention ops).
+        dense_until_pruning: with a policy, the blocks before its first pruning point
+            (every image still holds all N tokens, nothing is ragged yet) run attention
+            as timm does, dense SDPA on (B, H, N, D) views of the qkv output, the fastest
+            kernel for equal lengths; a block whose attention must also return CLS scores
+            (EViT, ATS) still calls `attention`. False sends every block through
+            `attention`. No effect without a policy (the lossless path is all ragvit).
 
     Returns:
         model itself. Call it under torch.no_grad() or torch.inference_mode(), in eval.
@@ -158,6 +165,7 @@ def patch(model, policy: PruningPolicy | None = None, *, capacity: bool = False,
         avg_pool=model.global_pool == "avg",
         pool_skip=0 if getattr(model, "pool_include_prefix", False) else int(
             model.num_prefix_tokens),
+        dense_until_pruning=bool(dense_until_pruning),
     )
 
     def forward(x: torch.Tensor) -> torch.Tensor:
@@ -282,9 +290,11 @@ def _check_mode(model) -> None:
 
 
 def _attention_half(blk, cur: _Rows, attention, cls_attn=None, want_value_norm=False,
-                    want_keys=False):
+                    want_keys=False, dense=False):
     """rows + ls1(attn(norm1(rows))) on packed rows (T, C); attention reads views of qkv,
-    with bias log(size) per key once tokens have been merged (ToMe's proportional attention).
+    with bias log(size) per key once tokens have been merged (ToMe's proportional attention);
+    dense: the rows are B whole images of seq_len tokens, attention is SDPA on (B, H, N, D)
+    views instead (no cls_attn, no bias).
 
     Returns:
         (rows, value_norm, keys): value_norm (T,) float32 head-mean L2 norm of the value
@@ -298,8 +308,14 @@ def _attention_half(blk, cur: _Rows, attention, cls_attn=None, want_value_norm=F
         kwargs["cls_attn"] = cls_attn
     if cur.sizes is not None:
         kwargs["bias"] = torch.log(cur.sizes)
-    o = attention(qkv[:, 0], qkv[:, 1], qkv[:, 2], cur.cu_seqlens, cur.max_seqlen,
-                  scale=attn.scale, **kwargs)
+    if dense:
+        q, k, v = qkv.view(-1, cur.seq_len, 3, attn.num_heads, attn.head_dim).permute(
+            2, 0, 3, 1, 4).unbind(0)  # (B, H, N, D) each, as timm's Attention
+        o = torch.nn.functional.scaled_dot_product_attention(q, k, v, scale=attn.scale)
+        o = o.transpose(1, 2).reshape(-1, attn.num_heads, attn.head_dim)
+    else:
+        o = attention(qkv[:, 0], qkv[:, 1], qkv[:, 2], cur.cu_seqlens, cur.max_seqlen,
+                      scale=attn.scale, **kwargs)
     value_norm = keys = None
     if want_value_norm:
         value_norm = torch.linalg.vector_norm(qkv[:, 2].float(), dim=-1).mean(dim=1)
@@ -338,9 +354,11 @@ def _forward(model, state: _PatchState, x: torch.Tensor, record: bool = False):
         cls_attn = None
         if feeds and policy.needs_cls_attn:
             cls_attn = torch.empty(cur.rows.shape[0], dtype=torch.float32, device=h.device)
+        dense = (state.dense_until_pruning and policy is not None and stage == 0
+                 and cls_attn is None and cur.sizes is None)
         cur.rows, value_norm, keys = _attention_half(
             blk, cur, state.attention, cls_attn, feeds and policy.needs_value_norm,
-            feeds and policy.needs_keys)
+            feeds and policy.needs_keys, dense)
         if mid and feeds:
             cur = _prune(state, cur, i, stage, cls_attn, value_norm, keys)
             if record:

@@ -341,6 +341,36 @@ def test_threshold_l2_arguments():
     assert ThresholdL2(0.5).is_fixed and not ThresholdL2(threshold=1.0).is_fixed
 
 
+@pytest.mark.parametrize("policy_name, dense_blocks", [
+    ("fixed50_b4", 4), ("threshold_b2_5_8", 2), ("evit", 3), ("none", 0)])
+def test_dense_until_pruning(policy_name, dense_blocks, gen, seed):
+    """Blocks before the first pruning point run dense SDPA (not `attention`) unless
+    dense_until_pruning=False; EViT's block 3 still needs the kernel's CLS scores; both
+    settings give the same logits; without a policy every block calls `attention`."""
+    from ragvit import ops
+    from ragvit.pruning import EViT
+
+    model = make_model("deit_tiny_patch16_224", gen, 64)
+    x = images(gen, 2, 64)
+    policy = {"evit": lambda: EViT(0.7, layers=(3, 6, 9)),
+              "none": lambda: None}.get(policy_name, POLICIES.get(policy_name))()
+    depth = len(model.blocks)
+    results = {}
+    for dense in (True, False):
+        calls = []
+
+        def counting(*args, **kwargs):
+            calls.append(kwargs.get("cls_attn") is not None)
+            return ops.attention(*args, **kwargs)
+
+        with torch.no_grad():
+            patch(model, policy, attention=counting, dense_until_pruning=dense)
+            results[dense] = model(x)
+            unpatch(model)
+        assert len(calls) == depth - (dense_blocks if dense else 0), (dense, calls)
+    assert max_diff(results[True], results[False]) <= CPU_ATOL, seed_note(seed)
+
+
 def test_topk_uniform_and_ragged_agree(gen):
     """Fixed-ratio selection: index form (uniform) and mask form (ragged) pick the same rows."""
     B, L, C, P = 3, 11, 8, 2
