@@ -565,6 +565,8 @@ def main(argv=None):
     import timm
 
     ctx = Context(args)
+    if args.tiny:
+        torch.set_num_threads(1)  # tiny models: intra-op threads only add barrier waits
     if ctx.device == "cuda":
         torch.backends.cuda.matmul.allow_tf32 = False
     rows, bad = [], 0
