@@ -160,9 +160,11 @@ def test_bench_e2e_tiny_all_suites(tmp_path):
         assert f"{suite}: all results match" in r.stdout
         assert r.stdout.index(f"{suite}: all results match") < r.stdout.index(f"{suite} | DeiT")\
             or f"{suite} | DeiT" in r.stdout
-    md = open(prefix + ".md").read()
+    with open(prefix + ".md") as f:
+        md = f.read()
     assert md.count("## Suite") == 3 and "Targets (issue 7)" in md and "Targets (issue 6)" in md
-    data = json.load(open(prefix + ".json"))
+    with open(prefix + ".json") as f:
+        data = json.load(f)
     assert [s for s in ("paper", "policies", "graph")] == data["env"]["suites"]
     by_suite = {}
     for row in data["rows"]:
@@ -185,7 +187,8 @@ def test_bench_e2e_budget_skips_rows(tmp_path, capsys):
     assert bench_e2e.main(["--tiny", "--suite", "graph", "--batches", "1", "--budget-s",
                            "1e-3", "--out", prefix]) == 0
     assert "rows skipped (time budget)" in capsys.readouterr().out
-    assert "skipped (time budget)" in open(prefix + ".md").read()
+    with open(prefix + ".md") as f:
+        assert "skipped (time budget)" in f.read()
 
 
 def test_fa2_cls_attn_matches_ragvit(monkeypatch, gen):
@@ -220,7 +223,8 @@ def test_run_notebook_inprocess_saves_pngs(tmp_path):
     r = run_script("run_notebook.py", "--tiny", "--engine", "inprocess", "--out",
                    str(tmp_path))
     assert r.returncode == 0, r.stdout + r.stderr
-    nb = json.load(open(tmp_path / "ragvit_benchmarks.ipynb"))
+    with open(tmp_path / "ragvit_benchmarks.ipynb") as f:
+        nb = json.load(f)
     text = "".join("".join(o.get("text", "")) for c in nb["cells"] if c["cell_type"] == "code"
                    for o in c["outputs"])
     images = sum("image/png" in o.get("data", {}) for c in nb["cells"]
