@@ -1,31 +1,52 @@
 """End-to-end images/s of pruned DeiTs: ragvit vs the pipelines PyTorch users have.
 
-Models DeiT-S/B 224 and DeiT-B 384 (random init: the machine is offline; speed does not
-depend on the weights), fp16, batch 1/4/16/64/256, random images. Policies: ThresholdL2
-keep 50% after block 4 (the paper's setting, `l2_keep50_b4`) and keep 30% per stage at
-blocks 4/7/10 (`l2_keep30_b4_7_10`). Pipelines, same process, same inputs:
-  timm_eager   the unpruned timm model (its own forward, SDPA attention)
-  timm_graph   the same, the whole forward replayed as one CUDA graph (input copied in)
+``python benchmarks/bench_e2e.py [--suite paper policies graph | all] [--quick] [--budget-s S]
+[--out PREFIX]`` runs one or more suites in one process and writes one PREFIX.md (a section
+per suite) and one PREFIX.json (env + every row, each tagged with its suite); set
+RAGVIT_GIT_SHA on machines without .git. Models are random-init (the machine is offline;
+speed does not depend on the weights), fp16, random images; the same inputs are checked and
+timed. Correctness first in every suite (max |dlogit| vs the padded-masked reference
+replaying the pipeline's own decisions, top-1 agreement with ragvit.bench.check's near-tie
+rule; "all results match" is printed before any number), then images/s from
+benchmarks/timing.events_ms (median of >= 50 after >= 10 warm-ups).
+
+Suites:
+  paper     (default) ThresholdL2 keep 50% after block 4 (`l2_keep50_b4`, the paper's) and
+            keep 30% at blocks 4/7/10; DeiT-S/B 224 and DeiT-B 384, batch 1/4/16/64/256.
+  policies  issue 7: DeiT-S/B 224, batch 1/16/256, each policy at its paper default and at
+            keep ~50% after block 4 (EViT, ATS, ToMe, DynamicViT with random predictors,
+            ThresholdL2: fixed keep 50% and ragged threshold 1.0); kept-token fractions.
+            Targets: ragvit >= 1.3x reference at batch 256, ragvit >= FA2 packed everywhere.
+  graph     issue 6: DeiT-S/B 224, batch 1/4/16, ThresholdL2 keep 50% after block 4:
+            ragvit_graph (ragvit.bench.make_pipeline) vs ragvit eager, timm unpruned eager
+            and graph, and fa2_packed. Targets: DeiT-S batch 1 ragvit_graph >= 2500 img/s,
+            >= 10x fa2_packed and above timm_graph; every batch <= 16 >= 1.2x timm_graph.
+Pipelines (ragvit.bench builds them; same process, same inputs):
+  timm_eager / timm_graph  the unpruned timm model, eager / replayed as one CUDA graph
   reference    ragvit.reference.vit_forward_reference: the same pruning on padded tensors,
                key-padding masks, SDPA (what users write without ragvit)
-  fa2_packed   ragvit's packed pipeline with torch.ops.aten._flash_attention_forward
-               (FA2 varlen) as the attention op
-  ragvit       ragvit.patch(model, policy)
-The pipelines themselves are built by ragvit.bench (also `python -m ragvit.bench`, which
-runs one configuration anywhere, CPU included); this script is the H200 sweep of the issue.
-Correctness first (max |dlogit| vs the reference replaying ragvit's decisions, decision
-agreement, top-1 agreement), then images/s from benchmarks/timing.events_ms (median of
->= 50 after >= 10 warm-ups).
-``python benchmarks/bench_e2e.py [--quick] [--out PREFIX]`` writes PREFIX.md/.json;
-set RAGVIT_GIT_SHA on machines without .git.
+  fa2_packed   ragvit's packed pipeline with torch's FA2 varlen as attention; for EViT/ATS
+               plus the head-mean CLS attention row in torch ops (FA2 does not return it);
+               n/a for ToMe (FA2 varlen takes no per-key bias for proportional attention)
+  ragvit / ragvit_graph    ragvit.patch(model, policy), eager / as a CUDA graph
+
+Run time on the H200, estimated from the images/s in shared/DESIGN.md (60 calls per figure,
+plus checks, model set-up and ~30 s start-up; not yet measured): paper ~3 min (--quick
+~1 min), policies ~4.5 min, graph ~1 min, all three ~8.5 min. --budget-s (default 540)
+caps the process: each suite gets a share of what is left in proportion to those estimates;
+rows past a suite's share are reported as skipped (budget), never half-timed, and the
+results are still written. --tiny runs every suite on the CPU with DeiT-Tiny at 64 px (a
+smoke test of this script; its numbers are not ragvit's performance).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import math
 import os
 import sys
+import time
 
 import torch
 
@@ -34,158 +55,568 @@ import report  # noqa: E402
 import timing  # noqa: E402
 
 import ragvit  # noqa: E402
-from ragvit import bench, reference  # noqa: E402
-from ragvit.bench import fa2_attention, graphed, patched, timm_forward  # noqa: E402
-from ragvit.pruning import ThresholdL2  # noqa: E402
+from ragvit import bench, reference, timm_patch  # noqa: E402
+from ragvit.bench import patched, timm_forward  # noqa: E402
+from ragvit.pruning import ATS, EViT, ThresholdL2, ToMe  # noqa: E402
 
 MODELS = {
     "DeiT-S 224": ("deit_small_patch16_224", 224),
     "DeiT-B 224": ("deit_base_patch16_224", 224),
     "DeiT-B 384": ("deit_base_patch16_384", 384),
+    "DeiT-T 64": ("deit_tiny_patch16_224", 64),  # --tiny (CPU smoke test)
 }
-POLICIES = {
+SUITE_MINUTES = {"paper": 3.0, "policies": 4.5, "graph": 1.0}  # H200 estimates (docstring)
+SUITES = tuple(SUITE_MINUTES)
+UNPRUNED = ("timm_eager", "timm_graph")
+GPU_ONLY = ("timm_graph", "fa2_packed", "ragvit_graph")
+
+
+class Context:
+    """Device, dtype, timer settings and the time budget of one process."""
+
+    def __init__(self, args):
+        self.tiny = args.tiny
+        self.device = "cpu" if args.tiny else "cuda"
+        self.dtype = "fp32" if args.tiny else "fp16"
+        self.torch_dtype = {"fp32": torch.float32, "fp16": torch.float16}[self.dtype]
+        self.warmup, self.reps, self.seed = args.warmup, args.reps, args.seed
+        self.end = time.monotonic() + args.budget_s if args.budget_s else None
+        self.suite_end = self.end
+
+    def pipelines(self, names):
+        return tuple(n for n in names if self.device == "cuda" or n not in GPU_ONLY)
+
+    def start_suite(self, suite, remaining):
+        """This suite's deadline: its estimate's share of the budget that is left."""
+        if self.end is None:
+            return
+        left = max(0.0, self.end - time.monotonic())
+        share = SUITE_MINUTES[suite] / sum(SUITE_MINUTES[s] for s in remaining)
+        self.suite_end = time.monotonic() + left * share
+
+    def out_of_time(self) -> bool:
+        return self.suite_end is not None and time.monotonic() > self.suite_end
+
+    def time_ms(self, fn) -> timing.Stats:
+        if self.device == "cuda":
+            return timing.events_ms(fn, self.warmup, self.reps)
+        return timing.wall_ms(fn, self.warmup, self.reps)
+
+    def images(self, batch, img_size):
+        """The same random images for a (batch, size) in the check and the timing pass."""
+        gen = torch.Generator(device="cpu").manual_seed(
+            self.seed * 1_000_003 + batch * 1009 + img_size)
+        return torch.randn(batch, 3, img_size, img_size, generator=gen).to(
+            self.device, self.torch_dtype)
+
+    def load(self, label):
+        name, img_size = MODELS[label]
+        return bench.load_model(name, img_size, self.dtype, self.device, self.seed), img_size
+
+
+# ---- policies ----
+
+
+def random_predictors(model, stages, seed):
+    """DynamicViT prediction modules with seeded random weights (no trained ones offline)."""
+    from ragvit.pruning import DynamicViTPredictor
+
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        modules = torch.nn.ModuleList(DynamicViTPredictor(model.embed_dim)
+                                      for _ in range(stages))
+    return modules.eval()
+
+
+def policy_configs(model, seed) -> dict:
+    """Issue 7's policies: {key: (setting, policy)}; setting "paper" or "keep~50%".
+
+    Paper settings are ragvit.pruning's documented defaults (EViT 0.7 at 3/6/9 fused; ATS
+    K=108 at block 3; ToMe r=8 in every block; DynamicViT 0.7/0.49/0.343 at 3/6/9;
+    ThresholdL2 keep 50% after block 4). keep~50%: one pruning point at block 4 leaving
+    about half the patch tokens (ATS keeps at most n/2: duplicates collapse; ThresholdL2
+    by threshold 1.0 x the mean norm, ragged).
+    """
+    from ragvit.pruning import DynamicViT
+
+    half = model.patch_embed.num_patches // 2
+    return {
+        "l2_keep50_b4": ("paper", ThresholdL2(0.5, layers=(4,))),
+        "l2_thr1_b4": ("keep~50%", ThresholdL2(threshold=1.0, layers=(4,))),
+        "evit_keep70_b3_6_9": ("paper", EViT(0.7, layers=(3, 6, 9))),
+        "evit_keep50_b4": ("keep~50%", EViT(0.5, layers=(4,))),
+        "ats_k108_b3": ("paper", ATS(108, layers=(3,))),
+        f"ats_k{half}_b4": ("keep~50%", ATS(half, layers=(4,))),
+        "tome_r8_all": ("paper", ToMe(8)),
+        f"tome_r{half}_b4": ("keep~50%", ToMe(half, layers=(4,))),
+        "dynvit_70_49_34_b3_6_9": ("paper", DynamicViT(
+            (0.7, 0.49, 0.343), layers=(3, 6, 9), predictor=random_predictors(model, 3, seed))),
+        "dynvit_keep50_b4": ("keep~50%", DynamicViT(
+            (0.5,), layers=(4,), predictor=random_predictors(model, 1, seed + 1))),
+    }
+
+
+PAPER_POLICIES = {
     "l2_keep50_b4": lambda: ThresholdL2(0.5, layers=(4,)),
     "l2_keep30_b4_7_10": lambda: ThresholdL2(0.3, layers=(4, 7, 10)),
 }
-BATCHES = (1, 4, 16, 64, 256)
-PIPELINES = ("timm_eager", "timm_graph", "reference", "fa2_packed", "ragvit")
 
 
-def check(model, x, policy) -> dict:
-    """Correctness of the packed pipelines against the padded-masked reference."""
-    c = bench.check(model, x, policy, ("reference", "fa2_packed", "ragvit"), "fp16")
-    err = c["err"]
+# ---- the FA2 baseline for policies that read the CLS attention row ----
+
+
+def fa2_attention_cls(q, k, v, cu_seqlens, max_seqlen=None, *, scale=None, out=None,
+                      cls_attn=None, bias=None):
+    """ragvit.bench.fa2_attention plus, when asked, the head-mean CLS attention row.
+
+    FA2 varlen returns no probabilities, so a user of it computes what EViT/ATS score with
+    in torch: each sequence's first query against its keys, a segment softmax, the mean
+    over heads (about ten small ops per attention call; counted in fa2_packed's time).
+
+    Args:
+        q, k, v: (T, H, D) views; cu_seqlens: (S+1,) int32; cls_attn: (T,) float32 out.
+
+    Raises:
+        ValueError: bias given (FA2 varlen has no per-key bias: ToMe cannot run on it).
+    """
+    if bias is not None:
+        raise ValueError("fa2_attention_cls: FA2 varlen takes no per-key bias "
+                         "(ToMe's proportional attention)")
+    o = bench.fa2_attention(q, k, v, cu_seqlens, max_seqlen, scale=scale)
+    if cls_attn is not None:
+        T, H, D = q.shape
+        S = cu_seqlens.numel() - 1
+        scale = scale if scale is not None else D ** -0.5
+        seq = torch.repeat_interleave(torch.arange(S, device=q.device), cu_seqlens.diff(),
+                                      output_size=T)
+        first = q[cu_seqlens[:-1].long()].float()  # (S, H, D)
+        logits = (first[seq] * k.float()).sum(-1) * scale  # (T, H)
+        idx = seq[:, None].expand(-1, H)
+        peak = torch.full((S, H), -math.inf, device=q.device).scatter_reduce(
+            0, idx, logits, reduce="amax")
+        e = torch.exp(logits - peak[seq])
+        total = torch.zeros(S, H, device=q.device).index_add_(0, seq, e)
+        cls_attn.copy_((e / total[seq]).mean(1))
+    if out is not None:
+        out.copy_(o)
+        return out
+    return o
+
+
+def fa2_unsupported(policy) -> str | None:
+    return ("FA2 varlen takes no per-key bias (ToMe's proportional attention)"
+            if policy is not None and policy.needs_keys else None)
+
+
+@contextlib.contextmanager
+def pipeline(name, model, policy, x):
+    """ragvit.bench.make_pipeline, except fa2_packed for policies reading cls_attn."""
+    if name == "fa2_packed" and policy is not None and policy.needs_cls_attn:
+        with patched(model, policy, attention=fa2_attention_cls):
+            yield lambda: model(x)
+    else:
+        with bench.make_pipeline(name, model, policy, x) as fn:
+            yield fn
+
+
+# ---- correctness ----
+
+
+def _max_err(a, b) -> float:
+    return float((a.double() - b.double()).abs().max())
+
+
+def kept_fractions(model, policy, decided) -> tuple[float, float]:
+    """(final, per_block): tokens after the last pruning point / N, and the mean over
+    blocks of tokens per block / N (mid-block pruning counts half a block on each side)."""
+    N = model.patch_embed.num_patches + model.num_prefix_tokens
+    counts = [N] + [float(d.sum(1).double().mean()) for d in decided]
+    depth, total = len(model.blocks), 0.0
+    for i in range(depth):
+        after = counts[sum(1 for j in policy.layers if j <= i)]
+        before = counts[sum(1 for j in policy.layers if j < i)]
+        total += (before + after) / 2 if policy.prune_mid_block else after
+    return counts[-1] / N, total / (depth * N)
+
+
+def check_fa2(model, x, policy, tol) -> tuple[float | None, str | None]:
+    """FA2 packed vs the reference replaying FA2's own decisions: (err, unavailable)."""
+    why = fa2_unsupported(policy)
+    if why:
+        return None, why
+    attention = fa2_attention_cls if policy.needs_cls_attn else bench.fa2_attention
+    try:
+        with patched(model, policy, attention=attention):
+            got, decided = timm_patch.forward_with_decisions(model, x)
+        replayed = reference.vit_forward_reference(model, x, policy, decisions=decided)
+        return _max_err(got, replayed), None
+    except Exception as e:  # noqa: BLE001 - a baseline that cannot run is reported
+        return None, f"{type(e).__name__}: {e}"
+
+
+def check_row(model, x, policy, pipelines, ctx) -> dict:
+    """ragvit.bench.check on the pipelines it builds, FA2 against its own decisions, kept
+    fractions. ok: ragvit (and ragvit_graph, FA2 where they run) within
+    bench.TOLERANCE[dtype], ragvit's top-1 equal to the reference's except on near-ties
+    (bench.check's rule: top-2 margin <= 2 x tolerance). The reference's own decisions are
+    reported (decisions_agree), not required: a near-tie may flip in fp16."""
+    tol = bench.TOLERANCE[ctx.dtype]
+    own = tuple(p for p in pipelines if p not in ("reference", "fa2_packed"))
+    try:
+        c = bench.check(model, x, policy, own, ctx.dtype)
+    except Exception as e:  # noqa: BLE001 - e.g. ToMe: the fp16 reference merged others
+        return {"ok": False, "error": f"{type(e).__name__}: {e}", "err": {},
+                "err_ragvit_vs_reference": math.nan, "err_fa2_vs_reference": math.nan,
+                "kept_fraction_last_stage": math.nan, "kept_per_block": math.nan,
+                "top1_agree": math.nan, "unavailable": {}}
+    err, unavailable = dict(c["err"]), dict(c["unavailable"])
+    if "fa2_packed" in pipelines:
+        err["fa2_packed"], why = check_fa2(model, x, policy, tol)
+        if why:
+            unavailable["fa2_packed"] = why
+    with patched(model, policy):
+        _, decided = timm_patch.forward_with_decisions(model, x)
+    final, per_block = kept_fractions(model, policy, decided)
+    ok = c["ok"] and all(e <= tol for e in err.values() if e is not None)
     return {
+        "err": err,
+        "unavailable": unavailable,
         "err_ragvit_vs_reference": err["ragvit"],
-        "err_fa2_vs_reference": err["fa2_packed"] if err["fa2_packed"] is not None else math.nan,
-        "err_reference_own_vs_replayed_decisions": err["reference"],
+        "err_fa2_vs_reference": err.get("fa2_packed") if err.get("fa2_packed") is not None
+        else math.nan,
         "decisions_agree": c["decisions_agree"],
         "top1_agree": c["top1_agree"],
-        "kept_fraction_last_stage": c["kept_fraction"],
-        "ok": c["ok"],  # ragvit.bench.TOLERANCE["fp16"] (0.004), top-1 equal but for near-ties
+        "kept_fraction_last_stage": final,
+        "kept_per_block": per_block,
+        "tolerance": tol,
+        "ok": ok,
     }
 
 
 def check_lossless(model, x) -> float:
     with patched(model, None):
         ours = model(x)
-    return float((ours.double() - timm_forward(model, x).double()).abs().max())
+    return _max_err(ours, timm_forward(model, x))
 
 
-def time_row(model, x, policy, timm_figures, args) -> dict:
-    batch = x.shape[0]
-    ms = dict(timm_figures)
-    ms["reference"] = timing.events_ms(lambda: reference.vit_forward_reference(model, x, policy),
-                                       args.warmup, args.reps)
-    with patched(model, policy, attention=fa2_attention):
-        ms["fa2_packed"] = timing.events_ms(lambda: model(x), args.warmup, args.reps)
-    with patched(model, policy):
-        ms["ragvit"] = timing.events_ms(lambda: model(x), args.warmup, args.reps)
-    return {name: {"ms": vars(s), "images_per_s": batch / (s.median / 1e3)}
-            for name, s in ms.items()}
+# ---- one suite: check everything, then time what passed ----
 
 
-def time_timm(model, x, args) -> dict:
-    figures = {"timm_eager": timing.events_ms(lambda: timm_forward(model, x), args.warmup,
-                                              args.reps)}
-    run = graphed(lambda inp: timm_forward(model, inp), x)
-    figures["timm_graph"] = timing.events_ms(run, args.warmup, args.reps)
-    del run
-    return figures
+def run_suite(suite, ctx, models, batches, policies_for, pipelines, remaining, lossless=False):
+    """rows of one suite; policies_for(model) -> {key: (setting, policy)}."""
+    ctx.start_suite(suite, remaining)
+    print(f"== suite {suite}: {', '.join(models)}; batch {', '.join(map(str, batches))}; "
+          f"{', '.join(pipelines)}", flush=True)
+    loaded = {label: ctx.load(label) for label in models}
+    configs = {label: policies_for(loaded[label][0]) for label in models}
+    rows = []
+    for label, (model, img_size) in loaded.items():
+        for batch in batches:
+            x = ctx.images(batch, img_size)
+            lossless_err = check_lossless(model, x) if lossless else None
+            for key, (setting, policy) in configs[label].items():
+                row = {"suite": suite, "model": label, "policy": key, "setting": setting,
+                       "batch": batch}
+                rows.append(row)
+                if ctx.out_of_time():
+                    row["skipped"] = "budget"
+                    continue
+                row["check"] = check_row(model, x, policy, pipelines, ctx)
+                if lossless_err is not None:
+                    row["lossless_err"] = lossless_err
+                c = row["check"]
+                print(f"{suite} | {label} {key} BS {batch}: ragvit "
+                      f"{c['err_ragvit_vs_reference']:.2e}, FA2 {c['err_fa2_vs_reference']:.2e}, "
+                      f"top-1 {c['top1_agree']:.3f}, "
+                      f"kept {c['kept_fraction_last_stage']:.3f}, ok {c['ok']}"
+                      + "".join(f"; {n} n/a: {w[:120]}" for n, w in c["unavailable"].items())
+                      + (f"; ERROR {c['error'][:200]}" if "error" in c else ""), flush=True)
+    bad = sum(1 for r in rows if "check" in r and not r["check"]["ok"])
+    print(f"{suite}: all results match" if not bad
+          else f"{suite}: {bad} rows FAILED correctness (not timed)", flush=True)
+    for label, (model, img_size) in loaded.items():
+        for batch in batches:
+            x = None
+            shared = {}  # unpruned figures, once per (model, batch)
+            for row in rows:
+                if (row["model"], row["batch"]) != (label, batch) or "skipped" in row \
+                        or not row["check"]["ok"]:
+                    continue
+                if ctx.out_of_time():
+                    row["skipped"] = "budget"
+                    continue
+                x = x if x is not None else ctx.images(batch, img_size)
+                policy = configs[label][row["policy"]][1]
+                row["timing"] = {}
+                for name in pipelines:
+                    if name in UNPRUNED:
+                        if name not in shared:
+                            with pipeline(name, model, None, x) as fn:
+                                shared[name] = ctx.time_ms(fn)
+                        stats = shared[name]
+                    elif name != "reference" and row["check"]["err"].get(name) is None:
+                        continue  # unavailable (listed in the check)
+                    else:
+                        with pipeline(name, model, policy, x) as fn:
+                            stats = ctx.time_ms(fn)
+                    row["timing"][name] = {"ms": vars(stats),
+                                           "images_per_s": batch / (stats.median / 1e3)}
+                print(f"{suite} | {label} {row['policy']} BS {batch}: "
+                      + ", ".join(f"{n} {t['images_per_s']:.0f}"
+                                  for n, t in row["timing"].items()) + " img/s", flush=True)
+            del x
+    del loaded
+    if ctx.device == "cuda":
+        torch.cuda.empty_cache()
+    skipped = sum(1 for r in rows if "skipped" in r)
+    if skipped:
+        print(f"{suite}: {skipped} rows skipped (time budget)", flush=True)
+    return rows, bad
+
+
+# ---- rendering ----
+
+
+def _ips(row, name):
+    t = row.get("timing", {}).get(name)
+    return t["images_per_s"] if t else None
+
+
+def _ratio(a, b) -> str:
+    return f"{a / b:.2f}" if a and b else "–"
+
+
+def _status(row) -> str | None:
+    if "skipped" in row:
+        return "skipped (time budget)"
+    if not row["check"]["ok"]:
+        return "FAILED" + (f": {row['check']['error'][:80]}" if "error" in row["check"] else "")
+    return None
+
+
+def _errs(c) -> str:
+    return f"{_fmt(c.get('err_ragvit_vs_reference'))} / {_fmt(c.get('err_fa2_vs_reference'))}"
+
+
+def _fmt(v) -> str:
+    return "–" if v is None or (isinstance(v, float) and math.isnan(v)) else f"{v:.4f}"
+
+
+def render_paper(rows) -> list[str]:
+    names = ("timm_eager", "timm_graph", "reference", "fa2_packed", "ragvit")
+    head = ("| model | policy | BS | kept | max dlogit ragvit / FA2 | img/s: " + " / ".join(names)
+            + " | ragvit / FA2 packed | ragvit / timm eager | ragvit / timm graph | "
+            "ragvit / reference |")
+    lines = ["ThresholdL2 policies. kept = token fraction after the last pruning point.", "",
+             head, "|" + "---|" * (head.count("|") - 1)]
+    for r in rows:
+        c = r.get("check", {})
+        start = (f"| {r['model']} | {r['policy']} | {r['batch']} | "
+                 f"{_fmt(c.get('kept_fraction_last_stage'))} | {_errs(c)}")
+        if _status(r):
+            lines.append(start + f" {_status(r)} | | | | | |")
+            continue
+        ips = {n: _ips(r, n) for n in names}
+        ours = ips["ragvit"]
+        lines.append(start + " | " + " / ".join(f"{v:.0f}" if v else "–" for v in ips.values())
+                     + f" | {_ratio(ours, ips['fa2_packed'])} | {_ratio(ours, ips['timm_eager'])}"
+                     f" | {_ratio(ours, ips['timm_graph'])} | {_ratio(ours, ips['reference'])} |")
+    return lines
+
+
+def render_policies(rows) -> list[str]:
+    names = ("timm_eager", "reference", "fa2_packed", "ragvit")
+    head = ("| model | policy | setting | BS | kept final / per block | max dlogit ragvit / FA2 "
+            "| top-1 agree | img/s: timm / reference / FA2 packed / ragvit | ragvit / reference "
+            "| ragvit / FA2 packed | ragvit / timm |")
+    lines = ["kept final = tokens after the last pruning point / N; per block = mean tokens "
+             "per block / N (the FLOP-relevant figure). FA2 packed for EViT/ATS includes the "
+             "CLS attention row in torch ops; n/a for ToMe (no key bias in FA2 varlen). "
+             "DynamicViT runs random (seeded) predictors.", "",
+             head, "|" + "---|" * (head.count("|") - 1)]
+    ref_target, fa2_target = [], []
+    for r in rows:
+        c = r.get("check", {})
+        start = (f"| {r['model']} | {r['policy']} | {r['setting']} | {r['batch']} | "
+                 f"{_fmt(c.get('kept_fraction_last_stage'))} / "
+                 f"{_fmt(c.get('kept_per_block'))} | {_errs(c)}")
+        if _status(r):
+            lines.append(start + f" {_status(r)} | | | | | |")
+            continue
+        ips = {n: _ips(r, n) for n in names}
+        ours = ips["ragvit"]
+        lines.append(start + f" | {c['top1_agree']:.3f} | "
+                     + " / ".join(f"{v:.0f}" if v else "n/a" for v in ips.values())
+                     + f" | {_ratio(ours, ips['reference'])} | {_ratio(ours, ips['fa2_packed'])}"
+                     f" | {_ratio(ours, ips['timm_eager'])} |")
+        what = f"{r['model']} {r['policy']} BS {r['batch']}"
+        if r["batch"] == 256 and ours and ips["reference"]:
+            ref_target.append((ours / ips["reference"] >= 1.3, what, ours / ips["reference"]))
+        if ours and ips["fa2_packed"]:
+            fa2_target.append((ours >= ips["fa2_packed"], what, ours / ips["fa2_packed"]))
+    lines += ["", "Targets (issue 7):", _target_line("ragvit >= 1.3x reference at batch 256",
+                                                     ref_target),
+              _target_line("ragvit >= FA2 packed (every row where FA2 runs)", fa2_target)]
+    return lines
+
+
+def render_graph(rows) -> list[str]:
+    names = ("timm_eager", "timm_graph", "fa2_packed", "ragvit", "ragvit_graph")
+    head = ("| model | BS | kept | max dlogit ragvit / ragvit graph | img/s: " + " / ".join(names)
+            + " | graph / timm graph | graph / FA2 packed | graph / ragvit eager |")
+    lines = ["ThresholdL2 keep 50% after block 4; graph = ragvit.bench.make_pipeline"
+             "('ragvit_graph'), the whole pruned forward replayed as one CUDA graph.", "",
+             head, "|" + "---|" * (head.count("|") - 1)]
+    targets = {"s1_2500": [], "s1_fa2": [], "s1_timm": [], "timm12": []}
+    for r in rows:
+        c = r.get("check", {})
+        start = (f"| {r['model']} | {r['batch']} | {_fmt(c.get('kept_fraction_last_stage'))} | "
+                 f"{_fmt(c.get('err_ragvit_vs_reference'))} / "
+                 f"{_fmt(c.get('err', {}).get('ragvit_graph'))}")
+        if _status(r):
+            lines.append(start + f" {_status(r)} | | | | |")
+            continue
+        ips = {n: _ips(r, n) for n in names}
+        g = ips["ragvit_graph"]
+        lines.append(start + " | " + " / ".join(f"{v:.0f}" if v else "n/a" for v in ips.values())
+                     + f" | {_ratio(g, ips['timm_graph'])} | {_ratio(g, ips['fa2_packed'])} | "
+                     f"{_ratio(g, ips['ragvit'])} |")
+        what = f"{r['model']} BS {r['batch']}"
+        if g and r["batch"] <= 16 and ips["timm_graph"]:
+            targets["timm12"].append((g >= 1.2 * ips["timm_graph"], what, g / ips["timm_graph"]))
+        if r["model"].startswith("DeiT-S") and r["batch"] == 1 and g:
+            targets["s1_2500"].append((g >= 2500, what, g))
+            if ips["fa2_packed"]:
+                targets["s1_fa2"].append((g >= 10 * ips["fa2_packed"], what,
+                                          g / ips["fa2_packed"]))
+            if ips["timm_graph"]:
+                targets["s1_timm"].append((g > ips["timm_graph"], what, g / ips["timm_graph"]))
+    lines += ["", "Targets (issue 6):",
+              _target_line("DeiT-S batch 1: ragvit graph >= 2500 img/s", targets["s1_2500"],
+                           unit=" img/s"),
+              _target_line("DeiT-S batch 1: ragvit graph >= 10x fa2_packed", targets["s1_fa2"]),
+              _target_line("DeiT-S batch 1: ragvit graph > timm graph", targets["s1_timm"]),
+              _target_line("every batch <= 16: ragvit graph >= 1.2x timm graph",
+                           targets["timm12"])]
+    return lines
+
+
+def _target_line(what, results, unit="x") -> str:
+    if not results:
+        return f"- {what}: not measured"
+    missed = [f"{w} ({v:.2f}{unit})" for ok, w, v in results if not ok]
+    verdict = "met" if not missed else "MISSED for " + ", ".join(missed)
+    return f"- {what}: {sum(ok for ok, _, _ in results)}/{len(results)} {verdict}"
+
+
+RENDER = {"paper": render_paper, "policies": render_policies, "graph": render_graph}
 
 
 def render(rows, env) -> str:
-    head = ("| model | policy | BS | kept | max dlogit ragvit / FA2 | img/s: "
-            + " / ".join(PIPELINES)
-            + " | ragvit / FA2 packed | ragvit / timm eager | ragvit / timm graph | "
-            "ragvit / reference |")
     lines = [f"# End-to-end images/s on {env['gpu']}", "",
              f"driver {env['driver']}, CUDA {env['cuda']}, torch {env['torch']}, "
-             f"timm {env['timm']}, ragvit {env['ragvit']} @ {env['git_sha']}; fp16, random "
-             "weights and images; CUDA events, median of >= 50 after >= 10 warm-ups. "
-             "dlogit vs the padded-masked reference replaying ragvit's decisions; kept = "
-             "token fraction after the last pruning point.", "",
-             head, "|" + "---|" * (head.count("|") - 1)]
-    for r in rows:
-        c, t = r["check"], r.get("timing")
-        errs = f"{c['err_ragvit_vs_reference']:.4f} / {c['err_fa2_vs_reference']:.4f}"
-        if not c["ok"] or t is None:
-            lines.append(f"| {r['model']} | {r['policy']} | {r['batch']} | "
-                         f"{c['kept_fraction_last_stage']:.2f} | {errs} FAILED | | | | | |")
-            continue
-        ips = {n: t[n]["images_per_s"] for n in PIPELINES}
-        ours = ips["ragvit"]
-        lines.append(
-            f"| {r['model']} | {r['policy']} | {r['batch']} | "
-            f"{c['kept_fraction_last_stage']:.2f} | {errs} | "
-            + " / ".join(f"{ips[n]:.0f}" for n in PIPELINES)
-            + f" | {ours / ips['fa2_packed']:.2f} | {ours / ips['timm_eager']:.2f} | "
-            f"{ours / ips['timm_graph']:.2f} | {ours / ips['reference']:.2f} |")
-    return "\n".join(lines) + "\n"
+             f"timm {env['timm']}, ragvit {env['ragvit']} @ {env['git_sha']}; "
+             f"{env['dtype']}, random weights and images; median of {env['reps']} after "
+             f"{env['warmup']} warm-ups ({env['timer']}). max dlogit: vs the padded-masked "
+             "reference replaying the pipeline's own decisions; top-1 agreement ignores "
+             "images whose reference top-2 margin is within 2x the tolerance (near-ties).", ""]
+    for suite in env["suites"]:
+        lines += [f"## Suite `{suite}`", ""]
+        lines += RENDER[suite]([r for r in rows if r["suite"] == suite]) + [""]
+    return "\n".join(lines)
+
+
+# ---- command line ----
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0], epilog=(
+        "estimated H200 minutes: " + ", ".join(f"{k} {v:g}" for k, v in SUITE_MINUTES.items())
+        + " (paper --quick: 1)"))
+    parser.add_argument("--suite", nargs="+", choices=SUITES + ("all",), default=["paper"],
+                        help="suites to run, in order (all: paper policies graph)")
     parser.add_argument("--quick", action="store_true",
-                        help="DeiT-S/B 224, batch 1 and 64, the paper's policy only")
-    parser.add_argument("--models", nargs="*", choices=list(MODELS), default=None)
-    parser.add_argument("--batches", nargs="*", type=int, default=None)
-    parser.add_argument("--warmup", type=int, default=10, help="warm-up calls per figure (>=10)")
-    parser.add_argument("--reps", type=int, default=50, help="timed calls per figure (>=50)")
+                        help="paper suite: DeiT-S/B 224, batch 1 and 64, l2_keep50_b4 only")
+    parser.add_argument("--models", nargs="+", choices=[m for m in MODELS if "T 64" not in m],
+                        default=None, help="override every suite's models")
+    parser.add_argument("--batches", nargs="+", type=int, default=None,
+                        help="override every suite's batch sizes")
+    parser.add_argument("--warmup", type=int, default=None, help="warm-up calls per figure (>=10)")
+    parser.add_argument("--reps", type=int, default=None, help="timed calls per figure (>=50)")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--budget-s", type=float, default=540.0,
+                        help="seconds for the whole process, shared among the suites by their "
+                             "estimates; rows past a suite's share are skipped (0: no limit)")
+    parser.add_argument("--tiny", action="store_true",
+                        help="CPU smoke test: DeiT-Tiny at 64 px, fp32, batch 1 and 2")
     parser.add_argument("--out", default=None, help="write PREFIX.md and PREFIX.json")
     args = parser.parse_args(argv)
-    if args.warmup < 10 or args.reps < 50:
+    suites = list(SUITES) if "all" in args.suite else list(dict.fromkeys(args.suite))
+    args.warmup = args.warmup if args.warmup is not None else (1 if args.tiny else 10)
+    args.reps = args.reps if args.reps is not None else (3 if args.tiny else 50)
+    if not args.tiny and (args.warmup < 10 or args.reps < 50):
         parser.error("--warmup must be >= 10 and --reps >= 50")
-    if not (torch.cuda.is_available() and ragvit.cuda_available()):
-        parser.error("needs a CUDA device and a CUDA build of ragvit")
+    if args.budget_s < 0:
+        parser.error("--budget-s must be >= 0")
+    if any(b < 1 for b in args.batches or ()):
+        parser.error("--batches must be >= 1")
+    if not args.tiny and not (torch.cuda.is_available() and ragvit.cuda_available()):
+        parser.error("needs a CUDA device and a CUDA build of ragvit (or --tiny on the CPU)")
     import timm
 
-    models = args.models or list(MODELS)
-    batches = args.batches or list(BATCHES)
-    policies = list(POLICIES)
-    if args.quick:
-        models, batches, policies = ["DeiT-S 224", "DeiT-B 224"], [1, 64], ["l2_keep50_b4"]
-    torch.backends.cuda.matmul.allow_tf32 = False
-    gen = torch.Generator(device="cpu").manual_seed(args.seed)
-    rows = []
-    with torch.inference_mode():
-        for label in models:
-            name, img_size = MODELS[label]
-            model = timm.create_model(name, pretrained=False).eval().to("cuda", torch.float16)
-            for batch in batches:
-                x = torch.randn(batch, 3, img_size, img_size, generator=gen).to(
-                    "cuda", torch.float16)
-                lossless = check_lossless(model, x)
-                for pname in policies:
-                    policy = POLICIES[pname]()
-                    row = {"model": label, "policy": pname, "batch": batch,
-                           "check": check(model, x, policy), "lossless_err": lossless}
-                    rows.append(row)
-                    print(f"{label} {pname} BS {batch}: {row['check']}, lossless {lossless:.4f}",
-                          flush=True)
-            del model
-            torch.cuda.empty_cache()
-        bad = [r for r in rows if not r["check"]["ok"]]
-        print("all results match" if not bad else f"{len(bad)} rows FAILED correctness",
-              flush=True)
-        for label in models:
-            name, img_size = MODELS[label]
-            model = timm.create_model(name, pretrained=False).eval().to("cuda", torch.float16)
-            for batch in batches:
-                x = torch.randn(batch, 3, img_size, img_size, device="cuda",
-                                dtype=torch.float16)
-                timm_figures = time_timm(model, x, args)
-                for r in rows:
-                    if (r["model"], r["batch"]) == (label, batch) and r["check"]["ok"]:
-                        r["timing"] = time_row(model, x, POLICIES[r["policy"]](),
-                                               timm_figures, args)
-                        ips = r["timing"]["ragvit"]["images_per_s"]
-                        print(f"{label} {r['policy']} BS {batch}: ragvit {ips:.0f} img/s",
-                              flush=True)
-            del model
-            torch.cuda.empty_cache()
-    return report.publish(rows, bad, render, args.out, timm=timm.__version__)
+    ctx = Context(args)
+    if args.tiny:
+        torch.set_num_threads(1)  # tiny models: intra-op threads only add barrier waits
+    if ctx.device == "cuda":
+        torch.backends.cuda.matmul.allow_tf32 = False
+    rows, bad = [], 0
+    with torch.inference_mode(), _quiet_dynamicvit():
+        for i, suite in enumerate(suites):
+            models, batches, policies, pipelines, lossless = suite_plan(suite, args, ctx)
+            got, failed = run_suite(suite, ctx, models, batches, policies, pipelines,
+                                    suites[i:], lossless)
+            rows += got
+            bad += failed
+    return report.publish(
+        rows, bad, render, args.out, timm=timm.__version__, suites=suites, dtype=ctx.dtype,
+        warmup=args.warmup, reps=args.reps,
+        timer="CUDA events" if ctx.device == "cuda" else "perf_counter, CPU smoke run")
+
+
+def suite_plan(suite, args, ctx):
+    """(models, batches, policies_for, pipelines, lossless) of one suite."""
+    if suite == "paper":
+        models, batches = list(MODELS)[:3], [1, 4, 16, 64, 256]
+        keys = list(PAPER_POLICIES)
+        if args.quick:
+            models, batches, keys = models[:2], [1, 64], keys[:1]
+        policies = lambda model: {k: ("paper", PAPER_POLICIES[k]()) for k in keys}  # noqa: E731
+        pipelines = ("timm_eager", "timm_graph", "reference", "fa2_packed", "ragvit")
+        lossless = True
+    elif suite == "policies":
+        models, batches = list(MODELS)[:2], [1, 16, 256]
+        policies = lambda model: policy_configs(model, args.seed)  # noqa: E731
+        pipelines = ("timm_eager", "reference", "fa2_packed", "ragvit")
+        lossless = False
+    else:
+        models, batches = list(MODELS)[:2], [1, 4, 16]
+        policies = lambda model: {"l2_keep50_b4": ("paper", ThresholdL2(0.5, layers=(4,)))}  # noqa: E731
+        pipelines = ("timm_eager", "timm_graph", "fa2_packed", "ragvit", "ragvit_graph")
+        lossless = False
+    if args.tiny:
+        models, batches = ["DeiT-T 64"], [1, 2]
+    models = args.models if args.models and not args.tiny else models
+    batches = args.batches or batches
+    return models, batches, policies, ctx.pipelines(pipelines), lossless
+
+
+@contextlib.contextmanager
+def _quiet_dynamicvit():
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", "DynamicViT: prediction modules are randomly")
+        yield
 
 
 if __name__ == "__main__":

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import platform
 import subprocess
 import sys
 
@@ -24,7 +25,9 @@ def environment(**extra) -> dict:
 
     here = os.path.dirname(os.path.abspath(__file__))
     return {
-        "gpu": torch.cuda.get_device_name(),
+        # CPU smoke runs (bench_e2e.py --tiny) name the processor instead.
+        "gpu": torch.cuda.get_device_name() if torch.cuda.is_available()
+        else f"CPU ({platform.processor() or platform.machine()}, {os.cpu_count()} cores)",
         "driver": cmd("nvidia-smi --query-gpu=driver_version --format=csv,noheader | head -1"),
         "cuda": torch.version.cuda,
         "torch": torch.__version__,

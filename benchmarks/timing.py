@@ -113,3 +113,15 @@ def events_ms(fn, warmup: int = 10, reps: int = 50) -> Stats:
         end.synchronize()
         samples.append(start.elapsed_time(end))
     return _stats(samples)
+
+
+def wall_ms(fn, warmup: int = 1, reps: int = 5) -> Stats:
+    """Milliseconds per fn() from perf_counter around each call (CPU smoke runs only)."""
+    for _ in range(warmup):
+        fn()
+    samples = []
+    for _ in range(max(reps, 2)):
+        t0 = time.perf_counter()
+        fn()
+        samples.append((time.perf_counter() - t0) * 1e3)
+    return _stats(samples)

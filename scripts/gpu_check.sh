@@ -1,9 +1,17 @@
 #!/usr/bin/env bash
 # GPU check for the device machine: build, GPU test suite, compute-sanitizer, benchmarks.
-# Usage: scripts/gpu_check.sh [build] [bench] [test] [sanitize] [mma] [packbench] [e2e] [quick]
+# Usage: scripts/gpu_check.sh [build] [bench] [test] [sanitize] [mma] [packbench] [e2e]
+#        [e2e_paper] [e2e_policies] [e2e_graph] [notebook] [quick] [tar]
 # (default: build bench test sanitize mma, in that order; each step has a time limit so the
 # summary always prints). Pass RAGVIT_GIT_SHA: the GPU machine's copy of the tree has no .git.
 # Logs go to $OUT (or ./gpu_logs); a short summary table is printed last.
+# e2e: bench_e2e.py --quick; e2e_paper / e2e_policies / e2e_graph: one suite each (about 3 /
+# 4.5 / 1 min on the H200, capped by --budget-s below the step's timeout), writing
+# $OUT/e2e_<suite>_h200.md/.json. notebook: benchmarks/run_notebook.py executes
+# ragvit_benchmarks.ipynb on the results in $OUT and benchmarks/results plus its own H200
+# sweep (about 2 min; limit NB_TIMEOUT, default 240 s), writing $OUT/notebook/ (the executed
+# notebook and its PNGs). tar (last): packs every log into $OUT/gpu_check_logs.tar.gz and
+# leaves only it, summary.txt and $OUT/notebook/ (the device returns at most 8 files).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-$PWD/gpu_logs}
@@ -53,9 +61,31 @@ if has e2e; then
     run bench_e2e timeout "${E2E_TIMEOUT:-300}" python3 benchmarks/bench_e2e.py --quick \
         --out "$OUT/e2e_h200"
 fi
+for suite in paper policies graph; do
+    if has "e2e_$suite"; then
+        budget_var="E2E_${suite^^}_TIMEOUT"
+        limit=${!budget_var:-$([ "$suite" = graph ] && echo 240 || echo 540)}
+        run "e2e_$suite" timeout "$limit" python3 benchmarks/bench_e2e.py --suite "$suite" \
+            --budget-s $((limit - 60)) --out "$OUT/e2e_${suite}_h200"
+    fi
+done
+if has notebook; then
+    run notebook timeout "${NB_TIMEOUT:-240}" python3 benchmarks/run_notebook.py \
+        --out "$OUT/notebook" --results "$OUT" benchmarks/results --sweep
+fi
 if has quick; then
     run bench_quick python3 benchmarks/bench_attention.py --quick
 fi
 
-echo "== $(head -2 "$OUT/gpu.txt" | tail -1) =="
-for k in "${!result[@]}"; do printf '%-16s %s\n' "$k" "${result[$k]}"; done | sort
+summary() {
+    echo "== $(head -2 "$OUT/gpu.txt" | tail -1) =="
+    for k in "${!result[@]}"; do printf '%-16s %s\n' "$k" "${result[$k]}"; done | sort
+}
+grep -h -B1 -A5 "^Targets" "$OUT"/e2e_*_h200.md 2>/dev/null
+summary | tee "$OUT/summary.txt"
+if has tar; then
+    (cd "$OUT" && tar czf gpu_check_logs.tar.gz --exclude gpu_check_logs.tar.gz --exclude notebook \
+        -- * && find . -maxdepth 1 -type f ! -name gpu_check_logs.tar.gz \
+        ! -name summary.txt -delete)
+    ls -la "$OUT" "$OUT/notebook" 2>/dev/null
+fi

@@ -126,3 +126,109 @@ def test_notebook_executes_in_tiny_mode(monkeypatch):
                  for o in c.outputs)
     assert "tiny mode" in text and "ran 2 configurations" in text
     assert images >= 3  # throughput/speedup, attention µs, kept fraction vs speedup
+
+
+# ---- benchmarks/bench_e2e.py suites and benchmarks/run_notebook.py (CPU smoke runs) ----
+
+BENCH = os.path.join(ROOT, "benchmarks")
+
+
+def run_script(script, *args, timeout=180):
+    env = dict(os.environ, HF_HUB_OFFLINE="1")
+    env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
+    return subprocess.run([sys.executable, os.path.join(BENCH, script), *args], cwd=ROOT,
+                          env=env, capture_output=True, text=True, timeout=timeout)
+
+
+def test_bench_e2e_help():
+    r = run_script("bench_e2e.py", "--help")
+    assert r.returncode == 0, r.stderr
+    for flag in ("--suite", "--budget-s", "--tiny", "--out", "policies", "graph"):
+        assert flag in r.stdout
+
+
+def test_bench_e2e_tiny_all_suites(tmp_path):
+    """Every suite checks then times on the CPU and lands in one .md (a section each) and
+    one .json that ragvit.bench.load_results reads."""
+    from ragvit import bench
+
+    prefix = str(tmp_path / "e2e")
+    r = run_script("bench_e2e.py", "--tiny", "--suite", "all", "--batches", "2", "--reps", "2",
+                   "--warmup", "0", "--out", prefix)
+    assert r.returncode == 0, r.stdout + r.stderr
+    for suite in ("paper", "policies", "graph"):
+        assert f"{suite}: all results match" in r.stdout
+        assert r.stdout.index(f"{suite}: all results match") < r.stdout.index(f"{suite} | DeiT")\
+            or f"{suite} | DeiT" in r.stdout
+    with open(prefix + ".md") as f:
+        md = f.read()
+    assert md.count("## Suite") == 3 and "Targets (issue 7)" in md and "Targets (issue 6)" in md
+    with open(prefix + ".json") as f:
+        data = json.load(f)
+    assert [s for s in ("paper", "policies", "graph")] == data["env"]["suites"]
+    by_suite = {}
+    for row in data["rows"]:
+        by_suite.setdefault(row["suite"], []).append(row)
+        assert row["check"]["ok"] and row["check"]["err_ragvit_vs_reference"] <= 1e-4
+        assert {"ragvit", "timm_eager"} <= set(row["timing"])
+    assert len(by_suite["policies"]) == 10 and len(by_suite["graph"]) == 1
+    kinds = {row["policy"].split("_")[0] for row in by_suite["policies"]}
+    assert kinds == {"l2", "evit", "ats", "tome", "dynvit"}
+    assert len(bench.load_results(prefix + ".json")) == sum(len(r["timing"])
+                                                            for r in data["rows"])
+
+
+def test_bench_e2e_budget_skips_rows(tmp_path, capsys):
+    """In-process (no second torch import): a spent budget skips rows, still writes."""
+    sys.path.insert(0, BENCH)
+    import bench_e2e
+
+    prefix = str(tmp_path / "e2e")
+    assert bench_e2e.main(["--tiny", "--suite", "graph", "--batches", "1", "--budget-s",
+                           "1e-3", "--out", prefix]) == 0
+    assert "rows skipped (time budget)" in capsys.readouterr().out
+    with open(prefix + ".md") as f:
+        assert "skipped (time budget)" in f.read()
+
+
+def test_fa2_cls_attn_matches_ragvit(monkeypatch, gen):
+    """bench_e2e's FA2 baseline for EViT/ATS computes the CLS attention row in torch; with
+    ragvit.attention standing in for FA2 (CPU), both rows agree."""
+    import torch
+
+    import ragvit
+    from ragvit import bench
+
+    sys.path.insert(0, BENCH)
+    import bench_e2e
+
+    monkeypatch.setattr(bench, "fa2_attention", lambda q, k, v, cu, m=None, *, scale=None:
+                        ragvit.attention(q, k, v, cu, m, scale=scale))
+    lengths = [5, 1, 17, 9]
+    cu = torch.tensor([0] + torch.tensor(lengths).cumsum(0).tolist(), dtype=torch.int32)
+    qkv = torch.randn(int(cu[-1]), 3, 6, 64, generator=gen)
+    q, k, v = qkv[:, 0], qkv[:, 1], qkv[:, 2]
+    ours, theirs = torch.empty(len(q)), torch.empty(len(q))
+    out = bench_e2e.fa2_attention_cls(q, k, v, cu, 17, scale=0.125, cls_attn=theirs)
+    expected = ragvit.attention(q, k, v, cu, 17, scale=0.125, cls_attn=ours)
+    torch.testing.assert_close(theirs, ours, atol=1e-6, rtol=1e-5)
+    torch.testing.assert_close(out, expected)
+    with pytest.raises(ValueError, match="no per-key bias"):
+        bench_e2e.fa2_attention_cls(q, k, v, cu, 17, bias=torch.zeros(len(q)))
+
+
+def test_run_notebook_inprocess_saves_pngs(tmp_path):
+    """The GPU machine has no nbclient/ipykernel: the in-process engine must execute the
+    notebook, keep figure outputs in the .ipynb and write the PNGs where told."""
+    r = run_script("run_notebook.py", "--tiny", "--engine", "inprocess", "--out",
+                   str(tmp_path))
+    assert r.returncode == 0, r.stdout + r.stderr
+    with open(tmp_path / "ragvit_benchmarks.ipynb") as f:
+        nb = json.load(f)
+    text = "".join("".join(o.get("text", "")) for c in nb["cells"] if c["cell_type"] == "code"
+                   for o in c["outputs"])
+    images = sum("image/png" in o.get("data", {}) for c in nb["cells"]
+                 if c["cell_type"] == "code" for o in c["outputs"])
+    assert "tiny mode" in text and "ran 2 configurations" in text and images >= 3
+    pngs = {p.name for p in tmp_path.glob("*.png")}
+    assert {"e2e_throughput.png", "kept_vs_speedup.png"} <= pngs

@@ -538,11 +538,20 @@ def test_select_without_inputs_raises(gen):
 # ---- GPU (device machine) ----
 
 
+# Paper defaults run on the device only (CPU cases above use smaller settings).
+GPU_POLICIES = {
+    "tome_r8": lambda: ToMe(8),
+    "ats_k108_b3": lambda: ATS(108, layers=(3,)),
+    "l2_keep50_b4": lambda: ThresholdL2(0.5, layers=(4,)),
+    "l2_thr1_b4": lambda: ThresholdL2(threshold=1.0, layers=(4,)),
+}
+
+
 @pytest.mark.gpu
 @requires_cuda
 @pytest.mark.parametrize("batch", [1, 32])
-@pytest.mark.parametrize("policy_name", ["evit_fuse", "evit_drop", "ats_3stage", "tome_r8",
-                                         "dynamicvit"])
+@pytest.mark.parametrize("policy_name", ["evit_fuse", "evit_drop", "ats_3stage", "ats_k108_b3",
+                                         "tome_r8", "dynamicvit", "l2_keep50_b4", "l2_thr1_b4"])
 @pytest.mark.parametrize("name", ["deit_small_patch16_224", "deit_base_patch16_224"],
                          ids=["deit_small", "deit_base"])
 def test_gpu_fp16_matches_reference(name, policy_name, batch, gen, seed):
@@ -554,7 +563,8 @@ def test_gpu_fp16_matches_reference(name, policy_name, batch, gen, seed):
         torch.manual_seed(seed)
         model = timm.create_model(name, pretrained=False).eval().to("cuda", dtype)
     x = images(gen, batch, 224, dtype=dtype, device="cuda")
-    policy = ToMe(8) if policy_name == "tome_r8" else POLICIES[policy_name]()
+    policy = GPU_POLICIES[policy_name]() if policy_name in GPU_POLICIES else \
+        POLICIES[policy_name]()
     if isinstance(policy, DynamicViT):  # trained-like scale is irrelevant; fixed weights
         policy = DynamicViT(predictor=random_predictors(3, model.embed_dim))
     with torch.inference_mode():
