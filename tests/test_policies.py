@@ -26,6 +26,7 @@ timm = pytest.importorskip("timm")
 from test_timm_patch import (  # noqa: E402
     GPU_ATOL,
     _one_cpu_thread,  # noqa: F401  (autouse fixture: one torch thread for tiny models)
+    assert_fp16_close,
     check_against_reference,
     images,
     make_model,
@@ -570,25 +571,25 @@ def test_gpu_fp16_matches_reference(name, policy_name, batch, gen, seed):
     with torch.inference_mode():
         patch(model, policy)
         got, decided = timm_patch.forward_with_decisions(model, x)
-        expected = reference.vit_forward_reference(model, x, policy, decisions=decided)
         _, own = reference.vit_forward_reference(model, x, policy, return_decisions=True)
     unpatch(model)
-    err = max_diff(got, expected)
-    assert err <= GPU_ATOL[dtype], f"err {err}" + seed_note(seed)
+    expected = assert_fp16_close(model, x, policy, got, decided, seed)
     same, counted = top1_agrees(got, expected, 2 * GPU_ATOL[dtype])
     assert same, f"top-1 differs on one of {counted} clear images" + seed_note(seed)
-    least = OWN_DECISIONS_AGREE.get(policy_name, 0.98)
-    for ours, theirs in zip(decided, own, strict=True):
+    least, stages = OWN_DECISIONS_AGREE.get(policy_name, (0.98, None))
+    for ours, theirs in list(zip(decided, own, strict=True))[:stages]:
         agree = (ours == theirs).float().mean().item()
         assert agree >= least, f"decisions agree on {agree:.3f} of tokens" + seed_note(seed)
 
 
-# Token-level agreement of the fp16 reference's own decisions with ragvit's (both in fp16):
-# ATS's inverse-transform sampling moves a pick to a neighbour whenever rounding reorders two
-# near-equal significances (measured 0.949-0.966 on the H200, DeiT-S/B batch 1/32), and
-# ToMe's every-block merges cascade from one flipped near-tie match; the logits themselves
-# are compared with the decisions replayed, above.
-OWN_DECISIONS_AGREE = {"ats_3stage": 0.9, "tome_r8": 0.9}
+# Token-level agreement of the fp16 reference's own decisions with ragvit's (both in fp16),
+# (least, pruning points checked): ATS's inverse-transform sampling moves a pick to a
+# neighbour whenever rounding reorders two near-equal significances (measured 0.949-0.966
+# on the H200, DeiT-S/B batch 1/32); ToMe merges at every block and one flipped near-tie
+# match changes every later merge of that image (0.873 over all points at DeiT-B batch 1),
+# so only its first point is compared. The logits are compared with the decisions replayed.
+OWN_DECISIONS_AGREE = {"ats_3stage": (0.9, None), "ats_k108_b3": (0.9, None),
+                       "tome_r8": (0.98, 1)}
 
 
 @contextlib.contextmanager
@@ -624,5 +625,4 @@ def test_gpu_forward_is_sync_free(case, gen, seed):
         model(x)  # warm-up: caches, cuBLAS handles
         with host_syncs_raise():
             got, decided = timm_patch.forward_with_decisions(model, x)
-        expected = reference.vit_forward_reference(model, x, policy, decisions=decided)
-    assert max_diff(got, expected) <= GPU_ATOL[torch.float16], seed_note(seed)
+    assert_fp16_close(model, x, policy, got, decided, seed)

@@ -359,7 +359,7 @@ def test_dense_until_pruning(policy_name, dense_blocks, gen, seed):
     for dense in (True, False):
         calls = []
 
-        def counting(*args, **kwargs):
+        def counting(*args, calls=calls, **kwargs):
             calls.append(kwargs.get("cls_attn") is not None)
             return ops.attention(*args, **kwargs)
 
@@ -406,6 +406,27 @@ GPU_MODELS = [
 # reference itself is up to 0.077 from an fp32 reference (measured on the H200, DeiT-B 384,
 # batch 64), so 0.1; the fp32 rule below is the sharper check.
 GPU_ATOL = {torch.float16: 0.004, torch.bfloat16: 0.1}
+
+
+def assert_fp16_close(model, x, policy, got, decided, seed):
+    """Patched fp16 logits vs the fp16 padded reference replaying the same decisions: within
+    the issue's 0.004, or, where the fp16 reference itself strays further from the truth
+    (weight-perturbed models have larger activations), flash-attention's rule against an
+    fp32 reference of the same weights: err(ours) <= 2 * err(fp16 reference) + floor."""
+    import copy
+
+    from conftest import ERROR_FLOOR
+
+    with torch.inference_mode():
+        expected = reference.vit_forward_reference(model, x, policy, decisions=decided)
+        exact = reference.vit_forward_reference(copy.deepcopy(model).float(), x.float(), policy,
+                                                decisions=decided)
+    err, err_ours, err_ref = (max_diff(got, expected), max_diff(got, exact),
+                              max_diff(expected, exact))
+    note = f" err vs fp16 ref {err}, vs fp32 ref {err_ours} (fp16 ref's own {err_ref})"
+    assert err_ours <= 2 * err_ref + ERROR_FLOOR[torch.float16], note + seed_note(seed)
+    assert err <= max(GPU_ATOL[torch.float16], 2 * err_ref), note + seed_note(seed)
+    return expected
 
 
 def top1_agrees(got, expected, margin):
@@ -487,5 +508,4 @@ def test_gpu_capacity_mode_is_sync_free(gen, seed):
             got, decided = timm_patch.forward_with_decisions(model, x)
         finally:
             torch.cuda.set_sync_debug_mode("default")
-        expected = reference.vit_forward_reference(model, x, policy, decisions=decided)
-    assert max_diff(got, expected) <= GPU_ATOL[torch.float16], seed_note(seed)
+    assert_fp16_close(model, x, policy, got, decided, seed)
