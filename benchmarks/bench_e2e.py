@@ -230,7 +230,7 @@ def kept_fractions(model, policy, decided) -> tuple[float, float]:
     """(final, per_block): tokens after the last pruning point / N, and the mean over
     blocks of tokens per block / N (mid-block pruning counts half a block on each side)."""
     N = model.patch_embed.num_patches + model.num_prefix_tokens
-    counts = [N] + [float(d.sum(1).double().mean()) for d in decided]
+    counts = [N] + [float(timm_patch.kept_mask(d).sum(1).double().mean()) for d in decided]
     depth, total = len(model.blocks), 0.0
     for i in range(depth):
         after = counts[sum(1 for j in policy.layers if j <= i)]

@@ -654,15 +654,16 @@ class DynamicViTPredictor(torch.nn.Module):
 
     def score(self, batch: TokenBatch) -> torch.Tensor:
         """(T,) float32 log-probability of keeping each row (garbage/prefix: any value)."""
+        from . import ops
+
         x = self.in_conv(batch.rows)
         half = x.shape[1] // 2
-        w = batch.is_patch.to(x.dtype)[:, None]
-        seq = batch.seq_ids
-        sums = torch.zeros(batch.num_seqs + 1, x.shape[1] - half, dtype=x.dtype,
-                           device=x.device).index_add_(0, seq, x[:, half:] * w)
-        counts = torch.zeros(batch.num_seqs + 1, 1, dtype=x.dtype,
-                             device=x.device).index_add_(0, seq, w)
-        global_x = (sums / counts.clamp(min=1))[seq]
+        # Per-image mean of the patch rows by ragvit.segment_mean: float32 sums in a fixed
+        # order, so the same input always gives the same scores (a CUDA index_add_ sums by
+        # atomics in any order, and its fp16 rounding noise flipped top-k near-ties between
+        # two forwards of one input); rows past cu_seqlens[B] (capacity mode) are ignored.
+        means = ops.segment_mean(x[:, half:], batch.cu_seqlens, skip=batch.num_prefix)
+        global_x = means[batch.seq_ids.clamp(max=batch.num_seqs - 1)]
         return self.out_conv(torch.cat([x[:, :half], global_x], dim=1))[:, 0].float()
 
 

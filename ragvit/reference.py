@@ -358,9 +358,9 @@ def _merge_reference(h, sizes, assign, k):
     s = torch.ones(B, L, device=h.device) if sizes is None else sizes.float()
     total = torch.zeros(B, k, device=h.device).index_put_(
         (torch.arange(B, device=h.device)[:, None].expand(B, L), assign), s, accumulate=True)
-    acc = torch.zeros(B, k, C, device=h.device)
-    for b in range(B):
-        acc[b].index_add_(0, assign[b], h[b].float() * s[b, :, None])
+    slots = (torch.arange(B, device=h.device)[:, None] * k + assign).reshape(-1)
+    acc = torch.zeros(B * k, C, device=h.device).index_add_(
+        0, slots, (h.float() * s[:, :, None]).reshape(B * L, C)).view(B, k, C)
     return (acc / total[:, :, None]).to(h.dtype), total
 
 
