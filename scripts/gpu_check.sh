@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # GPU check for the device machine: build, GPU test suite, compute-sanitizer, benchmarks.
-# Usage: scripts/gpu_check.sh [build] [bench] [test] [sanitize] [mma] [packbench] [e2e]
+# Usage: scripts/gpu_check.sh [build] [bench] [test] [sanitize] [mma] [mmabench] [packbench] [e2e]
 #        [e2e_paper] [e2e_policies] [e2e_graph] [notebook] [quick] [tar]
 # (default: build bench test sanitize mma, in that order; each step has a time limit so the
 # summary always prints). Pass RAGVIT_GIT_SHA: the GPU machine's copy of the tree has no .git.
@@ -35,7 +35,8 @@ if has bench; then
     run bench_attention timeout 200 python3 benchmarks/bench_attention.py --out "$OUT/attention_h200"
 fi
 if has test; then
-    run test timeout "${TEST_TIMEOUT:-240}" python3 -m pytest -q -rf tests
+    # TEST_ARGS="-m gpu": only the CUDA cases (the CPU ones run in CI)
+    run test timeout "${TEST_TIMEOUT:-240}" python3 -m pytest -q -rf --durations=10 ${TEST_ARGS:-} tests
     grep -E "^(FAILED|ERROR)" "$OUT/test.log" | cut -c1-200 | head -80
 fi
 if has sanitize; then
@@ -53,6 +54,12 @@ if has mma && [ -f dev/test_attention_mma.cu ]; then
         -gencode=arch=compute_90,code=sm_90 dev/test_attention_mma.cu -o dev/test_attention_mma.bin \
         -lpthread
     run mma_selftest timeout 120 ./dev/test_attention_mma.bin
+fi
+if has mmabench; then  # GPU µs of every launch plan of the tensor-core kernel (DeiT shapes)
+    [ -x dev/test_attention_mma.bin ] || nvcc -std=c++17 -O3 -DRAGVIT_WITH_CUDA -Icsrc \
+        -Icsrc/kernels -gencode=arch=compute_90,code=sm_90 dev/test_attention_mma.cu \
+        -o dev/test_attention_mma.bin -lpthread
+    run mma_bench timeout 180 ./dev/test_attention_mma.bin --bench
 fi
 if has packbench; then
     run bench_pack timeout 150 python3 benchmarks/bench_pack.py --out "$OUT/pack_h200"
