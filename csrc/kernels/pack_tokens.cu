@@ -11,7 +11,9 @@
  * latency is a few round trips, not a walk over its rows) while B >= 256 keeps one
  * block per image. A fused block finds its first output row by counting the keep
  * bytes before it itself (8 x 16-byte loads in flight per thread: the mask is
- * L2-resident); the eager gather starts from cu_seqlens[b].
+ * L2-resident); the eager gather starts from cu_seqlens[b]. A small chunk
+ * (<= 256 positions, <= 4 vectors per thread: small B) loads all its rows before
+ * the mask is scanned and stores the kept ones, one round trip instead of two.
  * unpack: grid = (B, channel slices); one block owns all rows of its image's
  * slice, which is what orders its fill before its scatter.
  * Rows move as 16/8/4/2-byte vectors, the widest that sizes, pointers and strides
@@ -296,8 +298,48 @@ static __global__ void __launch_bounds__(kMoveThreads, kFuse ? 2 : 4)
     const int64_t c_begin = min(len, k * step), c_end = min(len, c_begin + step);
     const uint8_t *keep = a.keep + b * a.keep_stride_b; /* repack: keep_stride_b == 0 */
 
+    const int64_t es = a.elem_size;
+    const int c0 = (int)blockIdx.y * cols_per_slice;
+    const int num_cols = max(0, min(vecs_per_row - c0, cols_per_slice));
+    /* Thread tid starts at (row tid / num_cols, column tid % num_cols) of the tile;
+     * each step of kMoveThreads vectors adds (dr, dc) with a carry. */
+    const int dr = num_cols > 0 ? kMoveThreads / num_cols : 0;
+    const int dc = kMoveThreads - dr * num_cols;
+    const int r_init = num_cols > 0 ? tid / num_cols : 0;
+    const int c_init = tid - r_init * num_cols;
+    const char *x_image = static_cast<const char *>(a.x) + b * a.x_stride_b * es;
+    const int64_t x_row_bytes = a.x_stride_n * es, out_row_bytes = a.out_stride_token * es;
+
     /* The first tile's flags load while the block counts what comes before it. */
     int is_kept = c_begin + tid < c_end && keep[(start + c_begin + tid) * a.keep_stride_n] != 0;
+    /* A small chunk (small B) also loads all its rows, kept or not, right away:
+     * its copy then waits on one memory round trip instead of two. */
+    const int64_t span = c_end - c_begin;
+    const bool is_small = span <= kMoveThreads && span * num_cols <= kCopyLoads * kMoveThreads;
+    const int small_work = is_small ? (int)span * num_cols : 0;
+    V v[kCopyLoads];
+    int rr[kCopyLoads], cc[kCopyLoads];
+    {
+        int r = r_init, c = c_init;
+#pragma unroll
+        for (int u = 0; u < kCopyLoads; u++) {
+            rr[u] = r;
+            cc[u] = c0 + c;
+            r += dr;
+            c += dc;
+            if (c >= num_cols) {
+                c -= num_cols;
+                r += 1;
+            }
+        }
+#pragma unroll
+        for (int u = 0; u < kCopyLoads; u++) {
+            if (tid + u * kMoveThreads < small_work)
+                v[u] = __ldg(reinterpret_cast<const V *>(
+                                 x_image + (start + c_begin + rr[u]) * x_row_bytes) +
+                             cc[u]);
+        }
+    }
     int64_t first = 0;
     if constexpr (kIsFused) {
         first = pack_tokens_count_before(a, b, is_valid ? c_begin : 0, warp_s) +
@@ -315,20 +357,31 @@ static __global__ void __launch_bounds__(kMoveThreads, kFuse ? 2 : 4)
             warp_s);
     }
 
-    const int64_t es = a.elem_size;
-    const int c0 = (int)blockIdx.y * cols_per_slice;
-    const int num_cols = max(0, min(vecs_per_row - c0, cols_per_slice));
-    /* Thread tid starts at (row tid / num_cols, column tid % num_cols) of the tile;
-     * each step of kMoveThreads vectors adds (dr, dc) with a carry. */
-    const int dr = num_cols > 0 ? kMoveThreads / num_cols : 0;
-    const int dc = kMoveThreads - dr * num_cols;
-    const int r_init = num_cols > 0 ? tid / num_cols : 0;
-    const int c_init = tid - r_init * num_cols;
-    const char *x_image = static_cast<const char *>(a.x) + b * a.x_stride_b * es;
-    const int64_t x_row_bytes = a.x_stride_n * es, out_row_bytes = a.out_stride_token * es;
     bool is_over = false;
     int64_t carry = 0;
-    for (int64_t p0 = c_begin; p0 < c_end; p0 += kMoveThreads) {
+    if (is_small) { /* block-uniform */
+        int chunk_total = 0;
+        const int rank = pack_tokens_block_scan(is_kept, warp_s, &chunk_total);
+        token_s[tid] = is_kept ? rank : -1; /* output rank of position tid, or dropped */
+        __syncthreads();
+        const int rows = (int)max((int64_t)0, min((int64_t)chunk_total, a.capacity - first));
+        if (is_first_slice) {
+            is_over = tid == 0 && rows < chunk_total;
+            if (is_kept && rank < rows && a.indices_out != nullptr)
+                a.indices_out[(first + rank) * a.indices_stride] = (int)(start + c_begin + tid);
+        }
+        char *out_chunk = static_cast<char *>(a.out) + first * out_row_bytes;
+#pragma unroll
+        for (int u = 0; u < kCopyLoads; u++) {
+            if (tid + u * kMoveThreads < small_work) {
+                const int q = token_s[rr[u]];
+                if (q >= 0 && q < rows)
+                    reinterpret_cast<V *>(out_chunk + q * out_row_bytes)[cc[u]] = v[u];
+            }
+        }
+        carry = chunk_total;
+    }
+    for (int64_t p0 = c_begin; !is_small && p0 < c_end; p0 += kMoveThreads) {
         if (p0 != c_begin)
             is_kept = p0 + tid < c_end && keep[(start + p0 + tid) * a.keep_stride_n] != 0;
         int tile_total = 0;
@@ -348,8 +401,6 @@ static __global__ void __launch_bounds__(kMoveThreads, kFuse ? 2 : 4)
         const int work = rows * num_cols;
         int r = r_init, c = c_init;
         for (int i = tid; i < work; i += kCopyLoads * kMoveThreads) {
-            V v[kCopyLoads];
-            int rr[kCopyLoads], cc[kCopyLoads];
 #pragma unroll
             for (int u = 0; u < kCopyLoads; u++) {
                 rr[u] = r;
