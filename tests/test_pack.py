@@ -136,6 +136,97 @@ def _assert_repacked(result, packed, cu_seqlens, keep, seed):
     return int(exp_cu[-1])
 
 
+# ---- pack_into / repack_into across chunkings (exact) ----
+
+# The CUDA gather splits each image into ~2 * SMs / B chunks (at least 4 positions,
+# at most N), so these shapes run 1 chunk per image (B = 512, N = 1), multi-tile
+# chunks (B = 300, N = 1024: 4 tiles of 256 positions), and 10 to ~260 chunks
+# (B = 1, 2, 7; N = 1500), with narrow vectors (C = 30, 40) and wide rows (768).
+CHUNK_SHAPES = {
+    "cpu": [(1, 197, 30), (3, 1, 8), (2, 40, 8)],
+    "cuda": [
+        (1, 1, 64),
+        (1, 197, 384),
+        (1, 197, 768),
+        (2, 197, 384),
+        (7, 197, 30),
+        (7, 1, 64),
+        (64, 197, 384),
+        (512, 197, 384),
+        (512, 1, 40),
+        (130, 1025, 64),
+        (300, 1024, 8),
+        (1, 1500, 768),
+        (3, 1500, 40),
+    ],
+}
+
+
+def _chunk_params():
+    params = []
+    for device in ("cpu", "cuda"):
+        marks = gpu_marks() if device == "cuda" else []
+        for B, N, C in CHUNK_SHAPES[device]:
+            for dtype, keep_kind in (
+                (torch.float16, "random_bool"),
+                (torch.float16, "all_bool"),
+                (torch.float16, "cls_only_uint8"),
+                (torch.float32, "random_uint8"),
+            ):
+                name = f"{device}-{DTYPE_IDS[dtype]}-B{B}-N{N}-C{C}-{keep_kind}"
+                params.append(
+                    pytest.param(device, dtype, (B, N, C), keep_kind, marks=marks, id=name)
+                )
+    return params
+
+
+@pytest.mark.parametrize("device, dtype, shape, keep_kind", _chunk_params())
+def test_pack_into_chunked_shapes(device, dtype, shape, keep_kind, gen, seed):
+    """pack_into, pack, repack_into (plain and fused) on shapes that select each chunking."""
+    note = seed_note(seed)
+    B, N, C = shape
+    x, keep, mask = _make_pack_inputs(gen, shape, dtype, device, keep_kind)
+    exp_packed, exp_cu, exp_indices = pack_reference(x, mask.to(device))
+    total = int(exp_cu[-1])
+    capacity = B * N + 5  # guard rows past every possible total
+    out = poison((capacity, C), dtype, device)
+    cu = poison((B + 1,), torch.int32, device)
+    indices = poison((capacity,), torch.int32, device)
+    ragvit.pack_into(x, keep, out, cu, indices=indices)
+    assert torch.equal(cu.cpu(), exp_cu.cpu()), "pack_into cu_seqlens differ" + note
+    assert torch.equal(out[:total].cpu(), exp_packed.cpu()), "pack_into rows differ" + note
+    assert torch.equal(indices[:total].cpu(), exp_indices.cpu()), "pack_into indices" + note
+    assert torch.isnan(out[total:]).all(), "pack_into wrote past the total" + note
+    assert (indices[total:] == INT32_POISON).all(), "pack_into indices past the total" + note
+
+    packed, cu_eager, indices_eager = ragvit.pack(x, keep)
+    assert torch.equal(cu_eager.cpu(), exp_cu.cpu()), "pack cu_seqlens differ" + note
+    assert torch.equal(packed.cpu(), exp_packed.cpu()), "pack rows differ" + note
+    assert torch.equal(indices_eager.cpu(), exp_indices.cpu()), "pack indices differ" + note
+
+    # Second stage over the capacity buffer: rows past the total carry keep flags
+    # that must be ignored.
+    keep2 = (torch.rand((capacity,), generator=gen) < 0.6).to(device)
+    exp_out2, exp_cu2, exp_src2 = repack_reference(out, cu, keep2)
+    total2 = int(exp_cu2[-1])
+    out2 = poison((capacity, C), dtype, device)
+    cu2 = poison((B + 1,), torch.int32, device)
+    src2 = poison((capacity,), torch.int32, device)
+    ragvit.repack_into(out, cu, keep2, out2, cu2, src=src2)
+    assert torch.equal(cu2.cpu(), exp_cu2), "repack_into cu_seqlens differ" + note
+    assert torch.equal(out2[:total2].cpu(), exp_out2), "repack_into rows differ" + note
+    assert torch.equal(src2[:total2].cpu(), exp_src2), "repack_into src differs" + note
+    assert torch.isnan(out2[total2:]).all(), "repack_into wrote past the total" + note
+
+    weights = (torch.rand((capacity,), generator=gen) + 0.01).to(device)
+    out3 = poison((capacity + B, C), dtype, device)
+    cu3 = poison((B + 1,), torch.int32, device)
+    src3 = poison((capacity + B,), torch.int32, device)
+    ragvit.repack_into(out, cu, keep2, out3, cu3, src=src3, fuse_weights=weights)
+    total3 = _check_fused(out3, cu3, src3, out, cu, keep2, weights, seed)
+    assert torch.isnan(out3[total3:]).all(), "fused repack_into wrote past the total" + note
+
+
 # ---- repack (exact) ----
 
 REPACK_KEEPS = ("random", "all", "none", "first_only")

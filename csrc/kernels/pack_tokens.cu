@@ -4,15 +4,25 @@
  * repack is the same count + gather with image b read from packed rows
  * [cu_seqlens_in[b], cu_seqlens_in[b+1]); gather_prefix is unpack with N = k.
  * count: grid = (1), 1024 threads, a warp per image row, block scan in chunks of 1024.
- * gather / fused / unpack: grid = (B, channel slices), 256 threads; one block owns all
- * rows of its image's slice, which is what orders unpack's fill before its scatter.
- * fused (the _into forms, one launch, no scratch, no host sync): each block finds its
- * image's first output row by counting the keep bytes of the images before it itself,
- * 16 bytes per load; the eager forms count, read T on the host, then gather.
- * Rows move as 16/8/4/2-byte vectors, the widest that sizes, pointers and strides allow.
- * repack's fused token (EViT fusion, fuse_weights) is float32 math in the same launch;
- * those kernel variants (kFuse) get __launch_bounds__(256, 2) so nothing spills.
- * Covered by tests/test_ops.py and tests/test_pack.py (checked with torch.equal). */
+ * gather (eager, after count) and fused (the _into forms: one launch, no scratch,
+ * no host sync): grid = (B * chunks, 1), 256 threads; block (b, k) moves the kept
+ * tokens among positions [k * step, (k + 1) * step) of image b. chunks comes from
+ * (B, N, C): ~2 blocks per SM in all, so B = 1 gets dozens of short blocks (its
+ * latency is a few round trips, not a walk over its rows) while B >= 256 keeps one
+ * block per image. A fused block finds its first output row by counting the keep
+ * bytes before it itself (8 x 16-byte loads in flight per thread: the mask is
+ * L2-resident); the eager gather starts from cu_seqlens[b]. A small chunk
+ * (<= 256 positions, <= 4 vectors per thread: small B) loads all its rows before
+ * the mask is scanned and stores the kept ones, one round trip instead of two.
+ * unpack: grid = (B, channel slices); one block owns all rows of its image's
+ * slice, which is what orders its fill before its scatter.
+ * Rows move as 16/8/4/2-byte vectors, the widest that sizes, pointers and strides
+ * allow, 4 independent loads per thread before their stores.
+ * repack's fused token (EViT fusion, fuse_weights) is float32 math in the same launch,
+ * by the image's last chunk; those variants (kFuse) get __launch_bounds__(256, 2) so
+ * nothing spills.
+ * Covered by tests/test_ops.py and tests/test_pack.py (checked with torch.equal;
+ * test_pack_into_chunked_shapes forces 1 to ~50 chunks per image). */
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <stdint.h>
@@ -23,7 +33,9 @@
 
 static constexpr int kCountThreads = 1024;
 static constexpr int kMoveThreads = 256;       /* gather and unpack */
-static constexpr int kMoveRows = kMoveThreads; /* rows per step of gather / unpack */
+static constexpr int kMoveRows = kMoveThreads; /* rows per step of unpack */
+static constexpr int kCopyLoads = 4;           /* vector loads in flight per thread (gather) */
+static constexpr int kCountLoads = 8;          /* 16-byte mask loads in flight per thread */
 /* Vectors per channel slice: keeps kMoveRows * columns inside int32 in the kernels. */
 static constexpr int64_t kMaxSliceVecs = (int64_t)1 << 22;
 static constexpr unsigned kFullMask = 0xffffffffu;
@@ -101,6 +113,111 @@ static __device__ __forceinline__ void pack_tokens_make_fill(unsigned short *v,
     *v = (unsigned short)bits;
 }
 
+/* The fused token of image b's rows [start, start + len) into out row `row`,
+ * element columns [e0, e1): sum(w x) / sum(w) over the dropped rows, float32,
+ * rows in ascending order (deterministic); zeros when sum(w) == 0. Every
+ * thread sums the weights itself (broadcast loads), so no barrier is needed. */
+template <typename T>
+static __device__ __forceinline__ void pack_tokens_fuse_row(const ragvit_pack_args &a, int64_t b,
+                                                            int64_t start, int64_t len, int64_t row,
+                                                            int64_t e0, int64_t e1) {
+    const uint8_t *keep = a.keep + b * a.keep_stride_b;
+    float weight_sum = 0.0f;
+    for (int64_t n = start; n < start + len; n++) {
+        if (keep[n * a.keep_stride_n] == 0)
+            weight_sum += a.fuse_weights[n * a.fuse_weights_stride];
+    }
+    const T *x = static_cast<const T *>(a.x) + b * a.x_stride_b;
+    T *out = static_cast<T *>(a.out) + row * a.out_stride_token;
+    for (int64_t c = e0 + threadIdx.x; c < e1; c += kMoveThreads) {
+        float acc = 0.0f;
+        for (int64_t n = start; n < start + len; n++) {
+            if (keep[n * a.keep_stride_n] == 0)
+                acc += a.fuse_weights[n * a.fuse_weights_stride] *
+                       float_elems_load(x + n * a.x_stride_n + c);
+        }
+        float_elems_store(out + c, weight_sum != 0.0f ? acc / weight_sum : 0.0f);
+    }
+}
+
+/* Nonzero bytes among the four of w, without branches: bit 7 of each byte of
+ * (w & 0x7f..) + 0x7f.. is set iff its low 7 bits are nonzero (no carry crosses
+ * a byte), OR w puts back the bytes whose own bit 7 was set. */
+static __device__ __forceinline__ int pack_tokens_nonzero_bytes(unsigned int w) {
+    return __popc((((w & 0x7f7f7f7fu) + 0x7f7f7f7fu) | w) & 0x80808080u);
+}
+
+/* This thread's share of the nonzero bytes among p[e * stride], e in [0, n).
+ * Unit stride reads 16 bytes per load, kCountLoads independent loads per thread
+ * before any is used, so a block covers 32 KB of mask per memory round trip. */
+static __device__ __forceinline__ int pack_tokens_count_local(const uint8_t *p, int64_t stride,
+                                                              int64_t n) {
+    const int tid = threadIdx.x;
+    int local = 0;
+    if (n <= 0)
+        return 0;
+    if (stride != 1) {
+        for (int64_t e = tid; e < n; e += kMoveThreads)
+            local += p[e * stride] != 0;
+        return local;
+    }
+    const int64_t head = min(n, (int64_t)((16 - ((uintptr_t)p & 15)) & 15));
+    if (tid < head)
+        local += p[tid] != 0;
+    const uint4 *v = reinterpret_cast<const uint4 *>(p + head); /* 16-byte aligned */
+    const int64_t num_vecs = (n - head) >> 4;
+    for (int64_t i0 = 0; i0 < num_vecs; i0 += kCountLoads * kMoveThreads) {
+        uint4 w[kCountLoads];
+#pragma unroll
+        for (int j = 0; j < kCountLoads; j++) {
+            const int64_t i = i0 + j * kMoveThreads + tid;
+            w[j] = i < num_vecs ? __ldg(v + i) : make_uint4(0, 0, 0, 0);
+        }
+#pragma unroll
+        for (int j = 0; j < kCountLoads; j++)
+            local += pack_tokens_nonzero_bytes(w[j].x) + pack_tokens_nonzero_bytes(w[j].y) +
+                     pack_tokens_nonzero_bytes(w[j].z) + pack_tokens_nonzero_bytes(w[j].w);
+    }
+    const int64_t done = head + (num_vecs << 4);
+    if (tid < n - done) /* fewer than 16 left */
+        local += p[done + tid] != 0;
+    return local;
+}
+
+/* Sum of x over the block, to every thread (all must call). */
+static __device__ __forceinline__ int64_t pack_tokens_block_sum(int x, int *warp_s) {
+    int total = 0;
+    pack_tokens_block_scan(x, warp_s, &total);
+    __syncthreads(); /* warp_s is reused by the caller's next scan */
+    return total;
+}
+
+/* Kept tokens before image b's position `pos` in packing order, summed over the
+ * block (all threads get it; all must call). pack: keep elements [0, b*N + pos)
+ * of the (B, N) mask; repack: rows [cu_in[0], cu_in[b] + pos) clamped to [0, T],
+ * which for valid cu_seqlens_in are exactly the rows before it (for garbage: any
+ * in-bounds count, the bad image is flagged). keep is B*N bytes and L2-resident
+ * after the first blocks touch it, so this is one or two round trips per block. */
+static __device__ int64_t pack_tokens_count_before(const ragvit_pack_args &a, int64_t b,
+                                                   int64_t pos, int *warp_s) {
+    int local = 0;
+    if (a.cu_seqlens_in != nullptr) {
+        const int64_t lo = max((int64_t)0, (int64_t)a.cu_seqlens_in[0]);
+        int64_t hi = min(a.seqlen, (int64_t)a.cu_seqlens_in[b * a.cu_seqlens_in_stride] + pos);
+        hi = max(hi, lo);
+        local = pack_tokens_count_local(a.keep + lo * a.keep_stride_n, a.keep_stride_n, hi - lo);
+    } else if (a.keep_stride_b == a.seqlen * a.keep_stride_n) { /* flat: e at keep[e * s_n] */
+        local = pack_tokens_count_local(a.keep, a.keep_stride_n, b * a.seqlen + pos);
+    } else {
+        const int64_t hi = b * a.seqlen + pos;
+        for (int64_t e = threadIdx.x; e < hi; e += kMoveThreads) {
+            const int64_t i = e / a.seqlen;
+            local += a.keep[i * a.keep_stride_b + (e - i * a.seqlen) * a.keep_stride_n] != 0;
+        }
+    }
+    return pack_tokens_block_sum(local, warp_s);
+}
+
 // ---- kernels ----
 
 static __global__ void __launch_bounds__(kCountThreads)
@@ -147,216 +264,197 @@ static __global__ void __launch_bounds__(kCountThreads)
     }
 }
 
-/* The fused token of image b's rows [start, start + len) into out row `row`,
- * element columns [e0, e1): sum(w x) / sum(w) over the dropped rows, float32,
- * rows in ascending order (deterministic); zeros when sum(w) == 0. Every
- * thread sums the weights itself (broadcast loads), so no barrier is needed. */
-template <typename T>
-static __device__ __forceinline__ void pack_tokens_fuse_row(const ragvit_pack_args &a, int64_t b,
-                                                            int64_t start, int64_t len, int64_t row,
-                                                            int64_t e0, int64_t e1) {
-    const uint8_t *keep = a.keep + b * a.keep_stride_b;
-    float weight_sum = 0.0f;
-    for (int64_t n = start; n < start + len; n++) {
-        if (keep[n * a.keep_stride_n] == 0)
-            weight_sum += a.fuse_weights[n * a.fuse_weights_stride];
-    }
-    const T *x = static_cast<const T *>(a.x) + b * a.x_stride_b;
-    T *out = static_cast<T *>(a.out) + row * a.out_stride_token;
-    for (int64_t c = e0 + threadIdx.x; c < e1; c += kMoveThreads) {
-        float acc = 0.0f;
-        for (int64_t n = start; n < start + len; n++) {
-            if (keep[n * a.keep_stride_n] == 0)
-                acc += a.fuse_weights[n * a.fuse_weights_stride] *
-                       float_elems_load(x + n * a.x_stride_n + c);
-        }
-        float_elems_store(out + c, weight_sum != 0.0f ? acc / weight_sum : 0.0f);
-    }
-}
 
-/* Block (b, y) copies vector columns [y * cols_per_slice, ...) of image b's kept
- * tokens to rows first, first + 1, ...; slice 0 also writes indices_out. Rows
- * past capacity are skipped and flagged. Returns the image's kept count (to
- * every thread). Every thread must call it (block scans inside). */
-template <typename V, bool kFuse>
-static __device__ int64_t pack_tokens_gather_rows(const ragvit_pack_args &a, int64_t b,
-                                                  int64_t first, int vecs_per_row,
-                                                  int cols_per_slice, int *token_s, int *warp_s) {
+/* Block (k, y) of image b = blockIdx.x / chunks copies the kept tokens among
+ * positions [k * step, (k + 1) * step) of the image (step = ceil(len / chunks))
+ * to consecutive rows, vector columns [y * cols_per_slice, ...) only; slice 0
+ * also writes indices_out and, in the fused form, cu_seqlens. Its first output
+ * row: kIsFused: the kept tokens before it in packing order, counted by the
+ * block itself (pack_tokens_count_before: no scratch, no cross-block waiting,
+ * so any launch order and graph replay are safe); otherwise cu_seqlens[b],
+ * written by the count kernel, plus the kept tokens of the image before the
+ * chunk. The last chunk also writes the fused token (kFuse) and, fused,
+ * cu_seqlens[b + 1] (block 0 also cu_seqlens[0]). Rows past capacity are
+ * skipped and flagged. Every row moves as kCopyLoads independent vector loads
+ * per thread, then the stores; rows and columns advance by constant steps, so
+ * the copy loop divides nothing. */
+template <typename V, bool kFuse, bool kIsFused>
+static __global__ void __launch_bounds__(kMoveThreads, kFuse ? 2 : 4)
+    pack_tokens_chunk_kernel(const ragvit_pack_args a, int chunks, int vecs_per_row,
+                             int cols_per_slice) {
+    __shared__ int token_s[kMoveThreads]; /* source position of each kept token of the tile */
+    __shared__ int warp_s[32];
     const int tid = threadIdx.x;
+    const int64_t b = blockIdx.x / (unsigned)chunks;
+    const int k = (int)(blockIdx.x - b * chunks);
     const bool is_first_slice = blockIdx.y == 0;
+    const bool is_last_chunk = k == chunks - 1;
+    const bool should_write = is_first_slice && tid == 0;
+    int64_t start = 0, len = 0; /* a bad repack range reads as empty */
+    const bool is_valid = pack_tokens_range(a, b, &start, &len);
+    if (kIsFused && !is_valid && k == 0 && should_write)
+        pack_tokens_flag(a.error_flag, RAGVIT_ERROR_BAD_CU_SEQLENS);
+    const int64_t step = (len + chunks - 1) / chunks;
+    const int64_t c_begin = min(len, k * step), c_end = min(len, c_begin + step);
+    const uint8_t *keep = a.keep + b * a.keep_stride_b; /* repack: keep_stride_b == 0 */
+
+    const int64_t es = a.elem_size;
     const int c0 = (int)blockIdx.y * cols_per_slice;
     const int num_cols = max(0, min(vecs_per_row - c0, cols_per_slice));
-    const int64_t es = a.elem_size;
+    /* Thread tid starts at (row tid / num_cols, column tid % num_cols) of the tile;
+     * each step of kMoveThreads vectors adds (dr, dc) with a carry. */
+    const int dr = num_cols > 0 ? kMoveThreads / num_cols : 0;
+    const int dc = kMoveThreads - dr * num_cols;
+    const int r_init = num_cols > 0 ? tid / num_cols : 0;
+    const int c_init = tid - r_init * num_cols;
     const char *x_image = static_cast<const char *>(a.x) + b * a.x_stride_b * es;
-    char *out = static_cast<char *>(a.out);
-    int64_t start = 0, len = 0; /* a bad repack range reads as empty (flagged elsewhere) */
-    pack_tokens_range(a, b, &start, &len);
+    const int64_t x_row_bytes = a.x_stride_n * es, out_row_bytes = a.out_stride_token * es;
+
+    /* The first tile's flags load while the block counts what comes before it. */
+    int is_kept = c_begin + tid < c_end && keep[(start + c_begin + tid) * a.keep_stride_n] != 0;
+    /* A small chunk (small B) also loads all its rows, kept or not, right away:
+     * its copy then waits on one memory round trip instead of two. */
+    const int64_t span = c_end - c_begin;
+    const bool is_small = span <= kMoveThreads && span * num_cols <= kCopyLoads * kMoveThreads;
+    const int small_work = is_small ? (int)span * num_cols : 0;
+    V v[kCopyLoads];
+    int rr[kCopyLoads], cc[kCopyLoads];
+    {
+        int r = r_init, c = c_init;
+#pragma unroll
+        for (int u = 0; u < kCopyLoads; u++) {
+            rr[u] = r;
+            cc[u] = c0 + c;
+            r += dr;
+            c += dc;
+            if (c >= num_cols) {
+                c -= num_cols;
+                r += 1;
+            }
+        }
+#pragma unroll
+        for (int u = 0; u < kCopyLoads; u++) {
+            if (tid + u * kMoveThreads < small_work)
+                v[u] = __ldg(reinterpret_cast<const V *>(
+                                 x_image + (start + c_begin + rr[u]) * x_row_bytes) +
+                             cc[u]);
+        }
+    }
+    int64_t first = 0;
+    if constexpr (kIsFused) {
+        first = pack_tokens_count_before(a, b, is_valid ? c_begin : 0, warp_s) +
+                (a.is_fusing ? b : 0);
+    } else {
+        first = a.cu_seqlens[b * a.cu_seqlens_stride]; /* uniform over the block */
+        if (first < 0 || first > a.capacity) {
+            if (should_write && k == 0)
+                pack_tokens_flag(a.error_flag, first < 0 ? RAGVIT_ERROR_BAD_CU_SEQLENS
+                                                         : RAGVIT_ERROR_CAPACITY);
+            return;
+        }
+        first += pack_tokens_block_sum(
+            pack_tokens_count_local(keep + start * a.keep_stride_n, a.keep_stride_n, c_begin),
+            warp_s);
+    }
+
     bool is_over = false;
     int64_t carry = 0;
-    for (int64_t n0 = 0; n0 < len; n0 += kMoveRows) {
-        const int64_t n = start + n0 + tid; /* < 2^31: B*N (pack) or T (repack) is checked */
-        const int is_kept =
-            n0 + tid < len && a.keep[b * a.keep_stride_b + n * a.keep_stride_n] != 0;
+    if (is_small) { /* block-uniform */
         int chunk_total = 0;
         const int rank = pack_tokens_block_scan(is_kept, warp_s, &chunk_total);
-        if (is_kept)
-            token_s[rank] = (int)n;
+        token_s[tid] = is_kept ? rank : -1; /* output rank of position tid, or dropped */
+        __syncthreads();
+        const int rows = (int)max((int64_t)0, min((int64_t)chunk_total, a.capacity - first));
+        if (is_first_slice) {
+            is_over = tid == 0 && rows < chunk_total;
+            if (is_kept && rank < rows && a.indices_out != nullptr)
+                a.indices_out[(first + rank) * a.indices_stride] = (int)(start + c_begin + tid);
+        }
+        char *out_chunk = static_cast<char *>(a.out) + first * out_row_bytes;
+#pragma unroll
+        for (int u = 0; u < kCopyLoads; u++) {
+            if (tid + u * kMoveThreads < small_work) {
+                const int q = token_s[rr[u]];
+                if (q >= 0 && q < rows)
+                    reinterpret_cast<V *>(out_chunk + q * out_row_bytes)[cc[u]] = v[u];
+            }
+        }
+        carry = chunk_total;
+    }
+    for (int64_t p0 = c_begin; !is_small && p0 < c_end; p0 += kMoveThreads) {
+        if (p0 != c_begin)
+            is_kept = p0 + tid < c_end && keep[(start + p0 + tid) * a.keep_stride_n] != 0;
+        int tile_total = 0;
+        const int rank = pack_tokens_block_scan(is_kept, warp_s, &tile_total);
+        if (is_kept) /* < 2^31: B*N (pack) or T (repack) is checked */
+            token_s[rank] = (int)(start + p0 + tid);
         __syncthreads();
 
         const int64_t row0 = first + carry;
-        if (is_first_slice && tid < chunk_total) {
-            const int64_t row = row0 + tid;
-            if (row < a.capacity) {
-                if (a.indices_out != nullptr)
-                    a.indices_out[row * a.indices_stride] = token_s[tid];
-            } else {
-                is_over = true;
+        const int rows = (int)max((int64_t)0, min((int64_t)tile_total, a.capacity - row0));
+        if (is_first_slice) {
+            is_over |= tid == 0 && rows < tile_total;
+            if (tid < rows && a.indices_out != nullptr)
+                a.indices_out[(row0 + tid) * a.indices_stride] = token_s[tid];
+        }
+        char *out_tile = static_cast<char *>(a.out) + row0 * out_row_bytes;
+        const int work = rows * num_cols;
+        int r = r_init, c = c_init;
+        for (int i = tid; i < work; i += kCopyLoads * kMoveThreads) {
+#pragma unroll
+            for (int u = 0; u < kCopyLoads; u++) {
+                rr[u] = r;
+                cc[u] = c0 + c;
+                r += dr;
+                c += dc;
+                if (c >= num_cols) {
+                    c -= num_cols;
+                    r += 1;
+                }
+            }
+#pragma unroll
+            for (int u = 0; u < kCopyLoads; u++) {
+                if (i + u * kMoveThreads < work)
+                    v[u] = __ldg(reinterpret_cast<const V *>(
+                                     x_image + (int64_t)token_s[rr[u]] * x_row_bytes) +
+                                 cc[u]);
+            }
+#pragma unroll
+            for (int u = 0; u < kCopyLoads; u++) {
+                if (i + u * kMoveThreads < work)
+                    reinterpret_cast<V *>(out_tile + rr[u] * out_row_bytes)[cc[u]] = v[u];
             }
         }
-        const int work = chunk_total * num_cols;
-        for (int i = tid; i < work; i += kMoveThreads) {
-            const int r = i / num_cols;
-            const int c = c0 + (i - r * num_cols);
-            const int64_t row = row0 + r;
-            if (row < a.capacity) {
-                const V *src = reinterpret_cast<const V *>(
-                    x_image + (int64_t)token_s[r] * a.x_stride_n * es);
-                V *dst = reinterpret_cast<V *>(out + row * a.out_stride_token * es);
-                dst[c] = src[c];
-            }
-        }
-        carry += chunk_total;
-        __syncthreads(); /* token_s and warp_s are rewritten by the next chunk */
+        carry += tile_total;
+        __syncthreads(); /* token_s and warp_s are rewritten by the next tile */
     }
     if constexpr (kFuse) { /* a.is_fusing */
-        const int64_t row = first + carry;
-        if (row < a.capacity) {
-            const int64_t per_vec = (int64_t)sizeof(V) / es; /* vec_bytes >= elem_size */
-            const int64_t e0 = c0 * per_vec, e1 = (c0 + num_cols) * per_vec;
-            if (a.dtype == RAGVIT_DTYPE_F16)
-                pack_tokens_fuse_row<__half>(a, b, start, len, row, e0, e1);
-            else if (a.dtype == RAGVIT_DTYPE_BF16)
-                pack_tokens_fuse_row<__nv_bfloat16>(a, b, start, len, row, e0, e1);
-            else
-                pack_tokens_fuse_row<float>(a, b, start, len, row, e0, e1);
-            if (is_first_slice && tid == 0 && a.indices_out != nullptr)
-                a.indices_out[row * a.indices_stride] = -1;
-        } else if (is_first_slice && tid == 0) {
-            is_over = true;
+        if (is_last_chunk) {
+            const int64_t row = first + carry;
+            if (row < a.capacity) {
+                const int64_t per_vec = (int64_t)sizeof(V) / es; /* vec_bytes >= elem_size */
+                const int64_t e0 = c0 * per_vec, e1 = (c0 + num_cols) * per_vec;
+                if (a.dtype == RAGVIT_DTYPE_F16)
+                    pack_tokens_fuse_row<__half>(a, b, start, len, row, e0, e1);
+                else if (a.dtype == RAGVIT_DTYPE_BF16)
+                    pack_tokens_fuse_row<__nv_bfloat16>(a, b, start, len, row, e0, e1);
+                else
+                    pack_tokens_fuse_row<float>(a, b, start, len, row, e0, e1);
+                if (should_write && a.indices_out != nullptr)
+                    a.indices_out[row * a.indices_stride] = -1;
+            } else if (should_write) {
+                is_over = true;
+            }
         }
         carry += 1;
     }
     if (is_over)
         pack_tokens_flag(a.error_flag, RAGVIT_ERROR_CAPACITY);
-    return carry;
-}
-
-/* Nonzero bytes among the four of w, without branches: bit 7 of each byte of
- * (w & 0x7f..) + 0x7f.. is set iff its low 7 bits are nonzero (no carry crosses
- * a byte), OR w puts back the bytes whose own bit 7 was set. */
-static __device__ __forceinline__ int pack_tokens_nonzero_bytes(unsigned int w) {
-    return __popc((((w & 0x7f7f7f7fu) + 0x7f7f7f7fu) | w) & 0x80808080u);
-}
-
-/* Kept tokens of every image before b in packing order, summed over the block
- * (all threads get it; all must call). pack: keep elements [0, b*N) of the
- * (B, N) mask; repack: rows [cu_in[0], cu_in[b]) clamped to [0, T], which for
- * valid cu_seqlens_in are exactly images 0..b-1 (for garbage: any in-bounds
- * count, the bad image is flagged). Unit-stride ranges are read 16 bytes at a
- * time: keep is B*N bytes and L2-resident, so this is cheap next to the rows. */
-static __device__ int64_t pack_tokens_count_before(const ragvit_pack_args &a, int64_t b,
-                                                   int *warp_s) {
-    const int tid = threadIdx.x;
-    int64_t lo = 0, hi = 0;
-    bool is_flat = true; /* element e lives at keep[e * keep_stride_n] */
-    if (a.cu_seqlens_in != nullptr) {
-        lo = max((int64_t)0, (int64_t)a.cu_seqlens_in[0]);
-        hi = min(a.seqlen, (int64_t)a.cu_seqlens_in[b * a.cu_seqlens_in_stride]);
-        hi = max(hi, lo);
-    } else {
-        hi = b * a.seqlen;
-        is_flat = a.keep_stride_b == a.seqlen * a.keep_stride_n;
-    }
-    int local = 0;
-    if (is_flat && a.keep_stride_n == 1) {
-        const uint8_t *p = a.keep + lo;
-        const int64_t n = hi - lo;
-        const int64_t head = min(n, (int64_t)((16 - ((uintptr_t)p & 15)) & 15));
-        if (tid < head)
-            local += p[tid] != 0;
-        const uint4 *v = reinterpret_cast<const uint4 *>(p + head); /* 16-byte aligned */
-        const int64_t num_vecs = (n - head) >> 4;
-#pragma unroll 4
-        for (int64_t i = tid; i < num_vecs; i += kMoveThreads) {
-            const uint4 w = v[i];
-            local += pack_tokens_nonzero_bytes(w.x) + pack_tokens_nonzero_bytes(w.y) +
-                     pack_tokens_nonzero_bytes(w.z) + pack_tokens_nonzero_bytes(w.w);
-        }
-        const int64_t done = head + (num_vecs << 4);
-        if (tid < n - done) /* fewer than 16 left */
-            local += p[done + tid] != 0;
-    } else if (is_flat) {
-        for (int64_t e = lo + tid; e < hi; e += kMoveThreads)
-            local += a.keep[e * a.keep_stride_n] != 0;
-    } else {
-        for (int64_t e = tid; e < hi; e += kMoveThreads) {
-            const int64_t i = e / a.seqlen;
-            local += a.keep[i * a.keep_stride_b + (e - i * a.seqlen) * a.keep_stride_n] != 0;
-        }
-    }
-    int total = 0;
-    pack_tokens_block_scan(local, warp_s, &total);
-    __syncthreads(); /* warp_s is reused by the caller's next scan */
-    return total;
-}
-
-/* Two-step path (eager pack / repack): cu_seqlens was written by the count
- * kernel; block (b, y) gathers image b from row cu_seqlens[b]. */
-template <typename V, bool kFuse>
-static __global__ void __launch_bounds__(kMoveThreads, kFuse ? 2 : 4)
-    pack_tokens_gather_kernel(const ragvit_pack_args a, int vecs_per_row, int cols_per_slice) {
-    __shared__ int token_s[kMoveRows]; /* source row of each kept token of the chunk */
-    __shared__ int warp_s[32];
-    const int64_t b = blockIdx.x;
-    const bool should_flag = blockIdx.y == 0 && threadIdx.x == 0;
-    const int64_t first = a.cu_seqlens[b * a.cu_seqlens_stride];
-    /* Uniform over the block: every thread read the same entry. */
-    if (first < 0) {
-        if (should_flag)
-            pack_tokens_flag(a.error_flag, RAGVIT_ERROR_BAD_CU_SEQLENS);
-        return;
-    }
-    if (first > a.capacity) {
-        if (should_flag)
-            pack_tokens_flag(a.error_flag, RAGVIT_ERROR_CAPACITY);
-        return;
-    }
-    pack_tokens_gather_rows<V, kFuse>(a, b, first, vecs_per_row, cols_per_slice, token_s, warp_s);
-}
-
-/* One-launch path (pack_into / repack_into): block (b, y) counts the kept
- * tokens of the images before b itself (no scratch, no cross-block waiting, so
- * any launch order and graph replay are safe), gathers image b, and slice 0
- * writes cu_seqlens[b + 1] (block 0 also cu_seqlens[0]). */
-template <typename V, bool kFuse>
-static __global__ void __launch_bounds__(kMoveThreads, kFuse ? 2 : 4)
-    pack_tokens_fused_kernel(const ragvit_pack_args a, int vecs_per_row, int cols_per_slice) {
-    __shared__ int token_s[kMoveRows];
-    __shared__ int warp_s[32];
-    const int64_t b = blockIdx.x;
-    const bool should_write = blockIdx.y == 0 && threadIdx.x == 0;
-    int64_t start = 0, len = 0;
-    if (!pack_tokens_range(a, b, &start, &len) && should_write)
-        pack_tokens_flag(a.error_flag, RAGVIT_ERROR_BAD_CU_SEQLENS);
-    const int64_t first =
-        pack_tokens_count_before(a, b, warp_s) + (a.is_fusing ? b : 0);
-    const int64_t count =
-        pack_tokens_gather_rows<V, kFuse>(a, b, first, vecs_per_row, cols_per_slice, token_s,
-                                          warp_s);
-    if (should_write) {
-        if (b == 0)
+    if (kIsFused && should_write) {
+        if (b == 0 && k == 0)
             a.cu_seqlens[0] = 0;
-        a.cu_seqlens[(b + 1) * a.cu_seqlens_stride] = (int32_t)(first + count);
+        if (is_last_chunk)
+            a.cu_seqlens[(b + 1) * a.cu_seqlens_stride] = (int32_t)(first + carry);
     }
 }
 
@@ -512,25 +610,59 @@ extern "C" ragvit_status ragvit_cuda_pack_count(const ragvit_pack_args *a,
     return RAGVIT_STATUS_OK;
 }
 
+/* Chunks per image of the gather: enough blocks for about two per SM (B = 1
+ * gets dozens of small blocks instead of one serial walk over its rows; B >= 2
+ * blocks per SM keeps one block per image, so each block's count of the mask
+ * before it is paid ~B times, not more), each chunk at least 4 positions and
+ * enough to give every thread a vector; B * chunks fits grid.x. avg_len: N
+ * (pack) or T / B (repack; lengths vary, every image gets the same chunks). */
+static int pack_tokens_chunks(int64_t batch, int64_t avg_len, int64_t vecs,
+                              const ragvit_device_info *dev) {
+    const int64_t sm_count = dev->sm_count > 0 ? dev->sm_count : 1;
+    int64_t chunks = (2 * sm_count + batch - 1) / batch;
+    int64_t min_len = vecs > 0 ? (kMoveThreads + vecs - 1) / vecs : kMoveThreads;
+    if (min_len < 4)
+        min_len = 4;
+    const int64_t most = avg_len / min_len;
+    if (chunks > most)
+        chunks = most;
+    if (chunks > INT32_MAX / batch)
+        chunks = INT32_MAX / batch;
+    return chunks < 1 ? 1 : (int)chunks;
+}
+
+/* Splits rows into grid.y column slices only where a slice would overflow the
+ * kernel's int math (rows above 2^22 vectors). */
+static void pack_tokens_gather_slices(int64_t vecs, int *num_slices, int *cols_per_slice) {
+    int64_t slices = (vecs + kMaxSliceVecs - 1) / kMaxSliceVecs;
+    if (slices < 1)
+        slices = 1;
+    int64_t cols = (vecs + slices - 1) / slices;
+    *num_slices = cols > 0 ? (int)((vecs + cols - 1) / cols) : 1;
+    *cols_per_slice = (int)cols;
+}
+
 template <typename V>
 static ragvit_status pack_tokens_gather_launch(const ragvit_pack_args *a, int vec_bytes,
                                                bool is_fused, const ragvit_device_info *dev,
                                                cudaStream_t stream) {
     const int64_t vecs = a->channels * a->elem_size / vec_bytes;
     int slices = 1, cols = 0;
-    pack_tokens_slices(vecs, a->batch, dev, &slices, &cols);
-    const dim3 grid((unsigned)a->batch, (unsigned)slices);
+    pack_tokens_gather_slices(vecs, &slices, &cols);
+    const int64_t avg_len = a->cu_seqlens_in != nullptr ? a->seqlen / a->batch : a->seqlen;
+    const int chunks = pack_tokens_chunks(a->batch, avg_len, vecs, dev);
+    const dim3 grid((unsigned)(a->batch * chunks), (unsigned)slices);
+    const int v = (int)vecs;
     /* The fusing variants (repack with fuse_weights) get more registers each. */
     const bool is_fusing = a->is_fusing;
     if (is_fused && is_fusing)
-        pack_tokens_fused_kernel<V, true><<<grid, kMoveThreads, 0, stream>>>(*a, (int)vecs, cols);
+        pack_tokens_chunk_kernel<V, true, true><<<grid, kMoveThreads, 0, stream>>>(*a, chunks, v, cols);
     else if (is_fused)
-        pack_tokens_fused_kernel<V, false><<<grid, kMoveThreads, 0, stream>>>(*a, (int)vecs, cols);
+        pack_tokens_chunk_kernel<V, false, true><<<grid, kMoveThreads, 0, stream>>>(*a, chunks, v, cols);
     else if (is_fusing)
-        pack_tokens_gather_kernel<V, true><<<grid, kMoveThreads, 0, stream>>>(*a, (int)vecs, cols);
+        pack_tokens_chunk_kernel<V, true, false><<<grid, kMoveThreads, 0, stream>>>(*a, chunks, v, cols);
     else
-        pack_tokens_gather_kernel<V, false>
-            <<<grid, kMoveThreads, 0, stream>>>(*a, (int)vecs, cols);
+        pack_tokens_chunk_kernel<V, false, false><<<grid, kMoveThreads, 0, stream>>>(*a, chunks, v, cols);
     CUDA_TRY(cudaGetLastError());
     return RAGVIT_STATUS_OK;
 }
