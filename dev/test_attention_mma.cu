@@ -10,10 +10,12 @@
  * the first bitwise. Build and run from the repository root on the GPU machine:
  *   nvcc -std=c++17 -O3 -DRAGVIT_WITH_CUDA -Icsrc -Icsrc/kernels \
  *     -gencode=arch=compute_80,code=sm_80 -gencode=arch=compute_90,code=sm_90 \
- *     dev/test_attention_mma.cu -o /tmp/test_attention_mma -lpthread && /tmp/test_attention_mma
+ *     dev/test_attention_mma.cu -o dev/test_attention_mma.bin -lpthread \
+ *   && ./dev/test_attention_mma.bin && ./dev/test_attention_mma.bin --bench
  * Prints one line per case and "ALL PASS" (exit 0) or "FAIL: n case(s)" (exit 1). --quick runs
- * small cases only (for compute-sanitizer --tool racecheck/memcheck); --bench adds GPU timings
- * of DeiT shapes: the planner's choice and every forced variant, one table. */
+ * small cases only (for compute-sanitizer --tool racecheck/memcheck); --bench runs only the
+ * GPU timings of DeiT shapes (the planner's choice and every forced variant, one table), so
+ * run it after a passing self-test. */
 #include <algorithm>
 #include <atomic>
 #include <cmath>
@@ -823,6 +825,11 @@ int main(int argc, char **argv) {
         return 1;
     }
 
+    if (is_bench) { /* correctness is the plain run's job (run it first) */
+        bench();
+        return 0;
+    }
+
     int failures = check_supports();
     const int dtypes[] = {RAGVIT_DTYPE_F16, RAGVIT_DTYPE_BF16};
     const std::vector<int> dims =
@@ -895,8 +902,6 @@ int main(int argc, char **argv) {
         failures += run_case(c);
     }
 
-    if (is_bench)
-        bench();
     if (failures == 0) {
         printf("ALL PASS\n");
         return 0;
