@@ -1,5 +1,5 @@
 """Build ragvit._C: nvcc compiles csrc/kernels/*.cu to objects (when nvcc is found), then
-one setuptools Extension links them with the C core. RAGVIT_CUDA_ARCHS="80;86;89;90" picks
+one setuptools Extension links them with the C core. RAGVIT_CUDA_ARCHS="80;90" picks
 the SASS targets (PTX of the newest is embedded too); RAGVIT_WERROR=1 adds -Werror;
 RAGVIT_NO_CUDA=1 builds the CPU-only module even where nvcc exists."""
 import glob, os, shutil, subprocess, sys
@@ -32,14 +32,15 @@ class BuildExt(build_ext):
         if cuda is None:
             print("ragvit: nvcc not found (CUDA_HOME, CUDA_PATH, PATH): building a CPU-only module")
         else:
-            archs = os.environ.get("RAGVIT_CUDA_ARCHS", "80;86;89;90").replace(",", ";").split(";")
+            # sm_80 SASS also runs on 8.6/8.9; sm_90 SASS + PTX for Hopper and newer
+            archs = os.environ.get("RAGVIT_CUDA_ARCHS", "80;90").replace(",", ";").split(";")
             gencode = [f"-gencode=arch=compute_{a},code=sm_{a}" for a in archs]
             gencode.append(f"-gencode=arch=compute_{archs[-1]},code=compute_{archs[-1]}")
             os.makedirs(self.build_temp, exist_ok=True)
             sources = sorted(glob.glob(os.path.join(ROOT, "csrc", "kernels", "*.cu")))
             objects = [os.path.join(self.build_temp, os.path.basename(s) + ".o") for s in sources]
             flags = ["-std=c++17", "-O3", "-DRAGVIT_WITH_CUDA", "-Xcompiler", "-fPIC," + ",".join(WARN),
-                     "-I" + os.path.join(ROOT, "csrc"), "--expt-relaxed-constexpr", *gencode]
+                     "-I" + os.path.join(ROOT, "csrc"), "--expt-relaxed-constexpr", "--threads", "0", *gencode]
             nvcc = [os.path.join(cuda, "bin", "nvcc"), *flags]
             with ThreadPoolExecutor(max(1, os.cpu_count() or 1)) as pool:
                 jobs = [pool.submit(subprocess.check_call, nvcc + ["-c", s, "-o", o])
