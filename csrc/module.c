@@ -1304,16 +1304,33 @@ static PyObject *py_is_debug(PyObject *module, PyObject *unused) {
     return PyBool_FromLong(((module_state *)PyModule_GetState(module))->ctx.is_debug);
 }
 
+/* _launch_empty(device=0, stream=0, *args, **kwargs): the benchmarks' floor.
+ * Arguments past device and stream, positional or keyword, are accepted and
+ * ignored, so the floor can be called with exactly the call shape of the op it
+ * is compared with (same argument count, same keyword names). */
 static PyObject *py_launch_empty(PyObject *module, PyObject *const *args, Py_ssize_t nargs,
                                  PyObject *kwnames) {
-    static const char *const names[] = {"device", "stream"};
-    PyObject *values[2];
+    PyObject *device_obj = nargs > 0 ? args[0] : NULL; /* borrowed */
+    PyObject *stream_obj = nargs > 1 ? args[1] : NULL; /* borrowed */
+    Py_ssize_t nkw = kwnames ? PyTuple_GET_SIZE(kwnames) : 0;
+    for (Py_ssize_t j = 0; j < nkw; j++) {
+        PyObject *key = PyTuple_GET_ITEM(kwnames, j); /* borrowed */
+        int index = PyUnicode_CompareWithASCIIString(key, "device") == 0   ? 0
+                    : PyUnicode_CompareWithASCIIString(key, "stream") == 0 ? 1
+                                                                           : -1;
+        if (index < 0) continue;
+        if (index < nargs) {
+            PyErr_Format(PyExc_TypeError,
+                         "launch_empty() got multiple values for argument '%U'", key);
+            return NULL;
+        }
+        *(index == 0 ? &device_obj : &stream_obj) = args[nargs + j];
+    }
     call_state cs;
     call_init(&cs, module, "launch_empty");
-    if (parse_args(cs.op, args, nargs, kwnames, names, 2, 2, 0, values)) return NULL;
-    long device = values[0] ? PyLong_AsLong(values[0]) : 0;
+    long device = (device_obj && device_obj != Py_None) ? PyLong_AsLong(device_obj) : 0;
     if (device == -1 && PyErr_Occurred()) return NULL;
-    if (parse_stream(&cs, values[1])) return NULL;
+    if (parse_stream(&cs, stream_obj == Py_None ? NULL : stream_obj)) return NULL;
     if (raise_status(ragvit_launch_empty(&cs.st->ctx, (int32_t)device, cs.stream))) return NULL;
     Py_RETURN_NONE;
 }
@@ -1343,7 +1360,8 @@ static PyMethodDef module_methods[] = {
      "if a kernel flagged bad device contents (cu_seqlens, capacity, indices)."},
     {"is_debug", py_is_debug, METH_NOARGS, "is_debug() -> bool\n\nWhether debug checks are on."},
     {"_launch_empty", (PyCFunction)(void (*)(void))py_launch_empty, METH_FASTCALL | METH_KEYWORDS,
-     "_launch_empty(device=0, stream=0) -> None\n\nLaunch an empty kernel (benchmark floor)."},
+     "_launch_empty(device=0, stream=0, *args, **kwargs) -> None\n\nLaunch an empty kernel "
+     "(benchmark floor); further arguments are ignored."},
     {NULL, NULL, 0, NULL},
 };
 
