@@ -7,6 +7,10 @@ q/k/v are views of one (T, 3, H, D) qkv buffer, as a ViT block produces them.
 Correctness is checked first against a float64 per-sequence reference; then host time
 (Python → enqueued, median of 1000 calls) and GPU time (CUDA-graph replay) are measured
 for ragvit and every baseline in the same process, with the empty-kernel launch floor.
+ragvit and the floor are timed interleaved (alternating blocks, many rounds) and called
+with the same Python call shape (a method loading six attributes, one module global, a
+METH_FASTCALL call with five positional arguments, plus out= for the out= path), so the
+host ratio is the median of per-round ratios and its p10–p90 spread is reported.
 ``python benchmarks/bench_attention.py [--quick] [--out PREFIX]`` writes PREFIX.md/.json.
 """
 
@@ -29,6 +33,9 @@ import ragvit  # noqa: E402
 
 HEAD_DIM = 64
 MODELS = {"DeiT-S": 6, "DeiT-B": 12}
+# Module globals, so ragvit and the floor are each reached through one global load.
+attention = ragvit.attention
+launch_empty = ragvit._C._launch_empty
 
 
 def lengths_for(dist: str, num_seqs: int, seed: int) -> np.ndarray:
@@ -74,6 +81,8 @@ class Case:
         self.q, self.k, self.v = self.qkv.unbind(1)
         self.out = torch.empty(self.total, self.heads, HEAD_DIM, device="cuda", dtype=torch.float16)
         self.scale = HEAD_DIM**-0.5
+        self.device = self.q.device.index or 0
+        self.stream = torch.cuda.current_stream().cuda_stream
         # Padded (S, H, L, D) copies for SDPA, plus a boolean key mask.
         L = self.max_seqlen
         idx = torch.arange(L, device="cuda")
@@ -94,10 +103,18 @@ class Case:
 
     # ---- the calls being compared ----
     def ragvit_out(self):
-        return ragvit.attention(self.q, self.k, self.v, self.cu, self.max_seqlen, out=self.out)
+        return attention(self.q, self.k, self.v, self.cu, self.max_seqlen, out=self.out)
 
     def ragvit_alloc(self):
-        return ragvit.attention(self.q, self.k, self.v, self.cu, self.max_seqlen)
+        return attention(self.q, self.k, self.v, self.cu, self.max_seqlen)
+
+    # The floor: an empty kernel launched from C on the current stream, called with the
+    # call shape of ragvit_out / ragvit_alloc (_launch_empty ignores the extra arguments).
+    def launch_floor(self):
+        return launch_empty(self.device, self.stream, self.q, self.k, self.v, out=self.out)
+
+    def launch_floor_alloc(self):
+        return launch_empty(self.device, self.stream, self.q, self.k, self.v)
 
     def fa2(self):
         return torch.ops.aten._flash_attention_forward(
@@ -202,12 +219,18 @@ def check_case(case: Case) -> dict:
 def time_case(case: Case, row: dict, args, flusher) -> None:
     """Host and GPU figures for ragvit, the launch floor and each available baseline."""
     available = row["available"]
-    stream = torch.cuda.current_stream().cuda_stream
-    host = {
-        "launch_floor": timing.host_us(lambda: ragvit._C._launch_empty(0, stream), args.calls),
-        "ragvit_out": timing.host_us(case.ragvit_out, args.calls),
-        "ragvit_alloc": timing.host_us(case.ragvit_alloc, args.calls),
-    }
+    host, ratios = timing.host_us_interleaved(
+        {
+            "launch_floor": case.launch_floor,
+            "ragvit_out": case.ragvit_out,
+            "launch_floor_alloc": case.launch_floor_alloc,
+            "ragvit_alloc": case.ragvit_alloc,
+        },
+        {"ragvit_out": ("ragvit_out", "launch_floor"),
+         "ragvit_alloc": ("ragvit_alloc", "launch_floor_alloc")},
+        calls=args.calls,
+        block=args.block,
+    )
     gpu = {"ragvit_out": timing.gpu_us_graph(case.ragvit_out, flusher=flusher, reps=args.reps)}
     for name in BASELINES:
         if available.get(name) != "ok":
@@ -221,6 +244,7 @@ def time_case(case: Case, row: dict, args, flusher) -> None:
         except Exception:  # noqa: BLE001  (not capturable, e.g. NestedTensor)
             torch.cuda.synchronize()
     row["host_us"] = {k: vars(v) for k, v in host.items()}
+    row["host_ratio"] = {k: vars(v) for k, v in ratios.items()}
     row["gpu_us"] = {k: vars(v) for k, v in gpu.items()}
 
 
@@ -236,21 +260,26 @@ def render(rows, env) -> str:
         f"driver {env['driver']}, CUDA {env['cuda']}, torch {env['torch']}, "
         f"ragvit {env['ragvit']} @ {env['git_sha']}; fp16, head_dim 64, q/k/v strided views "
         "of one (T, 3, H, D) buffer. Host µs = Python → enqueued (median of many calls); "
+        "ragvit and the empty-launch floor are timed interleaved (alternating blocks, "
+        "same Python call shape); host ratio = median over rounds of the per-round ratio "
+        "of block medians, p10–p90 across rounds; the alloc ratio is against the floor "
+        "called like the alloc call (no out=). "
         "GPU µs = CUDA-graph replay per call (L2 flushed per replay). "
         "fastest = fastest correct baseline on the GPU among FA2 varlen, varlen_attn and "
         "masked padded SDPA.",
         "",
         "| model | dist | S | T | host µs: ragvit out= / alloc / empty-launch floor | "
         "host µs: FA2 / varlen_attn / SDPA+mask / SDPA / nested | host ratio ragvit/floor | "
-        "GPU µs: ragvit | GPU µs: FA2 / varlen_attn / SDPA+mask / SDPA | GPU ratio vs fastest | "
+        "host ratio p10–p90 | host ratio alloc/floor (p10–p90) | GPU µs: ragvit | "
+        "GPU µs: FA2 / varlen_attn / SDPA+mask / SDPA | GPU ratio vs fastest | "
         "GPU ratio vs SDPA (no mask) | TFLOP/s |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         if not r.get("ragvit_ok"):
             lines.append(
                 f"| {r['model']} | {r['dist']} | {r['num_seqs']} | {r['total_tokens']} | "
-                f"FAILED correctness: {r['errors']} | | | | | | | |"
+                f"FAILED correctness: {r['errors']} | | | | | | | | | |"
             )
             continue
         g = r["gpu_us"]
@@ -258,7 +287,7 @@ def render(rows, env) -> str:
             (g[n]["median"] for n in ("fa2", "varlen", "sdpa_masked") if n in g), default=math.nan
         )
         ours = g["ragvit_out"]["median"]
-        host_ratio = r["host_us"]["ragvit_out"]["median"] / r["host_us"]["launch_floor"]["median"]
+        ratio_out, ratio_alloc = r["host_ratio"]["ragvit_out"], r["host_ratio"]["ragvit_alloc"]
         sdpa_ratio = ours / g["sdpa"]["median"] if "sdpa" in g else math.nan
         tflops = r["flops"] / ours / 1e6
         lines.append(
@@ -266,7 +295,8 @@ def render(rows, env) -> str:
             f"{fmt(r, 'host_us', 'ragvit_out')} / {fmt(r, 'host_us', 'ragvit_alloc')} / "
             f"{fmt(r, 'host_us', 'launch_floor')} | "
             + " / ".join(fmt(r, "host_us", n) for n in BASELINES)
-            + f" | {host_ratio:.2f} | "
+            + f" | {ratio_out['median']:.2f} | {ratio_out['p10']:.2f}–{ratio_out['p90']:.2f} | "
+            f"{ratio_alloc['median']:.2f} ({ratio_alloc['p10']:.2f}–{ratio_alloc['p90']:.2f}) | "
             f"{ours:.1f} | "
             + " / ".join(fmt(r, "gpu_us", n) for n in BASELINES[:4])
             + f" | {ours / fastest:.2f} | {sdpa_ratio:.2f} | {tflops:.1f} |"
@@ -277,7 +307,9 @@ def render(rows, env) -> str:
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="a few grid points, fewer calls")
-    parser.add_argument("--calls", type=int, default=1000, help="host-time calls per figure")
+    parser.add_argument("--calls", type=int, default=2000, help="host-time calls per figure")
+    parser.add_argument("--block", type=int, default=50,
+                        help="calls per interleaved block (ragvit vs floor); rounds = calls/block")
     parser.add_argument("--reps", type=int, default=50, help="graph replays per GPU figure")
     parser.add_argument("--out", default=None, help="write PREFIX.md and PREFIX.json")
     args = parser.parse_args(argv)
@@ -296,7 +328,8 @@ def main(argv=None):
             ("DeiT-S", "deit224_keep50", 32),
             ("DeiT-B", "deit224_keep100", 256),
         ]
-        args.calls = min(args.calls, 300)
+        args.calls = min(args.calls, 500)
+        args.block = min(args.block, 25)
     flusher = timing.L2Flusher()
     cases = [Case(*g) for g in grid]
     rows, bad = report.check_then_time(

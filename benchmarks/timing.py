@@ -1,13 +1,17 @@
 """The one timer of ragvit's benchmarks.
 
 Host time: median over many back-to-back calls timed with perf_counter_ns (Python →
-enqueued), the device synchronized afterwards. GPU time: the calls captured in a CUDA
+enqueued), the device synchronized afterwards. Host comparisons (an op against the
+empty-launch floor) interleave the callables in alternating blocks over many rounds, so
+clock drift and noise hit both sides alike; the ratio is the median of per-round ratios of
+block medians, with its spread across rounds. GPU time: the calls captured in a CUDA
 graph, replays timed with CUDA events on the current stream, warm-up by time, L2 flushed
 before each replay, median and p20/p80 over at least 50 replays. Never a single sample.
 """
 
 from __future__ import annotations
 
+import gc
 import statistics
 import time
 from dataclasses import dataclass
@@ -15,11 +19,13 @@ from dataclasses import dataclass
 
 @dataclass
 class Stats:
-    """Per-call time in µs: median and the 20th/80th percentiles."""
+    """Per-call time in µs (or a ratio): median and the 10/20/80/90th percentiles."""
 
     median: float
     p20: float
     p80: float
+    p10: float = float("nan")
+    p90: float = float("nan")
 
     def __str__(self) -> str:
         return f"{self.median:.2f}"
@@ -27,7 +33,14 @@ class Stats:
 
 def _stats(samples_us: list[float]) -> Stats:
     qs = statistics.quantiles(samples_us, n=10, method="inclusive")
-    return Stats(statistics.median(samples_us), qs[1], qs[7])
+    return Stats(statistics.median(samples_us), qs[1], qs[7], qs[0], qs[8])
+
+
+def _cuda_sync():
+    import torch
+
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
 
 
 def host_us(fn, calls: int = 1000, warmup: int = 50) -> Stats:
@@ -47,6 +60,62 @@ def host_us(fn, calls: int = 1000, warmup: int = 50) -> Stats:
             torch.cuda.synchronize()
     torch.cuda.synchronize()
     return _stats(samples)
+
+
+def host_us_interleaved(fns: dict, pairs: dict, calls: int = 2000, block: int = 50,
+                        warmup: int = 50, sync=_cuda_sync) -> tuple[dict, dict]:
+    """Host µs per call of each fn in `fns` (name -> callable), measured side by side.
+
+    Every round runs one block of `block` calls of each fn (untimed sync and three
+    untimed calls before each block; the order rotates every round), each call timed
+    with perf_counter_ns; calls // block rounds in all, GC off meanwhile. So the floor
+    and the op see the same clock, frequency and queue state, and drift between them
+    cancels in the per-round ratio.
+
+    Returns (stats, ratios): stats[name].median is the median of the per-round block
+    medians, p10..p90 are over all calls; ratios[key] for pairs[key] = (num, den) holds
+    the median and p10..p90 across rounds of median(num block) / median(den block).
+    """
+    names = list(fns)
+    rounds = max(2, calls // block)
+    for name in names:
+        for _ in range(warmup):
+            fns[name]()
+    sync()
+    clock = time.perf_counter_ns
+    samples = {name: [] for name in names}
+    round_medians = {name: [] for name in names}
+    gc_was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        for r in range(rounds):
+            for i in range(len(names)):
+                name = names[(r + i) % len(names)]
+                fn = fns[name]
+                sync()  # every block starts from an empty queue
+                for _ in range(3):
+                    fn()
+                block_samples = []
+                for _ in range(block):
+                    t0 = clock()
+                    fn()
+                    block_samples.append((clock() - t0) / 1e3)
+                samples[name] += block_samples
+                round_medians[name].append(statistics.median(block_samples))
+        sync()
+    finally:
+        if gc_was_enabled:
+            gc.enable()
+    stats = {}
+    for name in names:
+        s = _stats(samples[name])
+        s.median = statistics.median(round_medians[name])
+        stats[name] = s
+    ratios = {
+        key: _stats([a / b for a, b in zip(round_medians[num], round_medians[den], strict=True)])
+        for key, (num, den) in pairs.items()
+    }
+    return stats, ratios
 
 
 class L2Flusher:

@@ -16,24 +16,10 @@ static const char *const dtype_names[RAGVIT_DTYPE_COUNT] = {
     [RAGVIT_DTYPE_I64] = "int64",   [RAGVIT_DTYPE_U8] = "uint8",
     [RAGVIT_DTYPE_BOOL] = "bool",   [RAGVIT_DTYPE_F64] = "float64",
 };
-static const int32_t dtype_sizes[RAGVIT_DTYPE_COUNT] = {
-    [RAGVIT_DTYPE_F16] = 2, [RAGVIT_DTYPE_BF16] = 2, [RAGVIT_DTYPE_F32] = 4,
-    [RAGVIT_DTYPE_I32] = 4, [RAGVIT_DTYPE_I64] = 8,  [RAGVIT_DTYPE_U8] = 1,
-    [RAGVIT_DTYPE_BOOL] = 1, [RAGVIT_DTYPE_F64] = 8,
-};
 
 const char *tensor_dtype_name(int32_t dtype) {
     if (dtype < 0 || dtype >= RAGVIT_DTYPE_COUNT) return "unknown";
     return dtype_names[dtype];
-}
-
-int32_t tensor_dtype_size(int32_t dtype) {
-    if (dtype < 0 || dtype >= RAGVIT_DTYPE_COUNT) return 0;
-    return dtype_sizes[dtype];
-}
-
-int tensor_is_float(int32_t dtype) {
-    return dtype == RAGVIT_DTYPE_F16 || dtype == RAGVIT_DTYPE_BF16 || dtype == RAGVIT_DTYPE_F32;
 }
 
 /* "(2, 3, 4)" into buf. */
@@ -47,19 +33,15 @@ static const char *format_shape(char *buf, size_t size, int32_t ndim, const int6
     return buf;
 }
 
-ragvit_status tensor_check_ndim(const char *op, const char *name, const ragvit_tensor *t,
-                                int32_t ndim) {
-    if (t->ndim == ndim) return RAGVIT_STATUS_OK;
+ragvit_status tensor_fail_ndim(const char *op, const char *name, const ragvit_tensor *t,
+                               int32_t ndim) {
     char got[128];
     return ragvit_fail(RAGVIT_STATUS_INVALID_SHAPE, "%s: %s must have %d dimensions, got %d %s",
                        op, name, ndim, t->ndim, format_shape(got, sizeof got, t->ndim, t->shape));
 }
 
-ragvit_status tensor_check_shape(const char *op, const char *name, const ragvit_tensor *t,
-                                 int32_t ndim, const int64_t *shape) {
-    int ok = t->ndim == ndim;
-    for (int32_t i = 0; ok && i < ndim; i++) ok = shape[i] < 0 || shape[i] == t->shape[i];
-    if (ok) return RAGVIT_STATUS_OK;
+ragvit_status tensor_fail_shape(const char *op, const char *name, const ragvit_tensor *t,
+                                int32_t ndim, const int64_t *shape) {
     char want[128], got[128];
     format_shape(want, sizeof want, ndim, shape);
     for (char *c = strstr(want, "-1"); c; c = strstr(c, "-1")) memcpy(c, " *", 2);
@@ -67,40 +49,36 @@ ragvit_status tensor_check_shape(const char *op, const char *name, const ragvit_
                        want, format_shape(got, sizeof got, t->ndim, t->shape));
 }
 
-ragvit_status tensor_check_float(const char *op, const char *name, const ragvit_tensor *t) {
-    if (tensor_is_float(t->dtype)) return RAGVIT_STATUS_OK;
+ragvit_status tensor_fail_float(const char *op, const char *name, const ragvit_tensor *t) {
     return ragvit_fail(RAGVIT_STATUS_INVALID_DTYPE,
                        "%s: %s must be float16, bfloat16 or float32, got %s", op, name,
                        tensor_dtype_name(t->dtype));
 }
 
-ragvit_status tensor_check_dtype(const char *op, const char *name, const ragvit_tensor *t,
-                                 int32_t dtype) {
-    if (t->dtype == dtype) return RAGVIT_STATUS_OK;
+ragvit_status tensor_fail_dtype(const char *op, const char *name, const ragvit_tensor *t,
+                                int32_t dtype) {
     return ragvit_fail(RAGVIT_STATUS_INVALID_DTYPE, "%s: %s must be %s, got %s", op, name,
                        tensor_dtype_name(dtype), tensor_dtype_name(t->dtype));
 }
 
-ragvit_status tensor_check_same_dtype(const char *op, const char *name, const ragvit_tensor *t,
-                                      const char *ref_name, const ragvit_tensor *ref) {
-    if (t->dtype == ref->dtype) return RAGVIT_STATUS_OK;
+ragvit_status tensor_fail_same_dtype(const char *op, const char *name, const ragvit_tensor *t,
+                                     const char *ref_name, const ragvit_tensor *ref) {
     return ragvit_fail(RAGVIT_STATUS_INVALID_DTYPE, "%s: %s must have the dtype of %s (%s), got %s",
                        op, name, ref_name, tensor_dtype_name(ref->dtype),
                        tensor_dtype_name(t->dtype));
 }
 
-ragvit_status tensor_check_last_contiguous(const char *op, const char *name,
-                                           const ragvit_tensor *t) {
-    int32_t last = t->ndim - 1;
-    if (last < 0 || t->shape[last] <= 1 || t->strides[last] == 1) return RAGVIT_STATUS_OK;
+ragvit_status tensor_fail_last_contiguous(const char *op, const char *name,
+                                          const ragvit_tensor *t) {
+    const int32_t last = t->ndim - 1;
     return ragvit_fail(RAGVIT_STATUS_INVALID_SHAPE,
                        "%s: %s must be contiguous in its last dimension (stride 1), got stride "
                        "%" PRId64,
                        op, name, t->strides[last]);
 }
 
-ragvit_status tensor_check_writable(const char *op, const char *name, const ragvit_tensor *t) {
-    if (!t->is_read_only) return RAGVIT_STATUS_OK;
+ragvit_status tensor_fail_writable(const char *op, const char *name, const ragvit_tensor *t) {
+    (void)t;
     return ragvit_fail(RAGVIT_STATUS_READ_ONLY, "%s: %s must be writable, got a read-only array",
                        op, name);
 }
@@ -120,13 +98,10 @@ static int byte_extent(const ragvit_tensor *t, uintptr_t *lo, uintptr_t *hi) {
     return 1;
 }
 
-ragvit_status tensor_check_no_alias(const char *op, const char *name, const ragvit_tensor *out,
-                                    const char *in_name, const ragvit_tensor *in) {
+ragvit_status tensor_check_no_alias_extents(const char *op, const char *name,
+                                            const ragvit_tensor *out, const char *in_name,
+                                            const ragvit_tensor *in) {
     uintptr_t out_lo, out_hi, in_lo, in_hi;
-    if (!out->is_present || !in->is_present) return RAGVIT_STATUS_OK;
-    if (out->device_type != in->device_type || out->device_id != in->device_id) {
-        return RAGVIT_STATUS_OK;
-    }
     if (!byte_extent(out, &out_lo, &out_hi) || !byte_extent(in, &in_lo, &in_hi)) {
         return RAGVIT_STATUS_OK;
     }

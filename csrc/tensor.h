@@ -13,25 +13,91 @@
     } while (0)
 
 const char *tensor_dtype_name(int32_t dtype);
-int32_t tensor_dtype_size(int32_t dtype);
-int tensor_is_float(int32_t dtype); /* F16, BF16, F32 */
+static inline int32_t tensor_dtype_size(int32_t dtype) { /* bytes; 0 for an unknown dtype */
+    static const int32_t sizes[RAGVIT_DTYPE_COUNT] = {
+        [RAGVIT_DTYPE_F16] = 2, [RAGVIT_DTYPE_BF16] = 2, [RAGVIT_DTYPE_F32] = 4,
+        [RAGVIT_DTYPE_I32] = 4, [RAGVIT_DTYPE_I64] = 8,  [RAGVIT_DTYPE_U8] = 1,
+        [RAGVIT_DTYPE_BOOL] = 1, [RAGVIT_DTYPE_F64] = 8,
+    };
+    return (dtype < 0 || dtype >= RAGVIT_DTYPE_COUNT) ? 0 : sizes[dtype];
+}
+static inline int tensor_is_float(int32_t dtype) { /* F16, BF16, F32 */
+    return dtype == RAGVIT_DTYPE_F16 || dtype == RAGVIT_DTYPE_BF16 || dtype == RAGVIT_DTYPE_F32;
+}
 
-ragvit_status tensor_check_ndim(const char *op, const char *name, const ragvit_tensor *t,
-                                int32_t ndim);
+/* The checks below are inline predicates (the hot path pays no call); each
+ * failure is formatted out of line by its tensor_fail_* twin in tensor.c. */
+ragvit_status tensor_fail_ndim(const char *op, const char *name, const ragvit_tensor *t,
+                               int32_t ndim);
+ragvit_status tensor_fail_shape(const char *op, const char *name, const ragvit_tensor *t,
+                                int32_t ndim, const int64_t *shape);
+ragvit_status tensor_fail_float(const char *op, const char *name, const ragvit_tensor *t);
+ragvit_status tensor_fail_dtype(const char *op, const char *name, const ragvit_tensor *t,
+                                int32_t dtype);
+ragvit_status tensor_fail_same_dtype(const char *op, const char *name, const ragvit_tensor *t,
+                                     const char *ref_name, const ragvit_tensor *ref);
+ragvit_status tensor_fail_last_contiguous(const char *op, const char *name,
+                                          const ragvit_tensor *t);
+ragvit_status tensor_fail_writable(const char *op, const char *name, const ragvit_tensor *t);
+/* Byte-extent overlap test of two present views on one device. */
+ragvit_status tensor_check_no_alias_extents(const char *op, const char *name,
+                                            const ragvit_tensor *out, const char *in_name,
+                                            const ragvit_tensor *in);
+
+static inline ragvit_status tensor_check_ndim(const char *op, const char *name,
+                                              const ragvit_tensor *t, int32_t ndim) {
+    return t->ndim == ndim ? RAGVIT_STATUS_OK : tensor_fail_ndim(op, name, t, ndim);
+}
+
 /* Extent -1 in `shape` matches anything. */
-ragvit_status tensor_check_shape(const char *op, const char *name, const ragvit_tensor *t,
-                                 int32_t ndim, const int64_t *shape);
-ragvit_status tensor_check_float(const char *op, const char *name, const ragvit_tensor *t);
-ragvit_status tensor_check_dtype(const char *op, const char *name, const ragvit_tensor *t,
-                                 int32_t dtype);
-ragvit_status tensor_check_same_dtype(const char *op, const char *name, const ragvit_tensor *t,
-                                      const char *ref_name, const ragvit_tensor *ref);
-ragvit_status tensor_check_last_contiguous(const char *op, const char *name,
-                                           const ragvit_tensor *t);
-ragvit_status tensor_check_writable(const char *op, const char *name, const ragvit_tensor *t);
+static inline ragvit_status tensor_check_shape(const char *op, const char *name,
+                                               const ragvit_tensor *t, int32_t ndim,
+                                               const int64_t *shape) {
+    int ok = t->ndim == ndim;
+    for (int32_t i = 0; ok && i < ndim; i++) ok = shape[i] < 0 || shape[i] == t->shape[i];
+    return ok ? RAGVIT_STATUS_OK : tensor_fail_shape(op, name, t, ndim, shape);
+}
+
+static inline ragvit_status tensor_check_float(const char *op, const char *name,
+                                               const ragvit_tensor *t) {
+    return tensor_is_float(t->dtype) ? RAGVIT_STATUS_OK : tensor_fail_float(op, name, t);
+}
+
+static inline ragvit_status tensor_check_dtype(const char *op, const char *name,
+                                               const ragvit_tensor *t, int32_t dtype) {
+    return t->dtype == dtype ? RAGVIT_STATUS_OK : tensor_fail_dtype(op, name, t, dtype);
+}
+
+static inline ragvit_status tensor_check_same_dtype(const char *op, const char *name,
+                                                    const ragvit_tensor *t, const char *ref_name,
+                                                    const ragvit_tensor *ref) {
+    return t->dtype == ref->dtype ? RAGVIT_STATUS_OK
+                                  : tensor_fail_same_dtype(op, name, t, ref_name, ref);
+}
+
+static inline ragvit_status tensor_check_last_contiguous(const char *op, const char *name,
+                                                         const ragvit_tensor *t) {
+    const int32_t last = t->ndim - 1;
+    if (last < 0 || t->shape[last] <= 1 || t->strides[last] == 1) return RAGVIT_STATUS_OK;
+    return tensor_fail_last_contiguous(op, name, t);
+}
+
+static inline ragvit_status tensor_check_writable(const char *op, const char *name,
+                                                  const ragvit_tensor *t) {
+    return !t->is_read_only ? RAGVIT_STATUS_OK : tensor_fail_writable(op, name, t);
+}
+
 /* out must not share a byte with in (conservative: compares byte extents). */
-ragvit_status tensor_check_no_alias(const char *op, const char *name, const ragvit_tensor *out,
-                                    const char *in_name, const ragvit_tensor *in);
+static inline ragvit_status tensor_check_no_alias(const char *op, const char *name,
+                                                  const ragvit_tensor *out, const char *in_name,
+                                                  const ragvit_tensor *in) {
+    if (!out->is_present || !in->is_present) return RAGVIT_STATUS_OK;
+    if (out->device_type != in->device_type || out->device_id != in->device_id) {
+        return RAGVIT_STATUS_OK;
+    }
+    return tensor_check_no_alias_extents(op, name, out, in_name, in);
+}
+
 /* All present tensors on one CPU or CUDA device; *device_type, *device_id out. */
 ragvit_status tensor_check_devices(const char *op, const char *const *names,
                                    const ragvit_tensor *const *tensors, int count,

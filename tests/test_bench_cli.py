@@ -232,3 +232,26 @@ def test_run_notebook_inprocess_saves_pngs(tmp_path):
     assert "tiny mode" in text and "ran 2 configurations" in text and images >= 3
     pngs = {p.name for p in tmp_path.glob("*.png")}
     assert {"e2e_throughput.png", "kept_vs_speedup.png"} <= pngs
+
+
+def test_interleaved_host_timer_pairs_rounds():
+    """benchmarks/timing.py: every fn is timed in each round and the ratio is per round."""
+    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+    import timing
+
+    calls = {"fast": 0, "slow": 0}
+
+    def fast():
+        calls["fast"] += 1
+
+    def slow():
+        calls["slow"] += 1
+        sum(range(200))
+
+    stats, ratios = timing.host_us_interleaved(
+        {"fast": fast, "slow": slow}, {"slow": ("slow", "fast")}, calls=200, block=20,
+        warmup=5, sync=lambda: None)
+    assert calls == {"fast": 5 + 10 * 23, "slow": 5 + 10 * 23}  # warm-up + rounds × (3 + block)
+    assert stats["slow"].median > stats["fast"].median > 0
+    assert ratios["slow"].p10 <= ratios["slow"].median <= ratios["slow"].p90
+    assert ratios["slow"].median > 1

@@ -852,3 +852,22 @@ def test_fake_classes_are_faithful():
         gc.collect()
         assert producer.deleted == 1 and producer.bad_deletes == 0 and not producer.live
     assert same_bits(poison((2,)), poison((2,)))
+
+
+def test_launch_empty_takes_any_call_shape():
+    """The benchmarks call the floor with the op's exact call shape: extra positional and
+    keyword arguments are ignored; device and stream still parse as before."""
+    extra = (torch.zeros(2), torch.zeros(2), torch.zeros(2))
+    if ragvit.cuda_available():
+        stream = torch.cuda.current_stream().cuda_stream
+        assert ragvit._C._launch_empty(0, stream, *extra, out=extra[0]) is None
+        assert ragvit._C._launch_empty(0, stream, *extra) is None
+        assert ragvit._C._launch_empty() is None
+        torch.cuda.synchronize()
+    else:
+        with pytest.raises(RuntimeError, match="CUDA build"):
+            ragvit._C._launch_empty(0, 0, *extra, out=extra[0])
+    with pytest.raises(TypeError, match="multiple values for argument 'stream'"):
+        ragvit._C._launch_empty(0, 0, stream=0)
+    with pytest.raises(TypeError):
+        ragvit._C._launch_empty("cuda:0")
