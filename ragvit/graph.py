@@ -280,24 +280,46 @@ class GraphedModel:
             side.wait_stream(caller)
             with timm_patch.graph_capture(self.model) as keepalive:
                 with torch.cuda.stream(side):  # warm-up off the caller's stream
-                    for _ in range(self.warmup):
+                    for _ in range(self.warmup - 1):
                         _flatten(self.model(static_x))
+                    # The last warm-up refuses host syncs: a forward that syncs would fail
+                    # mid-capture, and torch leaves its CUDA generator in capture mode after
+                    # a failed capture (later torch.randn on the device raises).
+                    _check_sync_free(lambda: _flatten(self.model(static_x)), side)
                 graph = torch.cuda.CUDAGraph()
                 try:
                     with torch.cuda.graph(graph, pool=pool, stream=side):
                         outputs, kind = _flatten(self.model(static_x))
                 except Exception as e:
                     torch.cuda.set_stream(caller)  # graph's __exit__ may not have restored it
-                    raise RuntimeError(
-                        "ragvit.cuda_graph: capturing the forward failed (something in it "
-                        "synchronizes with the host or is not capturable, e.g. a policy "
-                        f"calling .item() or nonzero): {type(e).__name__}: {e}") from e
+                    raise RuntimeError(f"{_CAPTURE_FAILED}: {type(e).__name__}: {e}") from e
             caller.wait_stream(side)
             entry = _Graph(graph, static_x, outputs, kind, keepalive, dev)
             entry.used_on(caller)  # later streams: _follow
         self._graphs.put(key, entry)
         self._captures += 1
         return entry
+
+
+_CAPTURE_FAILED = ("ragvit.cuda_graph: capturing the forward failed (something in it "
+                   "synchronizes with the host or is not capturable, e.g. a policy calling "
+                   ".item() or nonzero)")
+
+
+def _check_sync_free(fn, stream) -> None:
+    """Runs fn() with torch's sync debug mode set to raise; RuntimeError if it syncs."""
+    before = torch.cuda.get_sync_debug_mode()
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        fn()
+    except RuntimeError as e:
+        if "synchronizing" not in str(e):
+            raise
+        raise RuntimeError(f"{_CAPTURE_FAILED}: {e}") from e
+    finally:
+        torch.cuda.set_sync_debug_mode(before)
+    stream.synchronize()
 
 
 def cuda_graph(model: torch.nn.Module, *, max_graphs: int = 8, clone_output: bool = True,
