@@ -1,19 +1,13 @@
 /* ragged_attention_mma.cuh — tensor-core ragged attention for fp16/bf16 q/k/v/out (fp32
  * accumulation), D in {32, 64, 80, 96, 128}; included by ragged_attention.cu after launch.h and
- * cuda_check.cuh. grid = (query tiles, H, min(S, 65535)), 4 warps a block (fewer only for
- * short max_seqlen), warp w owns 16 or 32 query rows: one or two 16-row mma atoms (kernel
- * variants ROWS16, ROWS32; ROWS32_QREG also keeps Q fragments in registers). Two atoms let
- * every K/V fragment loaded from shared memory feed 4 mma instead of 2 and halve the K/V
- * global reads per sequence (one 128-row block covers a 197-token sequence in two), but
- * halve the block count, so make_plan picks them only for long sequences and many blocks
- * (thresholds from H200 measurement, named constants). 64-key K/V tiles stream by 16-byte
- * cp.async (zero-filled past the sequence end) through a 2-4 stage ring of padded shared
- * rows (D + 8: conflict-free ldmatrix); S = Q K^T and O += P V by mma.sync m16n8k16 (V via
- * ldmatrix.trans), FlashAttention-2 online softmax in base 2 with scale * log2(e) folded in.
- * cls_attn adds a grid row y = H: block (0, H, s) scores sequence s's first query against
- * every key of every head (tensor cores, K read once more), then one thread a key sums the
- * head probabilities in head order: deterministic, no atomics, no zeroing pass, no wait on
- * other blocks.
+ * cuda_check.cuh. grid = (query tiles, H, min(S, 65535)), 4 warps a block (fewer only when
+ * max_seqlen < 64), warp w owns 16 query rows. 64-key K/V tiles stream by 16-byte cp.async
+ * (zero-filled past the sequence end) through a 2-4 stage ring of padded shared rows (D + 8:
+ * conflict-free ldmatrix); S = Q K^T and O += P V by mma.sync m16n8k16 (V via ldmatrix.trans),
+ * FlashAttention-2 online softmax in base 2 with scale * log2(e) folded in. cls_attn adds a
+ * grid row y = H: block (0, H, s) scores sequence s's first query against every key of every
+ * head (tensor cores, K read once more), then one thread a key sums the head probabilities in
+ * head order: deterministic, no atomics, no zeroing pass, no wait on other blocks.
  * The optional per-key bias (T,) is a template flag (has_bias = false compiles to the kernel
  * as it was without the feature): base-2 logits become s * scale * log2 e + bias * log2 e,
  * read from global memory (two loads a lane per 64-key tile, spread to the mma fragment
@@ -30,7 +24,7 @@
 #include <string.h>
 
 #define RAGGED_ATTENTION_MMA_KEYS 64       /* keys per K/V tile */
-#define RAGGED_ATTENTION_MMA_MAX_WARPS 4   /* 16 or 32 query rows per warp */
+#define RAGGED_ATTENTION_MMA_MAX_WARPS 4   /* 16 query rows per warp */
 #define RAGGED_ATTENTION_MMA_MAX_STAGES 4  /* K/V tiles in flight */
 #define RAGGED_ATTENTION_MMA_MAX_HEADS 1024 /* cls keeps 8 bytes a head in shared memory */
 #define RAGGED_ATTENTION_MMA_MAX_GRID_YZ 65535
@@ -186,16 +180,12 @@ static __device__ __forceinline__ void ragged_attention_mma_load_kv(
         a.v_stride_token, valid, kKeys, threadIdx.x, blockDim.x);
 }
 
-/* One query tile (rows q0 .. q0 + 16 * kAtoms * warps - 1) of head h of the sequence whose
- * first token is `start`; rows and keys >= len are never read from global memory, rows >= len
- * never written. Warp w owns kAtoms 16-row mma atoms (rows warp_row0 + 16 * i ..): every K
- * and V fragment it loads from shared memory feeds 2 * kAtoms mma. With is_q_resident the
- * Q fragments are loaded once (tile 0) and stay in registers; otherwise they are re-read
- * from shared memory every key tile, one 16-column slice at a time (fewer live registers).
- * Key tiles stream through a ring of num_stages stages (cp.async group g = key tile g, the
- * first also holding Q): tile t + num_stages - 1 is in flight while tile t is consumed, so
- * one barrier per tile suffices. Block-uniform: all threads call it alike. */
-template <typename Elem, int D, bool has_bias, int kAtoms, bool is_q_resident>
+/* One query tile (rows q0 .. q0 + 16 * warps - 1) of head h of the sequence whose first token
+ * is `start`; rows and keys >= len are never read from global memory, rows >= len never
+ * written. Key tiles stream through a ring of num_stages stages (cp.async group g = key
+ * tile g, the first also holding Q): tile t + num_stages - 1 is in flight while tile t is
+ * consumed, so one barrier per tile suffices. Block-uniform: all threads call it alike. */
+template <typename Elem, int D, bool has_bias>
 static __device__ __forceinline__ void ragged_attention_mma_tile(
     Elem *s_q, Elem *s_kv, int num_stages, const ragvit_attention_args &a, int start, int h,
     int q0, int len, float scale_log2) {
@@ -203,21 +193,14 @@ static __device__ __forceinline__ void ragged_attention_mma_tile(
     constexpr int kKeys = RAGGED_ATTENTION_MMA_KEYS;
     constexpr int kLds = D + 8;
     constexpr int kStage = 2 * kKeys * kLds; /* elements per ring stage */
-    constexpr int kWarpRows = 16 * kAtoms;
     const int warp = threadIdx.x >> 5;
     const int lane = threadIdx.x & 31;
     const int group = lane >> 2; /* mma groupID: rows group and group + 8 */
     const int tig = lane & 3;    /* thread in group: columns 2 * tig, 2 * tig + 1 */
-    const int rows = (blockDim.x >> 5) * kWarpRows;
+    const int rows = blockDim.x >> 1; /* 16 per warp */
     const int num_tiles = (len + kKeys - 1) / kKeys;
-    const int warp_row0 = q0 + warp * kWarpRows;
+    const int warp_row0 = q0 + warp * 16;
     const bool is_active = warp_row0 < len; /* warp-uniform */
-    /* atom i > 0 of a warp at the sequence end may hold no row: its mma are skipped
-     * (warp-uniform), its softmax runs on zeros and is never stored */
-    bool is_atom_active[kAtoms];
-#pragma unroll
-    for (int i = 0; i < kAtoms; ++i)
-        is_atom_active[i] = i == 0 || warp_row0 + 16 * i < len;
 
     /* ldmatrix lane -> row/column offsets. A (Q) and V^T: matrices ordered (r0-7, c0-7),
      * (r8-15, c0-7), (r0-7, c8-15), (r8-15, c8-15). K: (n0-7, k0-7), (n0-7, k8-15),
@@ -226,7 +209,6 @@ static __device__ __forceinline__ void ragged_attention_mma_tile(
     const int a_col = (lane >> 4) * 8;
     const int k_row = (lane & 7) + (lane >> 4) * 8;
     const int k_col = ((lane >> 3) & 1) * 8;
-    const Elem *s_q_warp = s_q + (warp * kWarpRows + a_row) * kLds + a_col;
 
     __syncthreads(); /* this block's previous tile may still read shared memory */
     ragged_attention_mma_load_rows<Elem, D>(
@@ -241,22 +223,13 @@ static __device__ __forceinline__ void ragged_attention_mma_tile(
         ragged_attention_mma_cp_async_commit(); /* group st: key tile st (+ Q), maybe empty */
     }
 
-    float o_acc[kAtoms][D / 8][4];
+    float o_acc[D / 8][4];
 #pragma unroll
-    for (int i = 0; i < kAtoms; ++i)
-#pragma unroll
-        for (int d = 0; d < D / 8; ++d)
-            o_acc[i][d][0] = o_acc[i][d][1] = o_acc[i][d][2] = o_acc[i][d][3] = 0.0f;
-    /* running max (base-2 scaled) and this thread's partial row sums, rows group, group + 8
-     * of each atom */
-    float row_max[kAtoms][2], row_sum[kAtoms][2];
-#pragma unroll
-    for (int i = 0; i < kAtoms; ++i) {
-        row_max[i][0] = row_max[i][1] = -INFINITY;
-        row_sum[i][0] = row_sum[i][1] = 0.0f;
-    }
-    /* Q fragments kept across key tiles (is_q_resident only; a 1-element dummy otherwise) */
-    uint32_t q_keep[is_q_resident ? kAtoms : 1][is_q_resident ? D / 16 : 1][4];
+    for (int i = 0; i < D / 8; ++i)
+        o_acc[i][0] = o_acc[i][1] = o_acc[i][2] = o_acc[i][3] = 0.0f;
+    /* running max (base-2 scaled) and this thread's partial row sums, rows group, group + 8 */
+    float row_max0 = -INFINITY, row_max1 = -INFINITY;
+    float row_sum0 = 0.0f, row_sum1 = 0.0f;
 
     int stage = 0; /* holds key tile t; the stage before it receives tile t + num_stages - 1 */
     for (int t = 0; t < num_tiles; ++t) {
@@ -274,38 +247,20 @@ static __device__ __forceinline__ void ragged_attention_mma_tile(
         if (!is_active)
             continue;
 
-        if (is_q_resident && t == 0) {
+        /* Q fragments are re-read every tile (D / 16 ldmatrix next to the D / 2 of K and V):
+         * that frees D / 4 registers during softmax and PV (D = 64 fits 128, no spills) */
+        uint32_t q_frag[D / 16][4];
 #pragma unroll
-            for (int i = 0; i < (is_q_resident ? kAtoms : 0); ++i)
+        for (int kk = 0; kk < D / 16; ++kk)
+            ragged_attention_mma_ldmatrix_x4(
+                q_frag[kk], ragged_attention_mma_smem_addr(s_q + (warp * 16 + a_row) * kLds +
+                                                           kk * 16 + a_col));
+        float s_acc[kKeys / 8][4];
 #pragma unroll
-                for (int kk = 0; kk < D / 16; ++kk)
-                    ragged_attention_mma_ldmatrix_x4(
-                        q_keep[i][kk],
-                        ragged_attention_mma_smem_addr(s_q_warp + i * 16 * kLds + kk * 16));
-        }
-        float s_acc[kAtoms][kKeys / 8][4];
-#pragma unroll
-        for (int i = 0; i < kAtoms; ++i)
-#pragma unroll
-            for (int n = 0; n < kKeys / 8; ++n)
-                s_acc[i][n][0] = s_acc[i][n][1] = s_acc[i][n][2] = s_acc[i][n][3] = 0.0f;
+        for (int n = 0; n < kKeys / 8; ++n)
+            s_acc[n][0] = s_acc[n][1] = s_acc[n][2] = s_acc[n][3] = 0.0f;
 #pragma unroll
         for (int kk = 0; kk < D / 16; ++kk) {
-            /* re-read: this 16-column slice of every atom's Q (D / 16 ldmatrix an atom a
-             * tile next to the D / 2 of K and V, and 4 live registers an atom, not D / 4) */
-            uint32_t q_frag[kAtoms][4];
-#pragma unroll
-            for (int i = 0; i < kAtoms; ++i) {
-                if (is_q_resident) {
-#pragma unroll
-                    for (int e = 0; e < 4; ++e)
-                        q_frag[i][e] = q_keep[is_q_resident ? i : 0][is_q_resident ? kk : 0][e];
-                } else if (is_atom_active[i]) {
-                    ragged_attention_mma_ldmatrix_x4(
-                        q_frag[i],
-                        ragged_attention_mma_smem_addr(s_q_warp + i * 16 * kLds + kk * 16));
-                }
-            }
 #pragma unroll
             for (int n2 = 0; n2 < kKeys / 16; ++n2) {
                 if (n2 * 16 < num_keys) { /* all-masked key pairs: skip, -inf below */
@@ -313,13 +268,8 @@ static __device__ __forceinline__ void ragged_attention_mma_tile(
                     ragged_attention_mma_ldmatrix_x4(
                         b, ragged_attention_mma_smem_addr(s_k + (n2 * 16 + k_row) * kLds +
                                                           kk * 16 + k_col));
-#pragma unroll
-                    for (int i = 0; i < kAtoms; ++i) {
-                        if (is_atom_active[i]) {
-                            ops::mma(s_acc[i][2 * n2], q_frag[i], b[0], b[1]);
-                            ops::mma(s_acc[i][2 * n2 + 1], q_frag[i], b[2], b[3]);
-                        }
-                    }
+                    ops::mma(s_acc[2 * n2], q_frag[kk], b[0], b[1]);
+                    ops::mma(s_acc[2 * n2 + 1], q_frag[kk], b[2], b[3]);
                 }
             }
         }
@@ -330,16 +280,13 @@ static __device__ __forceinline__ void ragged_attention_mma_tile(
 #pragma unroll
                 for (int e = 0; e < 4; ++e)
                     if (n * 8 + 2 * tig + (e & 1) >= num_keys)
-#pragma unroll
-                        for (int i = 0; i < kAtoms; ++i)
-                            s_acc[i][n][e] = -INFINITY;
+                        s_acc[n][e] = -INFINITY;
         }
         if (has_bias) {
             /* base-2 logits now, so the max below is taken over them. Lane l loads keys l
              * and l + 32 of the tile (a key past the end reads nothing: 0, and its -inf
              * stays); this thread's keys n * 8 + 2 * tig + {0, 1} come by shuffle (the
-             * whole warp is here: is_active is warp-uniform), two registers, not 16, and
-             * each shuffled bias serves every atom. */
+             * whole warp is here: is_active is warp-uniform), two registers, not 16. */
             const float *bias = a.bias + ((int64_t)start + t * kKeys) * a.bias_stride;
             const float b_lo =
                 lane < num_keys ? __ldg(bias + (int64_t)lane * a.bias_stride) : 0.0f;
@@ -352,93 +299,78 @@ static __device__ __forceinline__ void ragged_attention_mma_tile(
                     const float b = __shfl_sync(0xffffffffu, n < 4 ? b_lo : b_hi,
                                                 (n & 3) * 8 + 2 * tig + c) *
                                     RAGGED_ATTENTION_MMA_LOG2E;
-#pragma unroll
-                    for (int i = 0; i < kAtoms; ++i) {
-                        s_acc[i][n][c] = fmaf(s_acc[i][n][c], scale_log2, b);
-                        s_acc[i][n][c + 2] = fmaf(s_acc[i][n][c + 2], scale_log2, b);
-                    }
+                    s_acc[n][c] = fmaf(s_acc[n][c], scale_log2, b);
+                    s_acc[n][c + 2] = fmaf(s_acc[n][c + 2], scale_log2, b);
                 }
         }
+        float mx0 = -INFINITY, mx1 = -INFINITY;
 #pragma unroll
-        for (int i = 0; i < kAtoms; ++i) {
-            float mx0 = -INFINITY, mx1 = -INFINITY;
+        for (int n = 0; n < kKeys / 8; ++n) {
+            mx0 = fmaxf(mx0, fmaxf(s_acc[n][0], s_acc[n][1]));
+            mx1 = fmaxf(mx1, fmaxf(s_acc[n][2], s_acc[n][3]));
+        }
+        /* the quad (lanes 4g .. 4g + 3) shares rows g and g + 8 */
+        mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 1));
+        mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 1));
+        mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 2));
+        mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 2));
+        /* key t * 64 is valid, so both maxima are finite (with a bias: a finite one);
+         * without a bias, scale_log2 > 0 commutes with max and folds into the exp2's fma */
+        const float m0 = fmaxf(row_max0, has_bias ? mx0 : mx0 * scale_log2);
+        const float m1 = fmaxf(row_max1, has_bias ? mx1 : mx1 * scale_log2);
+        float sum0 = 0.0f, sum1 = 0.0f;
 #pragma unroll
-            for (int n = 0; n < kKeys / 8; ++n) {
-                mx0 = fmaxf(mx0, fmaxf(s_acc[i][n][0], s_acc[i][n][1]));
-                mx1 = fmaxf(mx1, fmaxf(s_acc[i][n][2], s_acc[i][n][3]));
-            }
-            /* the quad (lanes 4g .. 4g + 3) shares rows g and g + 8 */
-            mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 1));
-            mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 1));
-            mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 2));
-            mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 2));
-            /* key t * 64 is valid, so both maxima are finite (with a bias: a finite one);
-             * without a bias, scale_log2 > 0 commutes with max and folds into the exp2's fma */
-            const float m0 = fmaxf(row_max[i][0], has_bias ? mx0 : mx0 * scale_log2);
-            const float m1 = fmaxf(row_max[i][1], has_bias ? mx1 : mx1 * scale_log2);
-            float sum0 = 0.0f, sum1 = 0.0f;
-#pragma unroll
-            for (int n = 0; n < kKeys / 8; ++n) {
-                float *s = s_acc[i][n];
-                if (has_bias) {
-                    s[0] = ragged_attention_mma_exp2(s[0] - m0);
-                    s[1] = ragged_attention_mma_exp2(s[1] - m0);
-                    s[2] = ragged_attention_mma_exp2(s[2] - m1);
-                    s[3] = ragged_attention_mma_exp2(s[3] - m1);
-                } else {
-                    s[0] = ragged_attention_mma_exp2(fmaf(s[0], scale_log2, -m0));
-                    s[1] = ragged_attention_mma_exp2(fmaf(s[1], scale_log2, -m0));
-                    s[2] = ragged_attention_mma_exp2(fmaf(s[2], scale_log2, -m1));
-                    s[3] = ragged_attention_mma_exp2(fmaf(s[3], scale_log2, -m1));
-                }
-                sum0 += s[0] + s[1];
-                sum1 += s[2] + s[3];
-            }
-            if (t == 0) { /* single-tile sequences never rescale */
-                row_sum[i][0] = sum0;
-                row_sum[i][1] = sum1;
+        for (int n = 0; n < kKeys / 8; ++n) {
+            if (has_bias) {
+                s_acc[n][0] = ragged_attention_mma_exp2(s_acc[n][0] - m0);
+                s_acc[n][1] = ragged_attention_mma_exp2(s_acc[n][1] - m0);
+                s_acc[n][2] = ragged_attention_mma_exp2(s_acc[n][2] - m1);
+                s_acc[n][3] = ragged_attention_mma_exp2(s_acc[n][3] - m1);
             } else {
-                const float alpha0 = ragged_attention_mma_exp2(row_max[i][0] - m0);
-                const float alpha1 = ragged_attention_mma_exp2(row_max[i][1] - m1);
-                row_sum[i][0] = fmaf(row_sum[i][0], alpha0, sum0);
-                row_sum[i][1] = fmaf(row_sum[i][1], alpha1, sum1);
-#pragma unroll
-                for (int d = 0; d < D / 8; ++d) {
-                    o_acc[i][d][0] *= alpha0;
-                    o_acc[i][d][1] *= alpha0;
-                    o_acc[i][d][2] *= alpha1;
-                    o_acc[i][d][3] *= alpha1;
-                }
+                s_acc[n][0] = ragged_attention_mma_exp2(fmaf(s_acc[n][0], scale_log2, -m0));
+                s_acc[n][1] = ragged_attention_mma_exp2(fmaf(s_acc[n][1], scale_log2, -m0));
+                s_acc[n][2] = ragged_attention_mma_exp2(fmaf(s_acc[n][2], scale_log2, -m1));
+                s_acc[n][3] = ragged_attention_mma_exp2(fmaf(s_acc[n][3], scale_log2, -m1));
             }
-            row_max[i][0] = m0;
-            row_max[i][1] = m1;
+            sum0 += s_acc[n][0] + s_acc[n][1];
+            sum1 += s_acc[n][2] + s_acc[n][3];
         }
+        if (t == 0) { /* single-tile sequences never rescale */
+            row_sum0 = sum0;
+            row_sum1 = sum1;
+        } else {
+            const float alpha0 = ragged_attention_mma_exp2(row_max0 - m0);
+            const float alpha1 = ragged_attention_mma_exp2(row_max1 - m1);
+            row_sum0 = fmaf(row_sum0, alpha0, sum0);
+            row_sum1 = fmaf(row_sum1, alpha1, sum1);
+#pragma unroll
+            for (int i = 0; i < D / 8; ++i) {
+                o_acc[i][0] *= alpha0;
+                o_acc[i][1] *= alpha0;
+                o_acc[i][2] *= alpha1;
+                o_acc[i][3] *= alpha1;
+            }
+        }
+        row_max0 = m0;
+        row_max1 = m1;
 
 #pragma unroll
         for (int j = 0; j < kKeys / 16; ++j) {
             if (j * 16 < num_keys) {
                 /* the C fragments of key blocks 2j, 2j+1 are the A fragment of k-step j */
-                uint32_t p_frag[kAtoms][4];
-#pragma unroll
-                for (int i = 0; i < kAtoms; ++i) {
-                    p_frag[i][0] = ops::pack(s_acc[i][2 * j][0], s_acc[i][2 * j][1]);
-                    p_frag[i][1] = ops::pack(s_acc[i][2 * j][2], s_acc[i][2 * j][3]);
-                    p_frag[i][2] = ops::pack(s_acc[i][2 * j + 1][0], s_acc[i][2 * j + 1][1]);
-                    p_frag[i][3] = ops::pack(s_acc[i][2 * j + 1][2], s_acc[i][2 * j + 1][3]);
-                }
+                uint32_t p_frag[4];
+                p_frag[0] = ops::pack(s_acc[2 * j][0], s_acc[2 * j][1]);
+                p_frag[1] = ops::pack(s_acc[2 * j][2], s_acc[2 * j][3]);
+                p_frag[2] = ops::pack(s_acc[2 * j + 1][0], s_acc[2 * j + 1][1]);
+                p_frag[3] = ops::pack(s_acc[2 * j + 1][2], s_acc[2 * j + 1][3]);
 #pragma unroll
                 for (int dn = 0; dn < D / 16; ++dn) {
                     uint32_t b[4];
                     ragged_attention_mma_ldmatrix_x4_trans(
                         b, ragged_attention_mma_smem_addr(s_v + (j * 16 + a_row) * kLds +
                                                           dn * 16 + a_col));
-#pragma unroll
-                    for (int i = 0; i < kAtoms; ++i) {
-                        if (is_atom_active[i]) {
-                            ops::mma(o_acc[i][2 * dn], p_frag[i], b[0], b[1]);
-                            ops::mma(o_acc[i][2 * dn + 1], p_frag[i], b[2], b[3]);
-                        }
-                    }
+                    ops::mma(o_acc[2 * dn], p_frag, b[0], b[1]);
+                    ops::mma(o_acc[2 * dn + 1], p_frag, b[2], b[3]);
                 }
             }
         }
@@ -446,31 +378,27 @@ static __device__ __forceinline__ void ragged_attention_mma_tile(
     ragged_attention_mma_cp_async_wait<0>(); /* only empty groups can be left */
 
     if (is_active) {
+        row_sum0 += __shfl_xor_sync(0xffffffffu, row_sum0, 1);
+        row_sum1 += __shfl_xor_sync(0xffffffffu, row_sum1, 1);
+        row_sum0 += __shfl_xor_sync(0xffffffffu, row_sum0, 2);
+        row_sum1 += __shfl_xor_sync(0xffffffffu, row_sum1, 2);
+        const float inv0 = __fdividef(1.0f, row_sum0);
+        const float inv1 = __fdividef(1.0f, row_sum1);
         /* Stage through this warp's own Q rows (only it reads them, and it is done) so the
          * global stores are whole 16-byte chunks. */
-        Elem *s_o = s_q + warp * kWarpRows * kLds;
+        Elem *s_o = s_q + warp * 16 * kLds;
 #pragma unroll
-        for (int i = 0; i < kAtoms; ++i) {
-            float sum0 = row_sum[i][0], sum1 = row_sum[i][1];
-            sum0 += __shfl_xor_sync(0xffffffffu, sum0, 1);
-            sum1 += __shfl_xor_sync(0xffffffffu, sum1, 1);
-            sum0 += __shfl_xor_sync(0xffffffffu, sum0, 2);
-            sum1 += __shfl_xor_sync(0xffffffffu, sum1, 2);
-            const float inv0 = __fdividef(1.0f, sum0);
-            const float inv1 = __fdividef(1.0f, sum1);
-#pragma unroll
-            for (int d = 0; d < D / 8; ++d) {
-                const int col = d * 8 + 2 * tig;
-                *reinterpret_cast<uint32_t *>(s_o + (i * 16 + group) * kLds + col) =
-                    ops::pack(o_acc[i][d][0] * inv0, o_acc[i][d][1] * inv0);
-                *reinterpret_cast<uint32_t *>(s_o + (i * 16 + group + 8) * kLds + col) =
-                    ops::pack(o_acc[i][d][2] * inv1, o_acc[i][d][3] * inv1);
-            }
+        for (int i = 0; i < D / 8; ++i) {
+            const int col = i * 8 + 2 * tig;
+            *reinterpret_cast<uint32_t *>(s_o + group * kLds + col) =
+                ops::pack(o_acc[i][0] * inv0, o_acc[i][1] * inv0);
+            *reinterpret_cast<uint32_t *>(s_o + (group + 8) * kLds + col) =
+                ops::pack(o_acc[i][2] * inv1, o_acc[i][3] * inv1);
         }
         __syncwarp();
         constexpr int kChunks = D / 8;
 #pragma unroll
-        for (int c = lane; c < kWarpRows * kChunks; c += 32) {
+        for (int c = lane; c < 16 * kChunks; c += 32) {
             const int r = c / kChunks;
             const int col = (c - r * kChunks) * 8;
             if (warp_row0 + r < len)
@@ -681,29 +609,19 @@ static __device__ __forceinline__ void ragged_attention_mma_cls(
 
 // ---- kernels ----
 
-/* Minimum blocks per SM promised to ptxas (the register cap: 65536 / (128 * n)). One atom:
- * 4 for D <= 64 (<= 128 registers), 3 for D = 80, 96 (<= 168), 2 for D = 128 (~185). Two
- * atoms double the accumulators: 3 for D = 32 with Q re-read (<= 168), 2 otherwise (<= 255;
- * D = 64 with Q re-read, and D = 32 with Q in registers, spill under 168). */
-static constexpr int ragged_attention_mma_min_blocks(int head_dim, int atoms,
-                                                     bool is_q_resident) {
-    return atoms == 1 ? (head_dim <= 64 ? 4 : (head_dim <= 96 ? 3 : 2))
-                      : (head_dim <= 32 && !is_q_resident ? 3 : 2);
-}
-
 /* Block (x, y, z): query tiles x, x + gridDim.x, ... of head y of sequences z, z + gridDim.z,
  * ...; y == num_heads (present only with cls_attn) computes cls_attn in block x == 0. Every
  * branch and loop bound is uniform across the block, so all threads reach each barrier.
- * smem: Q rows (16 * kAtoms per warp), then num_stages stages of 64 K rows and 64 V rows,
- * each row D + 8 elements. */
-template <typename Elem, int D, bool has_bias, int kAtoms, bool is_q_resident>
+ * smem: Q rows (16 per warp), then num_stages stages of 64 K rows and 64 V rows, each row
+ * D + 8 elements. Min blocks per SM: 4 for D <= 64 (<= 128 registers, no spills), 3 for
+ * D = 80, 96 (<= 168) and 2 for D = 128 (~185). */
+template <typename Elem, int D, bool has_bias>
 static __global__ void
-__launch_bounds__(RAGGED_ATTENTION_MMA_MAX_WARPS * 32,
-                  ragged_attention_mma_min_blocks(D, kAtoms, is_q_resident))
+__launch_bounds__(RAGGED_ATTENTION_MMA_MAX_WARPS * 32, D <= 64 ? 4 : (D <= 96 ? 3 : 2))
     ragged_attention_mma_kernel(const __grid_constant__ ragvit_attention_args a, int max_len,
                                 int num_stages, int smem_bytes) {
     extern __shared__ __align__(16) unsigned char ragged_attention_mma_smem[];
-    const int rows = (blockDim.x >> 5) * 16 * kAtoms;
+    const int rows = blockDim.x >> 1;
     Elem *s_q = reinterpret_cast<Elem *>(ragged_attention_mma_smem);
     Elem *s_kv = s_q + rows * (D + 8);
     const int h = blockIdx.y;
@@ -734,46 +652,15 @@ __launch_bounds__(RAGGED_ATTENTION_MMA_MAX_WARPS * 32,
             continue;
         }
         for (int q0 = blockIdx.x * rows; q0 < len; q0 += gridDim.x * rows)
-            ragged_attention_mma_tile<Elem, D, has_bias, kAtoms, is_q_resident>(
-                s_q, s_kv, num_stages, a, start, h, q0, len, scale_log2);
+            ragged_attention_mma_tile<Elem, D, has_bias>(s_q, s_kv, num_stages, a, start, h, q0, len,
+                                               scale_log2);
     }
 }
 
 // ---- launcher ----
 
-/* Kernel variants (plan.variant; ragged_attention_mma_make_plan's `variant` forces one). */
-enum {
-    RAGGED_ATTENTION_MMA_AUTO = 0,        /* the planner chooses */
-    RAGGED_ATTENTION_MMA_ROWS16 = 1,      /* 16 query rows a warp, Q re-read every key tile */
-    RAGGED_ATTENTION_MMA_ROWS32 = 2,      /* 32 rows a warp (two atoms), Q re-read */
-    RAGGED_ATTENTION_MMA_ROWS32_QREG = 3, /* 32 rows a warp, Q fragments held in registers */
-    RAGGED_ATTENTION_MMA_NUM_VARIANTS = 4
-};
-
-/* Planner thresholds, to be set from measurement on the H200: dev/test_attention_mma.cu
- * --bench prints every variant next to the planner's choice; change them here when it
- * disagrees (the values below are first estimates from occupancy arithmetic). ROWS32 halves
- * the K/V shared-memory traffic per mma and the K/V global reads per sequence, but halves
- * the number of blocks and holds 2 blocks an SM (8 warps) against ROWS16's 4 (16 warps): it
- * needs sequences longer than two 64-row tiles (pruned 40-120 token batches stay ROWS16,
- * where more resident warps hide the load latency of short blocks) and enough blocks to fill
- * the SMs (batch 1 at 577 tokens is 30 blocks of 128 rows for H = 6). */
-#define RAGGED_ATTENTION_MMA_ROWS32_MIN_LEN 129          /* max_seqlen at least this */
-#define RAGGED_ATTENTION_MMA_ROWS32_MIN_BLOCKS_PER_SM 2  /* 128-row blocks >= this x SMs */
-/* Two atoms exist up to this head_dim (D = 128: 128 + 64 accumulators spill at 255). */
-#define RAGGED_ATTENTION_MMA_ROWS32_MAX_HEAD_DIM 96
-/* ROWS32_QREG (Q in registers) exists up to this head_dim (D = 80 would need ~40 more
- * registers over ROWS32's 235). */
-#define RAGGED_ATTENTION_MMA_QREG_MAX_HEAD_DIM 64
-/* The planner prefers ROWS32_QREG to ROWS32 at this head_dim only: at D = 64 both hold 2
- * blocks an SM (193 / 226 registers), so Q in registers saves its ldmatrix for free; at
- * D = 32 the re-read variant keeps 3 (160 registers) against 2. */
-#define RAGGED_ATTENTION_MMA_QREG_AUTO_HEAD_DIM 64
-
-/* Launch shape: variant, warps per block, K/V ring stages, grid, smem bytes. */
+/* Launch shape: warps per block (16 query rows each), K/V ring stages, grid, smem bytes. */
 typedef struct {
-    int variant; /* ROWS16, ROWS32 or ROWS32_QREG, never AUTO */
-    int rows_per_warp;
     int num_warps;
     int num_stages;
     int max_len;
@@ -781,12 +668,10 @@ typedef struct {
     dim3 grid;
 } ragged_attention_mma_plan;
 
-static int64_t ragged_attention_mma_smem_bytes(int head_dim, int rows_per_warp, int num_warps,
-                                               int num_stages, int num_heads, bool has_cls) {
+static int64_t ragged_attention_mma_smem_bytes(int head_dim, int num_warps, int num_stages,
+                                               int num_heads, bool has_cls) {
     const int64_t row_bytes = (int64_t)(head_dim + 8) * 2;
-    int64_t bytes =
-        ((int64_t)rows_per_warp * num_warps + 2 * RAGGED_ATTENTION_MMA_KEYS * num_stages) *
-        row_bytes;
+    int64_t bytes = (16 * num_warps + 2 * RAGGED_ATTENTION_MMA_KEYS * num_stages) * row_bytes;
     if (has_cls) { /* >= 2 tiles of 16 keys per warp, plus (max, 1/sum) per head */
         const int64_t cls_bytes = num_warps * 2 * 16 * row_bytes + 8 * (int64_t)num_heads;
         bytes = cls_bytes > bytes ? cls_bytes : bytes;
@@ -796,23 +681,17 @@ static int64_t ragged_attention_mma_smem_bytes(int head_dim, int rows_per_warp, 
 
 /* Most dynamic shared memory any plan asks for (ragged_attention_mma_init opts in to it). */
 static int64_t ragged_attention_mma_smem_max(int head_dim) {
-    const int rows_per_warp = head_dim <= RAGGED_ATTENTION_MMA_ROWS32_MAX_HEAD_DIM ? 32 : 16;
-    const int64_t a =
-        ragged_attention_mma_smem_bytes(head_dim, rows_per_warp, RAGGED_ATTENTION_MMA_MAX_WARPS,
-                                        RAGGED_ATTENTION_MMA_MAX_STAGES, 1, false);
-    const int64_t c = ragged_attention_mma_smem_bytes(
-        head_dim, 16, RAGGED_ATTENTION_MMA_MAX_WARPS, 2, RAGGED_ATTENTION_MMA_MAX_HEADS, true);
+    const int64_t a = ragged_attention_mma_smem_bytes(head_dim, RAGGED_ATTENTION_MMA_MAX_WARPS,
+                                                      RAGGED_ATTENTION_MMA_MAX_STAGES, 1, false);
+    const int64_t c = ragged_attention_mma_smem_bytes(head_dim, RAGGED_ATTENTION_MMA_MAX_WARPS,
+                                                      2, RAGGED_ATTENTION_MMA_MAX_HEADS, true);
     return a > c ? a : c;
 }
 
-/* Chooses the launch shape; num_warps / num_stages / variant > 0 force a value (benchmarks,
- * tests). A forced variant that head_dim lacks falls back: ROWS32_QREG above
- * RAGGED_ATTENTION_MMA_QREG_MAX_HEAD_DIM to ROWS32, ROWS32 above
- * RAGGED_ATTENTION_MMA_ROWS32_MAX_HEAD_DIM to ROWS16. */
+/* Chooses the launch shape; num_warps / num_stages > 0 force a value (benchmarks). */
 static ragged_attention_mma_plan ragged_attention_mma_make_plan(const ragvit_attention_args *a,
                                                                 const ragvit_device_info *dev,
-                                                                int num_warps, int num_stages,
-                                                                int variant) {
+                                                                int num_warps, int num_stages) {
     /* max_seqlen only sizes the grid; a length above it is skipped and flagged */
     int64_t max_len = a->max_seqlen > 0 ? a->max_seqlen : a->total_tokens;
     if (max_len > INT32_MAX)
@@ -820,9 +699,8 @@ static ragged_attention_mma_plan ragged_attention_mma_make_plan(const ragvit_att
     if (max_len < 1)
         max_len = 1;
     const int64_t sm_count = dev != NULL && dev->sm_count > 0 ? dev->sm_count : 132;
-    const int64_t smem_optin =
+    int64_t smem_limit =
         dev != NULL && dev->smem_per_block_optin > 0 ? dev->smem_per_block_optin : 48 * 1024;
-    int64_t smem_limit = smem_optin;
     if (smem_limit > ragged_attention_mma_smem_max(a->head_dim))
         smem_limit = ragged_attention_mma_smem_max(a->head_dim); /* what init opted in to */
     const int64_t heads = a->num_heads;
@@ -830,58 +708,16 @@ static ragged_attention_mma_plan ragged_attention_mma_make_plan(const ragvit_att
     const bool has_cls = a->cls_attn != NULL;
     const int64_t key_tiles = (max_len + RAGGED_ATTENTION_MMA_KEYS - 1) / RAGGED_ATTENTION_MMA_KEYS;
 
-    /* Blocks with real work for a query tile of `rows` rows: the grid, or fewer when
-     * max_seqlen is loose (T / rows + S tiles per head at most). */
-    auto busy_blocks = [&](int64_t rows) {
-        const int64_t per_head = (max_len + rows - 1) / rows * seqs;
-        const int64_t bound = a->total_tokens / rows + seqs;
-        return (per_head < bound ? per_head : bound) * heads;
-    };
-    if (variant <= RAGGED_ATTENTION_MMA_AUTO || variant >= RAGGED_ATTENTION_MMA_NUM_VARIANTS) {
-        const int64_t rows32 = 32 * RAGGED_ATTENTION_MMA_MAX_WARPS;
-        variant = RAGGED_ATTENTION_MMA_ROWS16;
-        if (max_len >= RAGGED_ATTENTION_MMA_ROWS32_MIN_LEN &&
-            busy_blocks(rows32) >= RAGGED_ATTENTION_MMA_ROWS32_MIN_BLOCKS_PER_SM * sm_count)
-            variant = a->head_dim == RAGGED_ATTENTION_MMA_QREG_AUTO_HEAD_DIM
-                          ? RAGGED_ATTENTION_MMA_ROWS32_QREG
-                          : RAGGED_ATTENTION_MMA_ROWS32;
-    }
-    if (variant == RAGGED_ATTENTION_MMA_ROWS32_QREG &&
-        a->head_dim > RAGGED_ATTENTION_MMA_QREG_MAX_HEAD_DIM)
-        variant = RAGGED_ATTENTION_MMA_ROWS32;
-    if (variant == RAGGED_ATTENTION_MMA_ROWS32 &&
-        a->head_dim > RAGGED_ATTENTION_MMA_ROWS32_MAX_HEAD_DIM)
-        variant = RAGGED_ATTENTION_MMA_ROWS16;
-    const int rows_per_warp = variant == RAGGED_ATTENTION_MMA_ROWS16 ? 16 : 32;
-
-    /* Four warps unless the sequences are shorter: measured on an H200, smaller blocks
-     * lost even at batch 1 (more copies of K/V, less load parallelism). */
+    /* Four warps (64 query rows) unless the sequences are shorter: measured on an H200,
+     * smaller blocks lost even at batch 1 (more copies of K/V, less load parallelism). */
     if (num_warps <= 0)
-        num_warps = (int)((max_len + rows_per_warp - 1) / rows_per_warp);
+        num_warps = (int)((max_len + 15) / 16);
     if (num_warps > RAGGED_ATTENTION_MMA_MAX_WARPS)
         num_warps = RAGGED_ATTENTION_MMA_MAX_WARPS;
-    const int64_t block_rows = (int64_t)rows_per_warp * num_warps;
-    /* ROWS32 blocks are register-bound (2 an SM, 3 for D = 32 with Q re-read), so a deeper
-     * ring costs no occupancy while that many blocks still fit in shared memory (an SM has
-     * the opt-in limit + 1 KB, a block reserves 1 KB): up to 4 key tiles in flight, all of
-     * K/V at 197 tokens. ROWS16: at most one wave of blocks means nothing else hides memory
-     * latency, so put up to 4 key tiles in flight; more blocks: 2 stages (double
-     * buffering) keep 4 blocks per SM. */
-    if (num_stages <= 0 && rows_per_warp == 32) {
-        const int64_t per_sm = ragged_attention_mma_min_blocks(
-            a->head_dim, 2, variant == RAGGED_ATTENTION_MMA_ROWS32_QREG);
-        num_stages = (int)(key_tiles < RAGGED_ATTENTION_MMA_MAX_STAGES
-                               ? (key_tiles > 2 ? key_tiles : 2)
-                               : RAGGED_ATTENTION_MMA_MAX_STAGES);
-        while (num_stages > 2 &&
-               per_sm * (ragged_attention_mma_smem_bytes(a->head_dim, rows_per_warp, num_warps,
-                                                         num_stages, a->num_heads, has_cls) +
-                         1024) >
-                   smem_optin + 1024)
-            --num_stages;
-    }
+    /* At most one wave of blocks: nothing else hides memory latency, so put up to 4 key
+     * tiles in flight. More blocks: 2 stages (double buffering) keep 4 blocks per SM. */
     if (num_stages <= 0) {
-        const int64_t blocks = ((max_len + block_rows - 1) / block_rows) * heads * seqs;
+        const int64_t blocks = ((max_len + 16 * num_warps - 1) / (16 * num_warps)) * heads * seqs;
         num_stages = 2;
         if (blocks <= sm_count)
             num_stages = (int)(key_tiles < RAGGED_ATTENTION_MMA_MAX_STAGES
@@ -892,24 +728,21 @@ static ragged_attention_mma_plan ragged_attention_mma_make_plan(const ragvit_att
         num_stages = 2;
     if (num_stages > RAGGED_ATTENTION_MMA_MAX_STAGES)
         num_stages = RAGGED_ATTENTION_MMA_MAX_STAGES;
-    while (num_stages > 2 &&
-           ragged_attention_mma_smem_bytes(a->head_dim, rows_per_warp, num_warps, num_stages,
-                                           a->num_heads, has_cls) > smem_limit)
+    while (num_stages > 2 && ragged_attention_mma_smem_bytes(a->head_dim, num_warps, num_stages,
+                                                             a->num_heads, has_cls) > smem_limit)
         --num_stages;
-    while (num_warps > 1 &&
-           ragged_attention_mma_smem_bytes(a->head_dim, rows_per_warp, num_warps, num_stages,
-                                           a->num_heads, has_cls) > smem_limit)
+    while (num_warps > 1 && ragged_attention_mma_smem_bytes(a->head_dim, num_warps, num_stages,
+                                                            a->num_heads, has_cls) > smem_limit)
         --num_warps;
-    const int64_t rows = (int64_t)rows_per_warp * num_warps;
 
     const int64_t grid_y = heads + (has_cls ? 1 : 0);
     const int64_t grid_z =
         seqs < RAGGED_ATTENTION_MMA_MAX_GRID_YZ ? seqs : RAGGED_ATTENTION_MMA_MAX_GRID_YZ;
-    int64_t grid_x = (max_len + rows - 1) / rows;
+    int64_t grid_x = (max_len + 16 * num_warps - 1) / (16 * num_warps);
     /* A loose max_seqlen (CUDA's default is T) must not launch millions of empty blocks:
      * cap the grid near twice the real work (<= T / rows + S query tiles per head) and let
      * blocks loop over the remaining query tiles. */
-    int64_t budget = 2 * (a->total_tokens / rows + seqs) * grid_y;
+    int64_t budget = 2 * (a->total_tokens / (16 * num_warps) + seqs) * grid_y;
     if (budget < 64 * sm_count)
         budget = 64 * sm_count;
     if (grid_x * grid_y * grid_z > budget) {
@@ -919,13 +752,11 @@ static ragged_attention_mma_plan ragged_attention_mma_make_plan(const ragvit_att
     }
 
     ragged_attention_mma_plan plan;
-    plan.variant = variant;
-    plan.rows_per_warp = rows_per_warp;
     plan.num_warps = num_warps;
     plan.num_stages = num_stages;
     plan.max_len = (int)max_len;
-    plan.smem_bytes = (int)ragged_attention_mma_smem_bytes(
-        a->head_dim, rows_per_warp, num_warps, num_stages, a->num_heads, has_cls);
+    plan.smem_bytes = (int)ragged_attention_mma_smem_bytes(a->head_dim, num_warps, num_stages,
+                                                           a->num_heads, has_cls);
     plan.grid = dim3((unsigned)grid_x, (unsigned)grid_y, (unsigned)grid_z);
     return plan;
 }
@@ -947,9 +778,8 @@ static bool ragged_attention_mma_supports(const ragvit_attention_args *a,
     if (dev != NULL) {
         const int64_t limit = dev->smem_per_block_optin > 0 ? dev->smem_per_block_optin
                                                              : 48 * 1024;
-        if (dev->cc_major < 8 ||
-            ragged_attention_mma_smem_bytes(a->head_dim, 16, 1, 2, a->num_heads,
-                                            a->cls_attn != NULL) > limit)
+        if (dev->cc_major < 8 || ragged_attention_mma_smem_bytes(a->head_dim, 1, 2, a->num_heads,
+                                                                 a->cls_attn != NULL) > limit)
             return false;
     }
     const uintptr_t ptr_bits = (uintptr_t)a->q | (uintptr_t)a->k | (uintptr_t)a->v |
@@ -960,34 +790,20 @@ static bool ragged_attention_mma_supports(const ragvit_attention_args *a,
     return (ptr_bits & 15u) == 0 && (stride_bits & 7) == 0;
 }
 
-template <typename Elem, int D, int kAtoms, bool is_q_resident>
-static ragvit_status ragged_attention_mma_launch_variant(const ragvit_attention_args *a,
-                                                         const ragged_attention_mma_plan *plan,
-                                                         cudaStream_t stream) {
-    if (a->bias != NULL)
-        ragged_attention_mma_kernel<Elem, D, true, kAtoms, is_q_resident>
-            <<<plan->grid, 32 * plan->num_warps, (size_t)plan->smem_bytes, stream>>>(
-                *a, plan->max_len, plan->num_stages, plan->smem_bytes);
-    else
-        ragged_attention_mma_kernel<Elem, D, false, kAtoms, is_q_resident>
-            <<<plan->grid, 32 * plan->num_warps, (size_t)plan->smem_bytes, stream>>>(
-                *a, plan->max_len, plan->num_stages, plan->smem_bytes);
-    CUDA_TRY(cudaGetLastError());
-    return RAGVIT_STATUS_OK;
-}
-
 template <typename Elem, int D>
 static ragvit_status ragged_attention_mma_launch_hdim(const ragvit_attention_args *a,
                                                       const ragged_attention_mma_plan *plan,
                                                       cudaStream_t stream) {
-    /* make_plan only names variants that exist for D; anything else runs ROWS16 */
-    if constexpr (D <= RAGGED_ATTENTION_MMA_QREG_MAX_HEAD_DIM)
-        if (plan->variant == RAGGED_ATTENTION_MMA_ROWS32_QREG)
-            return ragged_attention_mma_launch_variant<Elem, D, 2, true>(a, plan, stream);
-    if constexpr (D <= RAGGED_ATTENTION_MMA_ROWS32_MAX_HEAD_DIM)
-        if (plan->variant == RAGGED_ATTENTION_MMA_ROWS32)
-            return ragged_attention_mma_launch_variant<Elem, D, 2, false>(a, plan, stream);
-    return ragged_attention_mma_launch_variant<Elem, D, 1, false>(a, plan, stream);
+    if (a->bias != NULL)
+        ragged_attention_mma_kernel<Elem, D, true>
+            <<<plan->grid, 32 * plan->num_warps, (size_t)plan->smem_bytes, stream>>>(
+                *a, plan->max_len, plan->num_stages, plan->smem_bytes);
+    else
+        ragged_attention_mma_kernel<Elem, D, false>
+            <<<plan->grid, 32 * plan->num_warps, (size_t)plan->smem_bytes, stream>>>(
+                *a, plan->max_len, plan->num_stages, plan->smem_bytes);
+    CUDA_TRY(cudaGetLastError());
+    return RAGVIT_STATUS_OK;
 }
 
 /* Launches with an explicit plan (from ragged_attention_mma_make_plan). */
@@ -1024,24 +840,10 @@ static ragvit_status ragged_attention_mma_launch_plan(const ragvit_attention_arg
 static ragvit_status ragged_attention_mma_launch(const ragvit_attention_args *a,
                                                  const ragvit_device_info *dev,
                                                  cudaStream_t stream) {
-    const ragged_attention_mma_plan plan =
-        ragged_attention_mma_make_plan(a, dev, 0, 0, RAGGED_ATTENTION_MMA_AUTO);
+    const ragged_attention_mma_plan plan = ragged_attention_mma_make_plan(a, dev, 0, 0);
     return ragged_attention_mma_launch_plan(a, &plan, stream);
 }
 
-template <typename Elem, int D, int kAtoms, bool is_q_resident>
-static ragvit_status ragged_attention_mma_init_variant(int bytes) {
-    CUDA_TRY(cudaFuncSetAttribute(
-        ragged_attention_mma_kernel<Elem, D, false, kAtoms, is_q_resident>,
-        cudaFuncAttributeMaxDynamicSharedMemorySize, bytes));
-    CUDA_TRY(cudaFuncSetAttribute(
-        ragged_attention_mma_kernel<Elem, D, true, kAtoms, is_q_resident>,
-        cudaFuncAttributeMaxDynamicSharedMemorySize, bytes));
-    return RAGVIT_STATUS_OK;
-}
-
-/* Every kernel the launcher can pick for (Elem, D) opts in to the largest plan's bytes, once:
- * no per-call attribute calls, so launches stay graph-capturable. */
 template <typename Elem, int D>
 static ragvit_status ragged_attention_mma_init_hdim(const ragvit_device_info *dev) {
     int64_t bytes = ragged_attention_mma_smem_max(D);
@@ -1049,14 +851,11 @@ static ragvit_status ragged_attention_mma_init_hdim(const ragvit_device_info *de
         return RAGVIT_STATUS_OK;
     if (bytes > dev->smem_per_block_optin) /* the plans then stay under the device's limit */
         bytes = dev->smem_per_block_optin;
-    ragvit_status status = ragged_attention_mma_init_variant<Elem, D, 1, false>((int)bytes);
-    if constexpr (D <= RAGGED_ATTENTION_MMA_ROWS32_MAX_HEAD_DIM)
-        if (status == RAGVIT_STATUS_OK)
-            status = ragged_attention_mma_init_variant<Elem, D, 2, false>((int)bytes);
-    if constexpr (D <= RAGGED_ATTENTION_MMA_QREG_MAX_HEAD_DIM)
-        if (status == RAGVIT_STATUS_OK)
-            status = ragged_attention_mma_init_variant<Elem, D, 2, true>((int)bytes);
-    return status;
+    CUDA_TRY(cudaFuncSetAttribute(ragged_attention_mma_kernel<Elem, D, false>,
+                                  cudaFuncAttributeMaxDynamicSharedMemorySize, (int)bytes));
+    CUDA_TRY(cudaFuncSetAttribute(ragged_attention_mma_kernel<Elem, D, true>,
+                                  cudaFuncAttributeMaxDynamicSharedMemorySize, (int)bytes));
+    return RAGVIT_STATUS_OK;
 }
 
 /* One-time per-device setup (the device is current): opt in to the dynamic shared memory
