@@ -59,6 +59,8 @@ setup(
         "ragvit._C",
         sources=sorted(glob.glob("csrc/*.c")),
         include_dirs=[os.path.join(ROOT, "csrc"), numpy.get_include()],
+        # kernels and headers too: a changed .cu must relink the module, not only a .c
+        depends=sorted(glob.glob("csrc/*.h") + glob.glob("csrc/kernels/*")),
         extra_compile_args=["-std=c11", "-O3", *WARN],
     )],
     cmdclass={"build_ext": BuildExt},
