@@ -9,7 +9,7 @@
 # 4.5 / 1 min on the H200, capped by --budget-s below the step's timeout), writing
 # $OUT/e2e_<suite>_h200.md/.json. notebook: benchmarks/run_notebook.py executes
 # ragvit_benchmarks.ipynb on the results in $OUT and benchmarks/results plus its own H200
-# sweep (about 2 min; limit NB_TIMEOUT, default 240 s), writing $OUT/notebook/ (the executed
+# sweep (about 2 min, NB_SWEEP=0 skips it; limit NB_TIMEOUT, default 240 s), writing $OUT/notebook/ (the executed
 # notebook and its PNGs). tar (last): packs every log into $OUT/gpu_check_logs.tar.gz and
 # leaves only it, summary.txt and $OUT/notebook/ (the device returns at most 8 files).
 set -uo pipefail
@@ -80,7 +80,8 @@ for suite in paper policies graph; do
 done
 if has notebook; then
     run notebook timeout "${NB_TIMEOUT:-240}" python3 benchmarks/run_notebook.py \
-        --out "$OUT/notebook" --results "$OUT" benchmarks/results --sweep
+        --out "$OUT/notebook" --results "$OUT" benchmarks/results \
+        $([ "${NB_SWEEP:-1}" = 1 ] && echo --sweep)
 fi
 if has quick; then
     run bench_quick python3 benchmarks/bench_attention.py --quick
