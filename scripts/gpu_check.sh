@@ -10,8 +10,9 @@
 # $OUT/e2e_<suite>_h200.md/.json. notebook: benchmarks/run_notebook.py executes
 # ragvit_benchmarks.ipynb on the results in $OUT and benchmarks/results plus its own H200
 # sweep (about 2 min, NB_SWEEP=0 skips it; limit NB_TIMEOUT, default 240 s), writing $OUT/notebook/ (the executed
-# notebook and its PNGs). tar (last): packs every log into $OUT/gpu_check_logs.tar.gz and
-# leaves only it, summary.txt and $OUT/notebook/ (the device returns at most 8 files).
+# notebook and its PNGs). tar (last): packs every log and $OUT/notebook/ into
+# $OUT/gpu_check_logs.tar.gz and leaves only it and summary.txt (the device returns at most
+# 8 files).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-$PWD/gpu_logs}
@@ -94,8 +95,9 @@ summary() {
 grep -h -B1 -A5 "^Targets" "$OUT"/e2e_*_h200.md 2>/dev/null
 summary | tee "$OUT/summary.txt"
 if has tar; then
-    (cd "$OUT" && tar czf gpu_check_logs.tar.gz --exclude gpu_check_logs.tar.gz --exclude notebook \
-        -- * && find . -maxdepth 1 -type f ! -name gpu_check_logs.tar.gz \
+    # everything, the notebook folder included (the device returns at most 8 files)
+    (cd "$OUT" && tar czf gpu_check_logs.tar.gz --exclude gpu_check_logs.tar.gz -- * && \
+        rm -rf notebook && find . -maxdepth 1 -type f ! -name gpu_check_logs.tar.gz \
         ! -name summary.txt -delete)
     ls -la "$OUT" "$OUT/notebook" 2>/dev/null
 fi
