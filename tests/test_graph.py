@@ -23,6 +23,12 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 timm = pytest.importorskip("timm")
 
+from test_timm_patch import (  # noqa: E402
+    _one_cpu_thread,  # noqa: F401  (autouse fixture: one torch thread for tiny models)
+    images,
+    make_model,
+)
+
 import ragvit  # noqa: E402
 from ragvit import bench, graph, timm_patch  # noqa: E402
 from ragvit.graph import CudaGraphFallbackWarning, cuda_graph  # noqa: E402
@@ -32,29 +38,6 @@ from ragvit.timm_patch import patch, unpatch  # noqa: E402
 CPU_ATOL = 1e-4
 # fp16 logits, eager (trimmed rows) vs graph (capacity rows) or autocast: GEMM shapes differ.
 GPU_MODE_SWITCH_ATOL = 4e-3
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_cpu_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
-def make_model(name, gen, img_size=64, dtype=torch.float32, device="cpu"):
-    """A random-init timm model in eval, weights perturbed from gen (as test_timm_patch)."""
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(int(torch.randint(2**62, (1,), generator=gen)))
-        model = timm.create_model(name, pretrained=False, img_size=img_size)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.add_(torch.randn(p.shape, generator=gen) * 0.05)
-    return model.eval().to(device=device, dtype=dtype)
-
-
-def images(gen, batch, img_size, dtype=torch.float32, device="cpu"):
-    return torch.randn(batch, 3, img_size, img_size, generator=gen).to(device=device, dtype=dtype)
 
 
 def fallback_warnings(records):
