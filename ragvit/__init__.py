@@ -28,7 +28,7 @@ __version__ = "0.1.0"
 
 # The timm shim needs torch: import it on first use so `import ragvit` works without.
 _TIMM_PATCH_NAMES = ("patch", "unpatch", "is_patched", "UnsupportedModelError",
-                     "forward_with_decisions")
+                     "forward_with_decisions", "kept_mask")
 _GRAPH_NAMES = ("cuda_graph", "CudaGraphFallbackWarning", "GraphedModel")
 
 
@@ -58,6 +58,7 @@ __all__ = [
     "gather_prefix",
     "is_debug",
     "is_patched",
+    "kept_mask",
     "pack",
     "pack_into",
     "patch",

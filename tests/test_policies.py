@@ -34,6 +34,7 @@ from test_timm_patch import (  # noqa: E402
     top1_agrees,
 )
 
+import ragvit  # noqa: E402
 from ragvit import reference, timm_patch  # noqa: E402
 from ragvit.pruning import (  # noqa: E402
     ATS,
@@ -198,6 +199,15 @@ def test_tome_matches_reference(case, model_name, gen, seed):
         L -= min(r, (L - P) // 2)
         assert d.dtype == torch.int64
         assert timm_patch.kept_mask(d).sum(1).tolist() == [L] * 3
+
+
+def test_kept_mask_of_masks_and_merge_maps():
+    mask = torch.tensor([[True, False, True]])
+    assert ragvit.kept_mask is timm_patch.kept_mask and "kept_mask" in ragvit.__all__
+    assert timm_patch.kept_mask(mask) is mask
+    merged = torch.tensor([[0, 0, 2, -1], [0, 2, 2, 2]])  # token 1 into 0; 3 gone / into 2
+    assert timm_patch.kept_mask(merged).tolist() == [[True, False, True, False],
+                                                      [True, False, True, False]]
 
 
 def test_tome_replays_merge_decisions(gen, seed):
