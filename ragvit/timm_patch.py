@@ -314,8 +314,8 @@ def _attention_half(blk, cur: _Rows, attention, cls_attn=None, want_value_norm=F
         o = torch.nn.functional.scaled_dot_product_attention(q, k, v, scale=attn.scale)
         o = o.transpose(1, 2).reshape(-1, attn.num_heads, attn.head_dim)
     else:
-        o = attention(qkv[:, 0], qkv[:, 1], qkv[:, 2], cur.cu_seqlens, cur.max_seqlen,
-                      scale=attn.scale, **kwargs)
+        q, k, v = qkv.unbind(1)  # one op for the three views (host time at small batch)
+        o = attention(q, k, v, cur.cu_seqlens, cur.max_seqlen, scale=attn.scale, **kwargs)
     value_norm = keys = None
     if want_value_norm:
         value_norm = torch.linalg.vector_norm(qkv[:, 2].float(), dim=-1).mean(dim=1)
