@@ -77,6 +77,21 @@ def gpu_marks() -> list:
     return [pytest.mark.gpu, requires_cuda]
 
 
+def error_params(cases, *leading) -> list:
+    """pytest params (*leading, device, mutate, exc, pattern) of an error table whose rows are
+    (case_id, mutate, exc, pattern, cpu_only), for "cpu" and "cuda" (CUDA rows marked
+    gpu_marks(), cpu_only rows left out); ids "<leading>-<device>-<case_id>"."""
+    params = []
+    for device in ("cpu", "cuda"):
+        for case_id, mutate, exc, pattern, cpu_only in cases:
+            if cpu_only and device == "cuda":
+                continue
+            marks = gpu_marks() if device == "cuda" else []
+            params.append(pytest.param(*leading, device, mutate, exc, pattern, marks=marks,
+                                       id="-".join([*map(str, leading), device, case_id])))
+    return params
+
+
 def devices() -> list:
     """Parameters for a `device` argument: "cpu", and "cuda" (skipped without a GPU).
 

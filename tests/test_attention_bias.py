@@ -23,6 +23,7 @@ from conftest import (
     TOL,
     covered_rows,
     devices,
+    error_params,
     gpu_marks,
     lengths_deit_197,
     lengths_deit_577,
@@ -337,26 +338,13 @@ BIAS_ERRORS = [
 ]
 
 
-def _error_params():
-    params = []
-    for device in ("cpu", "cuda"):
-        for case_id, mutate, exc, pattern, cpu_only in BIAS_ERRORS:
-            if cpu_only and device == "cuda":
-                continue
-            marks = gpu_marks() if device == "cuda" else []
-            params.append(
-                pytest.param(device, mutate, exc, pattern, marks=marks, id=f"{device}-{case_id}")
-            )
-    return params
-
-
 @pytest.mark.parametrize("device", devices())
 def test_attention_bias_error_base_is_valid(device):
     a = _base(device)
     assert _call(a) is a["out"]
 
 
-@pytest.mark.parametrize("device, mutate, exc, pattern", _error_params())
+@pytest.mark.parametrize("device, mutate, exc, pattern", error_params(BIAS_ERRORS))
 def test_attention_bias_rejects(device, mutate, exc, pattern):
     a = _base(device)
     mutate(a)

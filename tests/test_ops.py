@@ -31,6 +31,7 @@ from conftest import (
     covered_rows,
     devices,
     dtype_params,
+    error_params,
     gpu_marks,
     lengths_deit_197,
     lengths_deit_577,
@@ -851,19 +852,6 @@ ATTENTION_ERRORS = [
 ]
 
 
-def _error_params(cases):
-    params = []
-    for device in ("cpu", "cuda"):
-        for case_id, mutate, exc, pattern, cpu_only in cases:
-            if cpu_only and device == "cuda":
-                continue
-            marks = gpu_marks() if device == "cuda" else []
-            params.append(
-                pytest.param(device, mutate, exc, pattern, marks=marks, id=f"{device}-{case_id}")
-            )
-    return params
-
-
 @pytest.mark.parametrize("device", devices())
 def test_attention_error_base_args_are_valid(device, seed):
     a = _attention_base(device)
@@ -871,7 +859,7 @@ def test_attention_error_base_args_are_valid(device, seed):
     _check_attention(a["out"], a["q"], a["k"], a["v"], a["cu_seqlens"], seed=seed)
 
 
-@pytest.mark.parametrize("device, mutate, exc, pattern", _error_params(ATTENTION_ERRORS))
+@pytest.mark.parametrize("device, mutate, exc, pattern", error_params(ATTENTION_ERRORS))
 def test_attention_rejects(device, mutate, exc, pattern):
     a = _attention_base(device)
     mutate(a)
@@ -1039,7 +1027,7 @@ def test_pack_error_base_args_are_valid(device):
     assert a["indices"][:5].cpu().tolist() == [0, 2, 3, 0, 1] == indices.cpu().tolist()
 
 
-@pytest.mark.parametrize("device, mutate, exc, pattern", _error_params(PACK_INPUT_ERRORS))
+@pytest.mark.parametrize("device, mutate, exc, pattern", error_params(PACK_INPUT_ERRORS))
 def test_pack_rejects(device, mutate, exc, pattern):
     a = _pack_base(device)
     mutate(a)
@@ -1049,7 +1037,7 @@ def test_pack_rejects(device, mutate, exc, pattern):
     _assert_untouched(a, before)
 
 
-@pytest.mark.parametrize("device, mutate, exc, pattern", _error_params(PACK_INTO_ERRORS))
+@pytest.mark.parametrize("device, mutate, exc, pattern", error_params(PACK_INTO_ERRORS))
 def test_pack_into_rejects(device, mutate, exc, pattern):
     a = _pack_base(device)
     mutate(a)
@@ -1190,7 +1178,7 @@ def test_unpack_error_base_args_are_valid(device):
     assert torch.equal(a["out"].cpu(), expected.cpu())
 
 
-@pytest.mark.parametrize("device, mutate, exc, pattern", _error_params(UNPACK_ERRORS))
+@pytest.mark.parametrize("device, mutate, exc, pattern", error_params(UNPACK_ERRORS))
 def test_unpack_rejects(device, mutate, exc, pattern):
     a = _unpack_base(device)
     mutate(a)

@@ -24,6 +24,7 @@ from conftest import (
     TOL,
     devices,
     dtype_params,
+    error_params,
     gpu_marks,
     make_cu_seqlens,
     poison,
@@ -680,22 +681,6 @@ CALLS = {
 }
 
 
-def _error_params():
-    params = []
-    for op, (_, cases) in CALLS.items():
-        for device in ("cpu", "cuda"):
-            for case_id, mutate, exc, pattern, cpu_only in cases:
-                if cpu_only and device == "cuda":
-                    continue
-                marks = gpu_marks() if device == "cuda" else []
-                params.append(
-                    pytest.param(
-                        op, device, mutate, exc, pattern, marks=marks, id=f"{op}-{device}-{case_id}"
-                    )
-                )
-    return params
-
-
 @pytest.mark.parametrize("op", list(CALLS))
 @pytest.mark.parametrize("device", devices())
 def test_error_base_args_are_valid(op, device):
@@ -706,7 +691,10 @@ def test_error_base_args_are_valid(op, device):
         assert a["src"][:7].cpu().tolist() == [0, 2, 3, 5, 6, 10, 11]
 
 
-@pytest.mark.parametrize("op, device, mutate, exc, pattern", _error_params())
+ERROR_PARAMS = [p for op, (_, cases) in CALLS.items() for p in error_params(cases, op)]
+
+
+@pytest.mark.parametrize("op, device, mutate, exc, pattern", ERROR_PARAMS)
 def test_rejects(op, device, mutate, exc, pattern):
     a = _base(device)
     mutate(a)
