@@ -26,6 +26,18 @@ def find_cuda():
     return next((r for r in roots if r and is_root(r)), None)
 
 
+def find_cublaslt(cuda):
+    """(include dir, library path) of cuBLASLt: the CUDA root, then nvidia wheels on sys.path."""
+    roots = [os.environ.get("RAGVIT_CUBLAS_HOME"), cuda]
+    for p in sys.path + [os.path.join(sys.prefix, "lib", f"python{sys.version_info[0]}.{sys.version_info[1]}", "site-packages")]:
+        roots += sorted(glob.glob(os.path.join(p, "nvidia", "cu*"))) + [os.path.join(p, "nvidia", "cublas")]
+    for r in filter(None, roots):
+        libs = sorted(glob.glob(os.path.join(r, "lib*", "libcublasLt.so*")) + glob.glob(os.path.join(r, "lib", "x64", "libcublasLt.so*")))
+        if os.path.exists(os.path.join(r, "include", "cublasLt.h")):
+            return os.path.join(r, "include"), (libs[-1] if libs else None)
+    return None, None
+
+
 class BuildExt(build_ext):
     def build_extensions(self):
         cuda, ext = find_cuda(), self.extensions[0]
@@ -41,6 +53,12 @@ class BuildExt(build_ext):
             objects = [os.path.join(self.build_temp, os.path.basename(s) + ".o") for s in sources]
             flags = ["-std=c++17", "-O3", "-DRAGVIT_WITH_CUDA", "-Xcompiler", "-fPIC," + ",".join(WARN),
                      "-I" + os.path.join(ROOT, "csrc"), "--expt-relaxed-constexpr", "--threads", "0", *gencode]
+            blas_include, blas_lib = find_cublaslt(cuda)
+            if blas_include is None:
+                print("ragvit: cublasLt.h not found (CUDA root, nvidia-cublas wheel): linear runs on the CPU only")
+            else:
+                flags += ["-DRAGVIT_HAVE_CUBLASLT", "-I" + blas_include]
+                flags += [f'-DRAGVIT_CUBLASLT_PATH="{blas_lib}"'] if blas_lib else []
             nvcc = [os.path.join(cuda, "bin", "nvcc"), *flags]
             with ThreadPoolExecutor(max(1, os.cpu_count() or 1)) as pool:
                 jobs = [pool.submit(subprocess.check_call, nvcc + ["-c", s, "-o", o])

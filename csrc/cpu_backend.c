@@ -644,3 +644,114 @@ ragvit_status ragvit_cpu_segment_mean(const ragvit_segment_mean_args *a)
                            (long long)a->total_tokens);
     return RAGVIT_STATUS_OK;
 }
+
+/* ---- linear, layer_norm, gelu (dense per-row ops of a block) ---- */
+
+/* Rounds a double once to dtype (F16/BF16 through a round-to-odd float). */
+static void store_elem_double(void *row, int64_t i, int32_t dtype, double value)
+{
+    store_elem(row, i, dtype, dtype == RAGVIT_DTYPE_F32 ? (float)value : double_to_float_odd(value));
+}
+
+static ragvit_status cpu_scratch_fail(const char *op, int64_t count)
+{
+    return ragvit_fail(RAGVIT_STATUS_OUT_OF_MEMORY,
+                       "%s: scratch must be allocatable, got no memory for %lld floats", op,
+                       (long long)count);
+}
+
+ragvit_status ragvit_cpu_linear(const ragvit_linear_args *a)
+{
+    const int64_t es = dtype_size(a->dtype), M = a->rows, N = a->cols, K = a->inner;
+    if (es == 0)
+        return ragvit_fail(RAGVIT_STATUS_INVALID_DTYPE,
+                           "linear: x must be float16, bfloat16 or float32, got dtype code %d",
+                           (int)a->dtype);
+    /* weight as float (N, K), one x row as float (K), one output row as double (N) */
+    const int64_t floats = N * K + K;
+    float *w = malloc((size_t)(floats > 0 ? floats : 1) * sizeof *w);
+    double *acc = malloc((size_t)(N > 0 ? N : 1) * sizeof *acc);
+    if (w == NULL || acc == NULL) {
+        free(w);
+        free(acc);
+        return cpu_scratch_fail("linear", floats + 2 * N);
+    }
+    float *xrow = w + N * K;
+    for (int64_t n = 0; n < N; n++)
+        load_row(w + n * K, elem_at(a->weight, n * a->weight_stride, es), K, a->dtype);
+    for (int64_t m = 0; m < M; m++) {
+        load_row(xrow, elem_at(a->x, m * a->x_stride, es), K, a->dtype);
+        for (int64_t n = 0; n < N; n++) {
+            const float *wrow = w + n * K;
+            double sum = 0.0;
+            for (int64_t k = 0; k < K; k++)
+                sum += (double)xrow[k] * (double)wrow[k];
+            if (a->bias != NULL)
+                sum += load_elem(a->bias, n * a->bias_stride, a->dtype);
+            acc[n] = sum;
+        }
+        /* residual is read before out is written: residual == out works in place */
+        if (a->residual != NULL) {
+            const void *rrow = elem_at(a->residual, m * a->residual_stride, es);
+            for (int64_t n = 0; n < N; n++)
+                acc[n] += load_elem(rrow, n, a->dtype);
+        }
+        void *orow = elem_at_mut(a->out, m * a->out_stride, es);
+        for (int64_t n = 0; n < N; n++)
+            store_elem_double(orow, n, a->dtype, acc[n]);
+    }
+    free(w);
+    free(acc);
+    return RAGVIT_STATUS_OK;
+}
+
+ragvit_status ragvit_cpu_layer_norm(const ragvit_rowwise_args *a)
+{
+    const int64_t es = dtype_size(a->dtype), C = a->channels;
+    if (es == 0)
+        return ragvit_fail(RAGVIT_STATUS_INVALID_DTYPE,
+                           "layer_norm: x must be float16, bfloat16 or float32, got dtype code %d",
+                           (int)a->dtype);
+    float *row = malloc((size_t)(C > 0 ? C : 1) * sizeof *row);
+    if (row == NULL)
+        return cpu_scratch_fail("layer_norm", C);
+    for (int64_t m = 0; m < a->rows; m++) {
+        load_row(row, elem_at(a->x, m * a->x_stride, es), C, a->dtype);
+        double mean = 0.0, var = 0.0;
+        for (int64_t c = 0; c < C; c++)
+            mean += row[c];
+        mean /= (double)C;
+        for (int64_t c = 0; c < C; c++)
+            var += ((double)row[c] - mean) * ((double)row[c] - mean);
+        const double rstd = 1.0 / sqrt(var / (double)C + (double)a->eps);
+        void *orow = elem_at_mut(a->out, m * a->out_stride, es);
+        for (int64_t c = 0; c < C; c++) {
+            double y = ((double)row[c] - mean) * rstd;
+            if (a->weight != NULL)
+                y *= load_elem(a->weight, c * a->weight_stride, a->dtype);
+            if (a->bias != NULL)
+                y += load_elem(a->bias, c * a->bias_stride, a->dtype);
+            store_elem_double(orow, c, a->dtype, y);
+        }
+    }
+    free(row);
+    return RAGVIT_STATUS_OK;
+}
+
+ragvit_status ragvit_cpu_gelu(const ragvit_rowwise_args *a)
+{
+    const int64_t es = dtype_size(a->dtype);
+    if (es == 0)
+        return ragvit_fail(RAGVIT_STATUS_INVALID_DTYPE,
+                           "gelu: x must be float16, bfloat16 or float32, got dtype code %d",
+                           (int)a->dtype);
+    for (int64_t m = 0; m < a->rows; m++) {
+        const void *xrow = elem_at(a->x, m * a->x_stride, es);
+        void *orow = elem_at_mut(a->out, m * a->out_stride, es);
+        for (int64_t c = 0; c < a->channels; c++) {
+            const double v = load_elem(xrow, c, a->dtype);
+            store_elem_double(orow, c, a->dtype, 0.5 * v * (1.0 + erf(v * 0.70710678118654752440)));
+        }
+    }
+    return RAGVIT_STATUS_OK;
+}

@@ -13,5 +13,8 @@ ragvit_status ragvit_cpu_pack_count(const ragvit_pack_args *a);
 ragvit_status ragvit_cpu_pack_gather(const ragvit_pack_args *a);
 ragvit_status ragvit_cpu_unpack(const ragvit_unpack_args *a);
 ragvit_status ragvit_cpu_segment_mean(const ragvit_segment_mean_args *a);
+ragvit_status ragvit_cpu_linear(const ragvit_linear_args *a);
+ragvit_status ragvit_cpu_layer_norm(const ragvit_rowwise_args *a);
+ragvit_status ragvit_cpu_gelu(const ragvit_rowwise_args *a);
 
 #endif /* RAGVIT_CPU_BACKEND_H */

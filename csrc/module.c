@@ -1188,6 +1188,178 @@ static PyObject *py_segment_mean(PyObject *module, PyObject *const *args, Py_ssi
     return sequence_op(module, args, nargs, kwnames, "segment_mean", "skip", 0);
 }
 
+/* New reference to the given out, or a new (rows, cols) array allocated like
+ * the argument in slot 0 (x); NULL with an exception. */
+static PyObject *rows_output(call_state *cs, PyObject *given, const ragvit_tensor *x,
+                             int64_t cols, ragvit_tensor *out) {
+    if (given != NULL) {
+        Py_INCREF(given);
+        return given;
+    }
+    if (x->ndim != 2) {
+        ragvit_fail(RAGVIT_STATUS_INVALID_SHAPE, "%s: x must have 2 dimensions (M, K), got %d",
+                    cs->op, x->ndim);
+        raise_status(RAGVIT_STATUS_INVALID_SHAPE);
+        return NULL;
+    }
+    const int64_t shape[2] = {x->shape[0], cols};
+    return alloc_like(cs, 0, x, "out", x->dtype, 2, shape, out);
+}
+
+PyDoc_STRVAR(linear_doc,
+"linear(x, weight, bias=None, *, residual=None, out=None, stream=None) -> out\n"
+"\n"
+"nn.Linear on packed rows with an optional fused residual add:\n"
+"out = x @ weight.T + bias + residual, accumulated in float32 and rounded once.\n"
+"\n"
+"Args:\n"
+"    x: (M, K) float16, bfloat16 or float32, unit column stride, any row stride\n"
+"        (a view of a wider buffer is read in place).\n"
+"    weight: (N, K) of x's dtype, as nn.Linear stores it; unit column stride.\n"
+"    bias: optional (N,) of x's dtype.\n"
+"    residual: optional (M, N) of x's dtype, unit column stride; may be out\n"
+"        itself (in place, same strides): a transformer block's x + proj(h).\n"
+"    out: optional (M, N) output of x's dtype, unit column stride, not sharing\n"
+"        memory with x, weight or bias; allocated like x when omitted.\n"
+"    stream: as for attention.\n"
+"\n"
+"Returns:\n"
+"    out.\n"
+"\n"
+"CUDA: cuBLASLt, loaded on the first call (libcublasLt.so from the soname or\n"
+"the path the build found), bias in the GEMM epilogue, residual as beta = 1;\n"
+"float32 inputs run in full float32 (no TF32). The first call on a device and\n"
+"stream allocates a 32 MiB workspace (make it before CUDA-graph capture).\n"
+"CPU: plain C, double accumulation (slow; for tests and small models).\n"
+"\n"
+"Raises:\n"
+"    ValueError (shapes, strides, aliasing, devices), TypeError (dtype),\n"
+"    BufferError, MemoryError, RuntimeError (CUDA or cuBLASLt failure,\n"
+"    cuBLASLt not loadable).");
+
+static PyObject *py_linear(PyObject *module, PyObject *const *args, Py_ssize_t nargs,
+                           PyObject *kwnames) {
+    static const char *const names[] = {"x", "weight", "bias", "residual", "out", "stream"};
+    PyObject *values[6];
+    PyObject *result = NULL, *out_obj = NULL;
+    ragvit_tensor x, w, bias, res, out;
+    call_state cs;
+    call_init(&cs, module, "linear");
+    if (parse_args(cs.op, args, nargs, kwnames, names, 6, 3, 2, values)) return NULL;
+    if (parse_stream(&cs, values[5])) return NULL;
+    if (import_arg(&cs, values[0], "x", &x) || import_arg(&cs, values[1], "weight", &w) ||
+        import_arg(&cs, values[2], "bias", &bias) ||
+        import_arg(&cs, values[3], "residual", &res) || import_arg(&cs, values[4], "out", &out)) {
+        goto done;
+    }
+    if (values[4] == NULL && w.ndim != 2) {
+        RAISE_IF(ragvit_fail(RAGVIT_STATUS_INVALID_SHAPE,
+                             "linear: weight must have 2 dimensions (N, K), got %d", w.ndim));
+    }
+    out_obj = rows_output(&cs, values[4], &x, values[4] == NULL ? w.shape[0] : 0, &out);
+    if (out_obj == NULL) goto done;
+    if (finish_streams(&cs)) goto done;
+    RAISE_IF(ragvit_linear_forward(&cs.st->ctx, &out, &x, &w, &bias, &res, cs.stream));
+    result = out_obj;
+    out_obj = NULL;
+done:
+    release_slots(&cs);
+    Py_XDECREF(out_obj);
+    return result;
+}
+
+PyDoc_STRVAR(layer_norm_doc,
+"layer_norm(x, weight=None, bias=None, *, eps=1e-5, out=None, stream=None) -> out\n"
+"\n"
+"LayerNorm over the last dim of packed rows (nn.LayerNorm on (M, C)).\n"
+"\n"
+"Args:\n"
+"    x: (M, C) float16, bfloat16 or float32, unit column stride, any row stride.\n"
+"    weight, bias: optional (C,) of x's dtype (absent: 1 and 0).\n"
+"    eps: added to the variance, finite and in (0, 1].\n"
+"    out: optional (M, C) of x's dtype, unit column stride; may be x itself\n"
+"        (in place, same strides), else must not share memory with x, weight\n"
+"        or bias; allocated like x when omitted.\n"
+"    stream: as for attention.\n"
+"\n"
+"Returns:\n"
+"    out: (x - mean) / sqrt(var + eps) * weight + bias per row, biased variance,\n"
+"    statistics in float32 on CUDA (double on the CPU), rounded once.\n"
+"\n"
+"Raises:\n"
+"    ValueError (shapes, strides, aliasing, devices, eps), TypeError (dtype),\n"
+"    BufferError, MemoryError, RuntimeError (CUDA failure).");
+
+PyDoc_STRVAR(gelu_doc,
+"gelu(x, *, out=None, stream=None) -> out\n"
+"\n"
+"Exact (erf) GELU of packed rows, x * Phi(x), as nn.GELU() computes it.\n"
+"\n"
+"Args:\n"
+"    x: (M, C) float16, bfloat16 or float32, unit column stride, any row stride.\n"
+"    out: optional (M, C) of x's dtype, unit column stride; may be x itself (in\n"
+"        place, same strides), else must not share memory with x; allocated\n"
+"        like x when omitted.\n"
+"    stream: as for attention.\n"
+"\n"
+"Returns:\n"
+"    out, computed in float32 (double on the CPU) and rounded once.\n"
+"\n"
+"Raises:\n"
+"    ValueError (shapes, strides, aliasing), TypeError (dtype), BufferError,\n"
+"    MemoryError, RuntimeError (CUDA failure).");
+
+/* layer_norm (has_affine) and gelu: (x, [weight, bias,] *, [eps,] out, stream). */
+static PyObject *rowwise_op(PyObject *module, PyObject *const *args, Py_ssize_t nargs,
+                            PyObject *kwnames, int has_affine) {
+    static const char *const ln_names[] = {"x", "weight", "bias", "eps", "out", "stream"};
+    static const char *const gelu_names[] = {"x", "out", "stream"};
+    PyObject *values[6] = {NULL};
+    PyObject *result = NULL, *out_obj = NULL;
+    ragvit_tensor x, w, bias, out;
+    double eps = 1e-5;
+    call_state cs;
+    call_init(&cs, module, has_affine ? "layer_norm" : "gelu");
+    if (has_affine) {
+        if (parse_args(cs.op, args, nargs, kwnames, ln_names, 6, 3, 1, values)) return NULL;
+        if (parse_float(&cs, values[3], "eps", 1e-5, &eps)) return NULL;
+    } else {
+        /* gelu's (x, out, stream) land in the slots layer_norm uses for them */
+        PyObject *g[3];
+        if (parse_args(cs.op, args, nargs, kwnames, gelu_names, 3, 1, 1, g)) return NULL;
+        values[0] = g[0];
+        values[4] = g[1];
+        values[5] = g[2];
+    }
+    if (parse_stream(&cs, values[5])) return NULL;
+    if (import_arg(&cs, values[0], "x", &x) || import_arg(&cs, values[1], "weight", &w) ||
+        import_arg(&cs, values[2], "bias", &bias) || import_arg(&cs, values[4], "out", &out)) {
+        goto done;
+    }
+    out_obj = rows_output(&cs, values[4], &x, x.ndim == 2 ? x.shape[1] : 0, &out);
+    if (out_obj == NULL) goto done;
+    if (finish_streams(&cs)) goto done;
+    RAISE_IF(has_affine
+                 ? ragvit_layer_norm_forward(&cs.st->ctx, &out, &x, &w, &bias, eps, cs.stream)
+                 : ragvit_gelu_forward(&cs.st->ctx, &out, &x, cs.stream));
+    result = out_obj;
+    out_obj = NULL;
+done:
+    release_slots(&cs);
+    Py_XDECREF(out_obj);
+    return result;
+}
+
+static PyObject *py_layer_norm(PyObject *module, PyObject *const *args, Py_ssize_t nargs,
+                               PyObject *kwnames) {
+    return rowwise_op(module, args, nargs, kwnames, 1);
+}
+
+static PyObject *py_gelu(PyObject *module, PyObject *const *args, Py_ssize_t nargs,
+                         PyObject *kwnames) {
+    return rowwise_op(module, args, nargs, kwnames, 0);
+}
+
 PyDoc_STRVAR(repack_doc,
 "repack(packed, cu_seqlens, keep, *, fuse_weights=None, stream=None)\n"
 "    -> (packed2, cu_seqlens2, src)\n"
@@ -1380,6 +1552,10 @@ static PyMethodDef module_methods[] = {
      METH_FASTCALL | METH_KEYWORDS, gather_prefix_doc},
     {"segment_mean", (PyCFunction)(void (*)(void))py_segment_mean, METH_FASTCALL | METH_KEYWORDS,
      segment_mean_doc},
+    {"linear", (PyCFunction)(void (*)(void))py_linear, METH_FASTCALL | METH_KEYWORDS, linear_doc},
+    {"layer_norm", (PyCFunction)(void (*)(void))py_layer_norm, METH_FASTCALL | METH_KEYWORDS,
+     layer_norm_doc},
+    {"gelu", (PyCFunction)(void (*)(void))py_gelu, METH_FASTCALL | METH_KEYWORDS, gelu_doc},
     {"cuda_is_compiled", py_cuda_is_compiled, METH_NOARGS,
      "cuda_is_compiled() -> bool\n\nTrue when the extension was built with nvcc."},
     {"cuda_device_count", py_cuda_device_count, METH_NOARGS,

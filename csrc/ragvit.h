@@ -203,6 +203,26 @@ ragvit_status ragvit_segment_mean(ragvit_context *ctx, const ragvit_tensor *out,
                                   const ragvit_tensor *packed, const ragvit_tensor *cu_seqlens,
                                   int64_t skip, void *stream);
 
+/* ---- linear.c ----
+ * out (M, N) = x (M, K) . weight (N, K)^T [+ bias (N,)] [+ residual (M, N)]:
+ * nn.Linear on packed rows with an optional fused residual add. One float
+ * dtype for all; unit column strides; residual may be out itself (in place),
+ * nothing else may overlap out. bias/residual: is_present == 0 when absent. */
+ragvit_status ragvit_linear_forward(ragvit_context *ctx, const ragvit_tensor *out,
+                                    const ragvit_tensor *x, const ragvit_tensor *weight,
+                                    const ragvit_tensor *bias, const ragvit_tensor *residual,
+                                    void *stream);
+
+/* ---- rowwise.c ----
+ * layer_norm: out (M, C) from x (M, C), optional weight and bias (C,) of x's
+ * dtype, eps finite and > 0. gelu: out (M, C) = GELU(x), exact erf form.
+ * out may be x itself (same strides); no other overlap. */
+ragvit_status ragvit_layer_norm_forward(ragvit_context *ctx, const ragvit_tensor *out,
+                                        const ragvit_tensor *x, const ragvit_tensor *weight,
+                                        const ragvit_tensor *bias, double eps, void *stream);
+ragvit_status ragvit_gelu_forward(ragvit_context *ctx, const ragvit_tensor *out,
+                                  const ragvit_tensor *x, void *stream);
+
 #ifdef __cplusplus
 }
 #endif

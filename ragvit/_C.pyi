@@ -209,6 +209,48 @@ def segment_mean(
         with no token past `skip` gives zeros.
     """
 
+def linear(
+    x: Array,
+    weight: Array,
+    bias: Array | None = None,
+    *,
+    residual: Array | None = None,
+    out: Array | None = None,
+    stream: Any = None,
+) -> Array:
+    """nn.Linear on packed rows with an optional fused residual add.
+
+    Args:
+        x: (M, K) float16, bfloat16 or float32, unit column stride, any row stride.
+        weight: (N, K) of x's dtype (nn.Linear.weight).
+        bias: optional (N,) of x's dtype.
+        residual: optional (M, N) of x's dtype; may be out itself (in place).
+        out: optional (M, N) of x's dtype, not overlapping x, weight or bias.
+
+    Returns:
+        out = x @ weight.T + bias + residual, float32 accumulation rounded once
+        (CUDA: cuBLASLt, no TF32 for float32; CPU: C loops in double).
+    """
+
+def layer_norm(
+    x: Array,
+    weight: Array | None = None,
+    bias: Array | None = None,
+    *,
+    eps: float = 1e-5,
+    out: Array | None = None,
+    stream: Any = None,
+) -> Array:
+    """LayerNorm over the last dim of (M, C) rows; out may be x (in place).
+
+    Returns:
+        out = (x - mean) / sqrt(var + eps) * weight + bias, float32 statistics
+        (double on the CPU), rounded once. eps must be finite and in (0, 1].
+    """
+
+def gelu(x: Array, *, out: Array | None = None, stream: Any = None) -> Array:
+    """Exact (erf) GELU of (M, C) rows, float32 math rounded once; out may be x."""
+
 def cuda_is_compiled() -> bool:
     """True when the extension was built with nvcc."""
 

@@ -16,6 +16,9 @@ repack = _C.repack
 repack_into = _C.repack_into
 gather_prefix = _C.gather_prefix
 segment_mean = _C.segment_mean
+linear = _C.linear
+layer_norm = _C.layer_norm
+gelu = _C.gelu
 cuda_is_compiled = _C.cuda_is_compiled
 cuda_device_count = _C.cuda_device_count
 set_debug = _C.set_debug
@@ -41,6 +44,9 @@ __all__ = [
     "repack_into",
     "gather_prefix",
     "segment_mean",
+    "linear",
+    "layer_norm",
+    "gelu",
     "cuda_available",
     "cuda_is_compiled",
     "cuda_device_count",

@@ -132,6 +132,50 @@ typedef struct {
     int32_t dtype; /* F16, BF16 or F32 */
 } ragvit_segment_mean_args;
 
+/* Dense per-row ops of a transformer block on packed rows (T = M rows).
+ * linear: out (M, N) = x (M, K) . weight (N, K)^T + bias (N,) + residual (M, N),
+ * one dtype (F16, BF16, F32), float32 accumulation (F32: no TF32), rounded once;
+ * rows of x, weight, residual and out have unit column stride and any row
+ * stride; bias and residual may be NULL; residual may equal out (same strides).
+ * CUDA: cuBLASLt (bias epilogue, beta = 1 on residual); the CPU backend
+ * accumulates in double. */
+typedef struct {
+    void *out;
+    const void *x;
+    const void *weight;
+    const void *bias;
+    const void *residual;
+    int64_t out_stride;
+    int64_t x_stride;
+    int64_t weight_stride;
+    int64_t residual_stride;
+    int64_t bias_stride;
+    int64_t rows;  /* M */
+    int64_t cols;  /* N, output features */
+    int64_t inner; /* K, input features */
+    int32_t dtype;
+} ragvit_linear_args;
+
+/* layer_norm: out (M, C) = (x - mean) / sqrt(var + eps) * weight + bias per
+ * row, statistics in float32 (biased variance); weight and bias (C,) of x's
+ * dtype, each may be NULL (1 and 0). gelu: out = x * Phi(x) (the exact erf
+ * form, torch's default), float32 arithmetic; weight/bias unused. out may be
+ * x itself (in place, same strides). */
+typedef struct {
+    void *out;
+    const void *x;
+    const void *weight;
+    const void *bias;
+    int64_t out_stride;
+    int64_t x_stride;
+    int64_t weight_stride;
+    int64_t bias_stride;
+    int64_t rows;     /* M */
+    int64_t channels; /* C */
+    float eps;
+    int32_t dtype;
+} ragvit_rowwise_args;
+
 #ifdef RAGVIT_WITH_CUDA
 /* ---- device state (cuda_common.cu) ---- */
 /* Number of visible devices; 0 (and OK) when there is no driver or device. */
@@ -169,6 +213,12 @@ ragvit_status ragvit_cuda_unpack(const ragvit_unpack_args *a, const ragvit_devic
                                  void *stream);
 ragvit_status ragvit_cuda_segment_mean(const ragvit_segment_mean_args *a,
                                        const ragvit_device_info *dev, void *stream);
+ragvit_status ragvit_cuda_linear(const ragvit_linear_args *a, const ragvit_device_info *dev,
+                                 void *stream);
+ragvit_status ragvit_cuda_layer_norm(const ragvit_rowwise_args *a, const ragvit_device_info *dev,
+                                     void *stream);
+ragvit_status ragvit_cuda_gelu(const ragvit_rowwise_args *a, const ragvit_device_info *dev,
+                               void *stream);
 #endif
 
 #ifdef __cplusplus

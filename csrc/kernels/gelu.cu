@@ -1,0 +1,87 @@
+/* gelu.cu — exact (erf) GELU of packed rows, out (M, C) = x * Phi(x) in
+ * float32, rounded once; out may be x (in place: each element is read once,
+ * then written by the same thread). grid-stride over M * ceil(C / kVec) chunks
+ * of kVec elements; the 16-byte vector path (8 halves or 4 floats a load) runs
+ * when C, both row strides and both pointers are 16-byte multiples, else one
+ * element a chunk.
+ * Covered by tests/test_rowwise.py (vs float64 and torch's exact GELU). */
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <stdint.h>
+
+#include "cuda_check.cuh"
+#include "float_elems.cuh"
+
+static constexpr int kGeluThreads = 256;
+
+// ---- device helpers ----
+
+static __device__ __forceinline__ float gelu_exact(float v) {
+    return 0.5f * v * (1.0f + erff(v * 0.70710678118654752f));
+}
+
+// ---- kernels ----
+
+/* kVec elements a chunk: 1, or 16 bytes' worth (the launcher checked alignment). */
+template <typename T, int kVec>
+static __global__ void __launch_bounds__(kGeluThreads) gelu_kernel(const ragvit_rowwise_args a) {
+    struct alignas(kVec * sizeof(T)) chunk {
+        T v[kVec];
+    };
+    const int64_t chunks_per_row = a.channels / kVec;
+    const int64_t total = a.rows * chunks_per_row;
+    for (int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; i < total;
+         i += (int64_t)gridDim.x * blockDim.x) {
+        const int64_t m = i / chunks_per_row, c = (i - m * chunks_per_row) * kVec;
+        chunk in = *reinterpret_cast<const chunk *>(static_cast<const T *>(a.x) +
+                                                    m * a.x_stride + c);
+#pragma unroll
+        for (int j = 0; j < kVec; j++)
+            float_elems_store(&in.v[j], gelu_exact(float_elems_load(&in.v[j])));
+        *reinterpret_cast<chunk *>(static_cast<T *>(a.out) + m * a.out_stride + c) = in;
+    }
+}
+
+// ---- launcher ----
+
+template <typename T>
+static ragvit_status gelu_launch(const ragvit_rowwise_args *a, const ragvit_device_info *dev,
+                                 cudaStream_t stream) {
+    constexpr int kVec = 16 / (int)sizeof(T);
+    const int64_t es = (int64_t)sizeof(T);
+    const bool is_vec = a->channels % kVec == 0 && (a->x_stride * es) % 16 == 0 &&
+                        (a->out_stride * es) % 16 == 0 && (uintptr_t)a->x % 16 == 0 &&
+                        (uintptr_t)a->out % 16 == 0;
+    const int64_t chunks = a->rows * (is_vec ? a->channels / kVec : a->channels);
+    int64_t blocks = (chunks + kGeluThreads - 1) / kGeluThreads;
+    const int64_t cap = (int64_t)(dev->sm_count > 0 ? dev->sm_count : 1) * 16;
+    if (blocks > cap)
+        blocks = cap; /* grid-stride beyond a few waves */
+    if (is_vec)
+        gelu_kernel<T, kVec><<<(unsigned)blocks, kGeluThreads, 0, stream>>>(*a);
+    else
+        gelu_kernel<T, 1><<<(unsigned)blocks, kGeluThreads, 0, stream>>>(*a);
+    CUDA_TRY(cudaGetLastError());
+    return RAGVIT_STATUS_OK;
+}
+
+extern "C" ragvit_status ragvit_cuda_gelu(const ragvit_rowwise_args *a,
+                                          const ragvit_device_info *dev, void *stream) {
+    if (a->rows <= 0 || a->channels <= 0)
+        return RAGVIT_STATUS_OK;
+    cuda_device_guard guard;
+    RAGVIT_TRY(guard.enter(dev->device_id));
+    const cudaStream_t s = (cudaStream_t)stream;
+    switch (a->dtype) {
+    case RAGVIT_DTYPE_F16:
+        return gelu_launch<__half>(a, dev, s);
+    case RAGVIT_DTYPE_BF16:
+        return gelu_launch<__nv_bfloat16>(a, dev, s);
+    case RAGVIT_DTYPE_F32:
+        return gelu_launch<float>(a, dev, s);
+    default:
+        return ragvit_fail(RAGVIT_STATUS_INVALID_DTYPE,
+                           "gelu: x must be float16, bfloat16 or float32, got dtype code %d",
+                           (int)a->dtype);
+    }
+}
