@@ -56,6 +56,7 @@ class _PatchState:
     avg_pool: bool
     pool_skip: int
     dense_until_pruning: bool = True
+    fused_ops: bool | None = None  # None: on CUDA; True: on any device; False: never
     cu_cache: dict = field(default_factory=dict)
 
 
@@ -110,11 +111,36 @@ def _check_supported(model) -> None:
             raise _refuse("convolutional Mlp", f"block {i}")
 
 
+def _can_fuse(model) -> bool:
+    """Whether every block is LayerNorm -> Linear qkv -> attention -> Linear proj and
+    LayerNorm -> Linear -> exact GELU -> Linear (timm's Block with its default Mlp), with
+    LayerScale or Identity on each branch: the blocks ragvit's row ops can run."""
+    from timm.layers import LayerScale, Mlp
+
+    def is_norm(m):
+        return isinstance(m, torch.nn.LayerNorm) and len(m.normalized_shape) == 1
+
+    def is_branch_scale(m):
+        return isinstance(m, torch.nn.Identity) or type(m) is LayerScale
+
+    for blk in model.blocks:
+        mlp = blk.mlp
+        if not (is_norm(blk.norm1) and is_norm(blk.norm2) and type(mlp) is Mlp
+                and type(blk.attn.qkv) is torch.nn.Linear
+                and type(blk.attn.proj) is torch.nn.Linear
+                and type(mlp.fc1) is torch.nn.Linear and type(mlp.fc2) is torch.nn.Linear
+                and type(mlp.act) is torch.nn.GELU and mlp.act.approximate == "none"
+                and isinstance(mlp.norm, torch.nn.Identity)
+                and is_branch_scale(blk.ls1) and is_branch_scale(blk.ls2)):
+            return False
+    return True
+
+
 # ---- public entry points ----
 
 
 def patch(model, policy: PruningPolicy | None = None, *, capacity: bool = False,
-          attention=None, dense_until_pruning: bool = True):
+          attention=None, dense_until_pruning: bool = True, fused_ops: bool | None = None):
     """Makes a timm ViT/DeiT run on packed (optionally pruned) tokens, in place.
 
     Args:
@@ -134,6 +160,17 @@ def patch(model, policy: PruningPolicy | None = None, *, capacity: bool = False,
             kernel for equal lengths; a block whose attention must also return CLS scores
             (EViT, ATS) still calls `attention`. False sends every block through
             `attention`. No effect without a policy (the lossless path is all ragvit).
+        fused_ops: run each block's LayerNorms, its four linears (bias in the GEMM
+            epilogue, the residual add fused too) and GELU through ragvit.layer_norm /
+            linear / gelu, launched from C (cuBLASLt GEMMs on CUDA): about 8 calls a block
+            instead of about 15 torch ops, which is what bounds small batches. None (the
+            default): on CUDA rows whenever the model allows it; True: on any device (the
+            CPU backend's GEMM is plain C, slow; for tests), and an error if the model
+            does not allow it; False: torch's modules. Allowed when every block is timm's
+            Block with nn.LayerNorm, its default Mlp with exact GELU and Identity or
+            LayerScale branches; used for a forward when the rows' dtype equals the
+            weights' and autocast is off. Same math as torch's modules; results differ by
+            rounding only (the residual is added before the GEMM output is rounded).
 
     Returns:
         model itself. Call it under torch.no_grad() or torch.inference_mode(), in eval.
@@ -166,7 +203,14 @@ def patch(model, policy: PruningPolicy | None = None, *, capacity: bool = False,
         pool_skip=0 if getattr(model, "pool_include_prefix", False) else int(
             model.num_prefix_tokens),
         dense_until_pruning=bool(dense_until_pruning),
+        fused_ops=None if fused_ops is None else bool(fused_ops),
     )
+    if state.fused_ops is None and not _can_fuse(model):
+        state.fused_ops = False
+    elif state.fused_ops and not _can_fuse(model):
+        raise ValueError("ragvit.patch: fused_ops=True needs every block to be timm's Block "
+                         "with nn.LayerNorm, the default Mlp with exact GELU and Identity or "
+                         "LayerScale branches")
 
     def forward(x: torch.Tensor) -> torch.Tensor:
         return _forward(model, state, x)[0]
@@ -290,11 +334,12 @@ def _check_mode(model) -> None:
 
 
 def _attention_half(blk, cur: _Rows, attention, cls_attn=None, want_value_norm=False,
-                    want_keys=False, dense=False):
+                    want_keys=False, dense=False, fused=False):
     """rows + ls1(attn(norm1(rows))) on packed rows (T, C); attention reads views of qkv,
     with bias log(size) per key once tokens have been merged (ToMe's proportional attention);
     dense: the rows are B whole images of seq_len tokens, attention is SDPA on (B, H, N, D)
-    views instead (no cls_attn, no bias).
+    views instead (no cls_attn, no bias); fused: norm1, qkv and proj (with the residual
+    add, in place on cur.rows) through ragvit's row ops.
 
     Returns:
         (rows, value_norm, keys): value_norm (T,) float32 head-mean L2 norm of the value
@@ -302,7 +347,12 @@ def _attention_half(blk, cur: _Rows, attention, cls_attn=None, want_value_norm=F
         else None.
     """
     attn = blk.attn
-    qkv = attn.qkv(blk.norm1(cur.rows)).view(-1, 3, attn.num_heads, attn.head_dim)  # (T,3,H,D)
+    if fused:
+        h = ops.layer_norm(cur.rows, blk.norm1.weight, blk.norm1.bias, eps=blk.norm1.eps)
+        qkv = ops.linear(h, attn.qkv.weight, attn.qkv.bias)
+    else:
+        qkv = attn.qkv(blk.norm1(cur.rows))
+    qkv = qkv.view(-1, 3, attn.num_heads, attn.head_dim)  # (T, 3, H, D)
     kwargs = {}
     if cls_attn is not None:
         kwargs["cls_attn"] = cls_attn
@@ -321,12 +371,38 @@ def _attention_half(blk, cur: _Rows, attention, cls_attn=None, want_value_norm=F
         value_norm = torch.linalg.vector_norm(qkv[:, 2].float(), dim=-1).mean(dim=1)
     if want_keys:
         keys = qkv[:, 1].float().mean(dim=1)
-    o = attn.proj_drop(attn.proj(o.reshape(o.shape[0], attn.attn_dim)))
+    o = o.reshape(o.shape[0], attn.attn_dim)
+    if fused:
+        return _fused_residual(blk.ls1, attn.proj, o, cur.rows), value_norm, keys
+    o = attn.proj_drop(attn.proj(o))
     return cur.rows + blk.drop_path1(blk.ls1(o)), value_norm, keys
 
 
-def _mlp_half(blk, rows):
-    return rows + blk.drop_path2(blk.ls2(blk.mlp(blk.norm2(rows))))
+def _mlp_half(blk, rows, fused=False):
+    if not fused:
+        return rows + blk.drop_path2(blk.ls2(blk.mlp(blk.norm2(rows))))
+    mlp = blk.mlp
+    h = ops.layer_norm(rows, blk.norm2.weight, blk.norm2.bias, eps=blk.norm2.eps)
+    h = ops.linear(h, mlp.fc1.weight, mlp.fc1.bias)
+    ops.gelu(h, out=h)
+    return _fused_residual(blk.ls2, mlp.fc2, h, rows)
+
+
+def _fused_residual(scale, linear, h, rows):
+    """rows + scale(linear(h)) written into rows (eval: dropout and drop-path are
+    identities): the add rides in the GEMM, or one addcmul_ for LayerScale."""
+    if isinstance(scale, torch.nn.Identity):
+        return ops.linear(h, linear.weight, linear.bias, residual=rows, out=rows)
+    return rows.addcmul_(ops.linear(h, linear.weight, linear.bias), scale.gamma)
+
+
+def _use_fused(model, state: _PatchState, rows: torch.Tensor) -> bool:
+    """The fused row ops apply: allowed (CUDA rows unless forced), rows of the blocks'
+    weight dtype, autocast off."""
+    if state.fused_ops is False or (state.fused_ops is None and not rows.is_cuda):
+        return False
+    return (rows.dtype == model.blocks[0].attn.qkv.weight.dtype
+            and not torch.is_autocast_enabled(rows.device.type))
 
 
 def _forward(model, state: _PatchState, x: torch.Tensor, record: bool = False):
@@ -342,6 +418,7 @@ def _forward(model, state: _PatchState, x: torch.Tensor, record: bool = False):
     decisions = []
     stage = 0
     cls_attn = value_norm = keys = None
+    fused = _use_fused(model, state, cur.rows)
     for i, blk in enumerate(model.blocks):
         if not mid and stage < len(points) and points[stage] == i:
             cur = _prune(state, cur, i, stage, cls_attn, value_norm, keys)
@@ -358,13 +435,13 @@ def _forward(model, state: _PatchState, x: torch.Tensor, record: bool = False):
                  and cls_attn is None and cur.sizes is None)
         cur.rows, value_norm, keys = _attention_half(
             blk, cur, state.attention, cls_attn, feeds and policy.needs_value_norm,
-            feeds and policy.needs_keys, dense)
+            feeds and policy.needs_keys, dense, fused)
         if mid and feeds:
             cur = _prune(state, cur, i, stage, cls_attn, value_norm, keys)
             if record:
                 decisions.append(_decision(cur, B, N))
             stage += 1
-        cur.rows = _mlp_half(blk, cur.rows)
+        cur.rows = _mlp_half(blk, cur.rows, fused)
     return _head(model, state, cur), decisions
 
 

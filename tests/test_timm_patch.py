@@ -130,6 +130,49 @@ def check_against_reference(model, x, policy, seed, capacity=False):
     return decided
 
 
+# ---- fused row ops (ragvit.layer_norm / linear / gelu instead of torch modules) ----
+
+FUSED_CASES = [
+    pytest.param("deit_tiny_patch16_224", "fixed50_b4", id="deit_tiny-fixed50_b4"),
+    pytest.param("deit_tiny_patch16_224", "none", id="deit_tiny-lossless"),
+    pytest.param("deit3_small_patch16_224", "fixed50_b4", id="deit3_small-layerscale"),
+    pytest.param("deit_tiny_distilled_patch16_224", "threshold_b4", id="distilled-threshold"),
+]
+
+
+@pytest.mark.parametrize("name,policy_name", FUSED_CASES)
+def test_fused_ops_match_torch_modules(name, policy_name, gen, seed):
+    """fused_ops=True on the CPU (the C backend's row ops) equals torch's modules and the
+    padded reference replaying the same decisions, fp32, within 1e-4."""
+    model = make_model(name, gen, 64)
+    x = images(gen, 2, 64)
+    policy = None if policy_name == "none" else POLICIES[policy_name]()
+    with torch.inference_mode():
+        patch(model, policy, fused_ops=False)
+        expected = model(x)
+        unpatch(model)
+        patch(model, policy, fused_ops=True)
+        got, decided = timm_patch.forward_with_decisions(model, x)
+        replayed = reference.vit_forward_reference(model, x, policy,
+                                                   decisions=decided if policy else None)
+    assert max_diff(got, expected) <= CPU_ATOL, seed_note(seed)
+    assert max_diff(got, replayed) <= CPU_ATOL, seed_note(seed)
+
+
+def test_fused_ops_need_fusable_blocks(gen):
+    model = make_model("deit_tiny_patch16_224", gen, 64)
+    model.blocks[3].mlp.act = torch.nn.GELU(approximate="tanh")
+    with pytest.raises(ValueError, match="fused_ops=True needs every block to be timm's Block"):
+        patch(model, fused_ops=True)
+    assert not is_patched(model)
+    x = images(gen, 1, 64)
+    with torch.inference_mode():
+        expected = model(x)
+        patch(model, fused_ops=None)  # the default falls back to torch's modules
+        assert not vars(model)[timm_patch._STATE_ATTR].fused_ops
+        assert max_diff(model(x), expected) <= CPU_ATOL
+
+
 @pytest.mark.parametrize("name,img_size,kwargs,policy_name", REF_CASES)
 def test_policy_matches_reference(name, img_size, kwargs, policy_name, gen, seed):
     model = make_model(name, gen, img_size, **kwargs)
@@ -472,6 +515,28 @@ def test_gpu_matches_reference(name, img_size, policy_name, dtype, batch, gen, s
     assert err_ours <= 2 * err_ref + ERROR_FLOOR[dtype], note + seed_note(seed)
     same, counted = top1_agrees(got, expected, 2 * GPU_ATOL[dtype])
     assert same, f"top-1 differs on one of {counted} clear images" + note + seed_note(seed)
+
+
+@pytest.mark.gpu
+@requires_cuda
+@pytest.mark.parametrize("name", ["deit_small_patch16_224", "deit3_small_patch16_224"])
+@pytest.mark.parametrize("policy_name", ["none", "fixed50_b4"])
+def test_gpu_fused_ops_match_torch_modules(name, policy_name, gen, seed):
+    """The default CUDA path (fused row ops, cuBLASLt) vs torch's modules (fused_ops=False),
+    both fp16, checked against the fp32 reference by assert_fp16_close."""
+    model = make_model(name, gen, 224, dtype=torch.float16, device="cuda")
+    x = images(gen, 8, 224, dtype=torch.float16, device="cuda")
+    policy = None if policy_name == "none" else POLICIES[policy_name]()
+    with torch.inference_mode():
+        patch(model, policy, fused_ops=False)
+        unfused = model(x)
+        unpatch(model)
+        patch(model, policy)
+        assert vars(model)[timm_patch._STATE_ATTR].fused_ops is None
+        got, decided = timm_patch.forward_with_decisions(model, x)
+    assert max_diff(got, unfused) <= GPU_ATOL[torch.float16], seed_note(seed)
+    if policy is not None:
+        assert_fp16_close(model, x, policy, got, decided, seed)
 
 
 @pytest.mark.gpu

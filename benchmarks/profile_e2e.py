@@ -1,0 +1,71 @@
+"""Where a patched forward's GPU time goes: the CUDA kernels of one forward, grouped by name.
+
+``python benchmarks/profile_e2e.py [--model deit_small_patch16_224] [--batch 1] [--keep 0.5]
+[--fused-ops auto|on|off]`` runs ThresholdL2 keep `keep` after block 4 (the paper's setting;
+--keep 1 for no policy) in fp16 under torch.profiler after warm-ups, and prints one row per
+kernel name: calls per forward, total and mean µs, share of the forward's kernel time; then the
+kernel count and sum, and the host time of one eager forward (median of 20, perf_counter).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from collections import defaultdict
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--model", default="deit_small_patch16_224")
+    p.add_argument("--batch", type=int, default=1)
+    p.add_argument("--keep", type=float, default=0.5)
+    p.add_argument("--fused-ops", choices=("auto", "on", "off"), default="auto")
+    p.add_argument("--reps", type=int, default=5, help="profiled forwards (figures are per one)")
+    args = p.parse_args(argv)
+
+    import timm
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    import ragvit
+    from ragvit.pruning import ThresholdL2
+
+    model = timm.create_model(args.model, pretrained=False).eval().cuda().half()
+    size = model.patch_embed.img_size[0]
+    x = torch.randn(args.batch, 3, size, size, device="cuda", dtype=torch.float16)
+    policy = None if args.keep >= 1 else ThresholdL2(args.keep, layers=(4,))
+    fused = {"auto": None, "on": True, "off": False}[args.fused_ops]
+    ragvit.patch(model, policy, fused_ops=fused)
+    with torch.inference_mode():
+        for _ in range(10):
+            model(x)
+        torch.cuda.synchronize()
+        host = []
+        for _ in range(20):
+            t0 = time.perf_counter()
+            model(x)
+            host.append(time.perf_counter() - t0)
+            torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(args.reps):
+                model(x)
+            torch.cuda.synchronize()
+    per_name = defaultdict(lambda: [0, 0.0])
+    for ev in prof.events():
+        if ev.device_type == torch.autograd.DeviceType.CUDA:
+            per_name[ev.name][0] += 1
+            per_name[ev.name][1] += ev.device_time
+    total = sum(v[1] for v in per_name.values()) / args.reps
+    count = sum(v[0] for v in per_name.values()) / args.reps
+    print(f"{args.model} batch {args.batch} keep {args.keep} fused_ops={args.fused_ops}")
+    print(f"{'calls':>6} {'total us':>9} {'mean us':>8} {'share':>6}  kernel")
+    for name, (n, us) in sorted(per_name.items(), key=lambda kv: -kv[1][1]):
+        print(f"{n / args.reps:6.1f} {us / args.reps:9.1f} {us / n:8.2f} "
+              f"{us / args.reps / total:6.1%}  {name[:110]}")
+    print(f"kernels per forward {count:.0f}, kernel time {total:.1f} us, host time per eager "
+          f"forward {statistics.median(host) * 1e6:.0f} us (median of 20)")
+
+
+if __name__ == "__main__":
+    main()
