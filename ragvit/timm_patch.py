@@ -57,6 +57,7 @@ class _PatchState:
     pool_skip: int
     dense_until_pruning: bool = True
     fused_ops: bool | None = None  # None: on CUDA; True: on any device; False: never
+    fused_embed: bool = False  # the patch embedding is a plain strided conv (_can_fuse_embed)
     cu_cache: dict = field(default_factory=dict)
 
 
@@ -136,6 +137,39 @@ def _can_fuse(model) -> bool:
     return True
 
 
+def _can_fuse_embed(model) -> bool:
+    """Whether the patch embedding is timm's PatchEmbed with a Conv2d whose kernel equals
+    its stride (no padding, dilation, groups or norm), flattened to tokens: then it is one
+    GEMM over the image's patches (im2col is a reshape), run by ragvit.linear."""
+    from timm.layers import PatchEmbed
+
+    pe = model.patch_embed
+    if type(pe) is not PatchEmbed or not isinstance(pe.norm, torch.nn.Identity):
+        return False
+    conv = pe.proj
+    return (type(conv) is torch.nn.Conv2d and conv.kernel_size == conv.stride
+            and conv.padding == (0, 0) and conv.dilation == (1, 1) and conv.groups == 1
+            and conv.padding_mode == "zeros" and pe.flatten
+            and not getattr(pe, "dynamic_img_pad", False))
+
+
+def _embed_patches(pe, x: torch.Tensor, fused: bool) -> torch.Tensor:
+    """model.patch_embed(x), as one GEMM on the patches when fused and x has the size the
+    model was built for (the conv otherwise; cuDNN's default algorithm for this stride-p
+    conv is slow at small batch)."""
+    if not fused or x.ndim != 4 or tuple(x.shape[-2:]) != tuple(pe.img_size):
+        return pe(x)
+    conv = pe.proj
+    B, C, H, W = x.shape
+    ph, pw = conv.kernel_size
+    # (B, C, H/ph, ph, W/pw, pw) -> (B, H/ph, W/pw, C, ph, pw): rows in token order, columns
+    # in the conv weight's (C, ph, pw) order.
+    patches = x.reshape(B, C, H // ph, ph, W // pw, pw).permute(0, 2, 4, 1, 3, 5)
+    rows = ops.linear(patches.reshape(-1, C * ph * pw),
+                      conv.weight.reshape(conv.out_channels, -1), conv.bias)
+    return rows.view(B, (H // ph) * (W // pw), conv.out_channels)
+
+
 # ---- public entry points ----
 
 
@@ -162,7 +196,9 @@ def patch(model, policy: PruningPolicy | None = None, *, capacity: bool = False,
             `attention`. No effect without a policy (the lossless path is all ragvit).
         fused_ops: run each block's LayerNorms, its four linears (bias in the GEMM
             epilogue, the residual add fused too) and GELU through ragvit.layer_norm /
-            linear / gelu, launched from C (cuBLASLt GEMMs on CUDA): about 8 calls a block
+            linear / gelu, launched from C (cuBLASLt GEMMs on CUDA), and a plain
+            stride-p patch-embedding conv as one ragvit.linear over the image's patches
+            (whenever the input has the model's img_size): about 8 calls a block
             instead of about 15 torch ops, which is what bounds small batches. None (the
             default): on CUDA rows whenever the model allows it; True: on any device (the
             CPU backend's GEMM is plain C, slow; for tests), and an error if the model
@@ -205,6 +241,7 @@ def patch(model, policy: PruningPolicy | None = None, *, capacity: bool = False,
         dense_until_pruning=bool(dense_until_pruning),
         fused_ops=None if fused_ops is None else bool(fused_ops),
     )
+    state.fused_embed = _can_fuse_embed(model)
     if state.fused_ops is None and not _can_fuse(model):
         state.fused_ops = False
     elif state.fused_ops and not _can_fuse(model):
@@ -407,7 +444,9 @@ def _use_fused(model, state: _PatchState, rows: torch.Tensor) -> bool:
 
 def _forward(model, state: _PatchState, x: torch.Tensor, record: bool = False):
     _check_mode(model)
-    h = model.norm_pre(model.patch_drop(model._pos_embed(model.patch_embed(x))))
+    fused = _use_fused(model, state, x)
+    tokens = _embed_patches(model.patch_embed, x, fused and state.fused_embed)
+    h = model.norm_pre(model.patch_drop(model._pos_embed(tokens)))
     B, N, C = h.shape
     cur = _Rows(h.reshape(B * N, C), _uniform_cu(state, B, N, h.device), N, N, num_tokens=N)
     if record:
@@ -418,7 +457,6 @@ def _forward(model, state: _PatchState, x: torch.Tensor, record: bool = False):
     decisions = []
     stage = 0
     cls_attn = value_norm = keys = None
-    fused = _use_fused(model, state, cur.rows)
     for i, blk in enumerate(model.blocks):
         if not mid and stage < len(points) and points[stage] == i:
             cur = _prune(state, cur, i, stage, cls_attn, value_norm, keys)

@@ -1,9 +1,10 @@
 /* layer_norm.cu — LayerNorm over the last dim of packed rows: out (M, C) from
  * x (M, C), optional weight/bias (C,), float32 statistics (two passes over the
  * row held in registers: mean, then the biased variance of x - mean), rounded
- * once on store. One warp a row, 4 warps a block; lane l holds columns
- * l, l + 32, ... (kPerLane of them, chosen from C at launch; C above
- * 32 * kLayerNormMaxPerLane re-reads the row from global memory instead).
+ * once on store. One warp a row, 4 warps a block, the row, its weight and
+ * bias loaded into registers before the reductions (one global round trip):
+ * 16-byte chunks when C % 8 == 0, C <= 1024 and rows are 16-byte aligned, else
+ * one element a load (C above 32 * kLayerNormMaxPerLane re-reads the row).
  * In place (out == x) is safe: a warp reads its whole row before writing it.
  * Covered by tests/test_rowwise.py (vs float64 and torch.nn.functional.layer_norm). */
 #include <cuda_bf16.h>
@@ -14,7 +15,7 @@
 #include "float_elems.cuh"
 
 static constexpr int kLayerNormWarps = 4;
-static constexpr int kLayerNormMaxPerLane = 64; /* C <= 2048 stays in registers */
+static constexpr int kLayerNormMaxPerLane = 32; /* C <= 1024 stays in registers */
 
 // ---- device helpers ----
 
@@ -27,7 +28,81 @@ static __device__ __forceinline__ float layer_norm_warp_sum(float v) {
 
 // ---- kernels ----
 
-/* kPerLane > 0: the row lives in registers; kPerLane == 0: any C, three reads. */
+/* Row m's affine output for column c (weight and bias preloaded as floats). */
+static __device__ __forceinline__ float layer_norm_affine(float v, float mean, float rstd,
+                                                          float w, float b) {
+    return (v - mean) * rstd * w + b;
+}
+
+/* Vector path: lane l holds 8-element chunks l, l + 32, ..., kChunks of them (C <= 256 *
+ * kChunks, C % 8 == 0, rows and pointers 16-byte aligned; a chunk is one 16-byte load for
+ * 16-bit types, two for float). Weight and bias are loaded with the row, before the
+ * reductions, so the row costs one global round trip. */
+template <typename T, int kChunks>
+static __global__ void __launch_bounds__(kLayerNormWarps * 32)
+    layer_norm_vec_kernel(const ragvit_rowwise_args a) {
+    struct alignas(16) chunk {
+        T v[8];
+    };
+    const int lane = threadIdx.x % 32;
+    const int64_t m = (int64_t)blockIdx.x * kLayerNormWarps + threadIdx.x / 32;
+    if (m >= a.rows)
+        return;
+    const int num_chunks = (int)(a.channels / 8);
+    const chunk *x = reinterpret_cast<const chunk *>(static_cast<const T *>(a.x) + m * a.x_stride);
+    chunk *out = reinterpret_cast<chunk *>(static_cast<T *>(a.out) + m * a.out_stride);
+    const T *w = static_cast<const T *>(a.weight);
+    const T *b = static_cast<const T *>(a.bias);
+    float v[kChunks][8];
+    chunk wc[kChunks], bc[kChunks]; /* raw: half the registers of floats for 16-bit types */
+    float mean = 0.0f, var = 0.0f;
+#pragma unroll
+    for (int i = 0; i < kChunks; i++) {
+        const int ch = lane + 32 * i;
+        const bool is_in = ch < num_chunks;
+        chunk in;
+        if (is_in)
+            in = x[ch];
+#pragma unroll
+        for (int j = 0; j < 8; j++) {
+            const int64_t c = (int64_t)ch * 8 + j;
+            v[i][j] = is_in ? float_elems_load(&in.v[j]) : 0.0f;
+            float_elems_store(&wc[i].v[j], is_in && w != nullptr
+                                               ? float_elems_load(w + c * a.weight_stride)
+                                               : 1.0f);
+            float_elems_store(&bc[i].v[j], is_in && b != nullptr
+                                               ? float_elems_load(b + c * a.bias_stride)
+                                               : 0.0f);
+            mean += v[i][j];
+        }
+    }
+    const float inv_c = 1.0f / (float)a.channels;
+    mean = layer_norm_warp_sum(mean) * inv_c;
+#pragma unroll
+    for (int i = 0; i < kChunks; i++)
+#pragma unroll
+        for (int j = 0; j < 8; j++) {
+            const float d = lane + 32 * i < num_chunks ? v[i][j] - mean : 0.0f;
+            var += d * d;
+        }
+    const float rstd = rsqrtf(layer_norm_warp_sum(var) * inv_c + a.eps);
+#pragma unroll
+    for (int i = 0; i < kChunks; i++) {
+        const int ch = lane + 32 * i;
+        if (ch < num_chunks) {
+            chunk o;
+#pragma unroll
+            for (int j = 0; j < 8; j++)
+                float_elems_store(&o.v[j], layer_norm_affine(v[i][j], mean, rstd,
+                                                                float_elems_load(&wc[i].v[j]),
+                                                                float_elems_load(&bc[i].v[j])));
+            out[ch] = o;
+        }
+    }
+}
+
+/* Scalar path, any C and alignment: lane l holds columns l, l + 32, ... (kPerLane of them),
+ * or, with kPerLane == 0 (C > 32 * kLayerNormMaxPerLane), re-reads the row from global. */
 template <typename T, int kPerLane>
 static __global__ void __launch_bounds__(kLayerNormWarps * 32)
     layer_norm_kernel(const ragvit_rowwise_args a) {
@@ -43,11 +118,13 @@ static __global__ void __launch_bounds__(kLayerNormWarps * 32)
     const float inv_c = 1.0f / (float)C;
     float mean = 0.0f, var = 0.0f;
     if constexpr (kPerLane > 0) {
-        float v[kPerLane];
+        float v[kPerLane], wf[kPerLane], bf[kPerLane];
 #pragma unroll
         for (int i = 0; i < kPerLane; i++) {
             const int64_t c = lane + 32 * i;
             v[i] = c < C ? float_elems_load(x + c) : 0.0f;
+            wf[i] = c < C && w != nullptr ? float_elems_load(w + c * a.weight_stride) : 1.0f;
+            bf[i] = c < C && b != nullptr ? float_elems_load(b + c * a.bias_stride) : 0.0f;
             mean += v[i];
         }
         mean = layer_norm_warp_sum(mean) * inv_c;
@@ -60,14 +137,8 @@ static __global__ void __launch_bounds__(kLayerNormWarps * 32)
 #pragma unroll
         for (int i = 0; i < kPerLane; i++) {
             const int64_t c = lane + 32 * i;
-            if (c < C) {
-                float y = (v[i] - mean) * rstd;
-                if (w != nullptr)
-                    y *= float_elems_load(w + c * a.weight_stride);
-                if (b != nullptr)
-                    y += float_elems_load(b + c * a.bias_stride);
-                float_elems_store(out + c, y);
-            }
+            if (c < C)
+                float_elems_store(out + c, layer_norm_affine(v[i], mean, rstd, wf[i], bf[i]));
         }
     } else {
         for (int64_t c = lane; c < C; c += 32)
@@ -80,12 +151,10 @@ static __global__ void __launch_bounds__(kLayerNormWarps * 32)
         const float rstd = rsqrtf(layer_norm_warp_sum(var) * inv_c + a.eps);
         __syncwarp(); /* in place: every lane has read the row before any lane writes */
         for (int64_t c = lane; c < C; c += 32) {
-            float y = (float_elems_load(x + c) - mean) * rstd;
-            if (w != nullptr)
-                y *= float_elems_load(w + c * a.weight_stride);
-            if (b != nullptr)
-                y += float_elems_load(b + c * a.bias_stride);
-            float_elems_store(out + c, y);
+            const float wv = w != nullptr ? float_elems_load(w + c * a.weight_stride) : 1.0f;
+            const float bv = b != nullptr ? float_elems_load(b + c * a.bias_stride) : 0.0f;
+            float_elems_store(out + c,
+                              layer_norm_affine(float_elems_load(x + c), mean, rstd, wv, bv));
         }
     }
 }
@@ -96,13 +165,22 @@ template <typename T>
 static ragvit_status layer_norm_launch(const ragvit_rowwise_args *a, cudaStream_t stream) {
     const int64_t blocks = (a->rows + kLayerNormWarps - 1) / kLayerNormWarps;
     const dim3 grid((unsigned)blocks), block(kLayerNormWarps * 32);
+    const int64_t es = (int64_t)sizeof(T);
+    const bool is_vec = a->channels % 8 == 0 && a->channels <= 256 * 4 &&
+                        (a->x_stride * es) % 16 == 0 && (a->out_stride * es) % 16 == 0 &&
+                        (uintptr_t)a->x % 16 == 0 && (uintptr_t)a->out % 16 == 0;
+    const int64_t chunks = (a->channels / 8 + 31) / 32;
     const int64_t per_lane = (a->channels + 31) / 32;
-    if (per_lane <= 8)
+    if (is_vec && chunks <= 1)
+        layer_norm_vec_kernel<T, 1><<<grid, block, 0, stream>>>(*a);
+    else if (is_vec && chunks <= 2)
+        layer_norm_vec_kernel<T, 2><<<grid, block, 0, stream>>>(*a);
+    else if (is_vec && chunks <= 3)
+        layer_norm_vec_kernel<T, 3><<<grid, block, 0, stream>>>(*a);
+    else if (is_vec)
+        layer_norm_vec_kernel<T, 4><<<grid, block, 0, stream>>>(*a);
+    else if (per_lane <= 8)
         layer_norm_kernel<T, 8><<<grid, block, 0, stream>>>(*a);
-    else if (per_lane <= 16)
-        layer_norm_kernel<T, 16><<<grid, block, 0, stream>>>(*a);
-    else if (per_lane <= 32)
-        layer_norm_kernel<T, 32><<<grid, block, 0, stream>>>(*a);
     else if (per_lane <= kLayerNormMaxPerLane)
         layer_norm_kernel<T, kLayerNormMaxPerLane><<<grid, block, 0, stream>>>(*a);
     else
