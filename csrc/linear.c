@@ -1,8 +1,8 @@
 /* linear.c — host side of linear: validate, fill ragvit_linear_args, dispatch
  * to the CPU backend or the cuBLASLt launcher (kernels/linear.cu).
- * Shapes: x (M, K), weight (N, K) as nn.Linear stores it, bias (N,), residual
- * and out (M, N); unit column strides, any row strides (x may be a view of a
- * wider buffer). Decision: the residual add of a transformer block rides in the
+ * Shapes: x (M, K), weight (N, K) as nn.Linear stores it, bias (N,) contiguous,
+ * residual and out (M, N); unit column strides, any row strides (x may be a
+ * view of a wider buffer). Decision: the residual add of a transformer block rides in the
  * GEMM (beta = 1 on residual, which may be out itself), so a block half is one
  * GEMM launch instead of a GEMM and an add, and one Python call instead of two. */
 #include "cpu_backend.h"
@@ -45,6 +45,11 @@ ragvit_status ragvit_linear_forward(ragvit_context *ctx, const ragvit_tensor *ou
     if (bias->is_present) {
         const int64_t b_shape[1] = {N};
         TRY(tensor_check_shape(op, "bias", bias, 1, b_shape));
+        if (N > 1 && bias->strides[0] != 1) { /* cuBLASLt's bias epilogue reads it densely */
+            return ragvit_fail(RAGVIT_STATUS_INVALID_SHAPE,
+                               "%s: bias must be contiguous (stride 1), got stride %lld", op,
+                               (long long)bias->strides[0]);
+        }
     }
     if (residual->is_present) {
         TRY(linear_check_matrix(op, "residual", residual, out_shape));
@@ -75,7 +80,7 @@ ragvit_status ragvit_linear_forward(ragvit_context *ctx, const ragvit_tensor *ou
         .x_stride = M > 1 ? x->strides[0] : K,
         .weight_stride = N > 1 ? weight->strides[0] : K,
         .residual_stride = residual->is_present && M > 1 ? residual->strides[0] : N,
-        .bias_stride = bias->is_present ? bias->strides[0] : 0,
+        .bias_stride = 1,
         .rows = M,
         .cols = N,
         .inner = K,

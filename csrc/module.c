@@ -1202,6 +1202,13 @@ static PyObject *rows_output(call_state *cs, PyObject *given, const ragvit_tenso
         raise_status(RAGVIT_STATUS_INVALID_SHAPE);
         return NULL;
     }
+    if (x->dtype != RAGVIT_DTYPE_F16 && x->dtype != RAGVIT_DTYPE_BF16 &&
+        x->dtype != RAGVIT_DTYPE_F32) {
+        /* nothing to allocate: the core rejects x's dtype before it looks at out */
+        out->is_present = 0;
+        Py_INCREF(Py_None);
+        return Py_None;
+    }
     const int64_t shape[2] = {x->shape[0], cols};
     return alloc_like(cs, 0, x, "out", x->dtype, 2, shape, out);
 }
@@ -1216,7 +1223,7 @@ PyDoc_STRVAR(linear_doc,
 "    x: (M, K) float16, bfloat16 or float32, unit column stride, any row stride\n"
 "        (a view of a wider buffer is read in place).\n"
 "    weight: (N, K) of x's dtype, as nn.Linear stores it; unit column stride.\n"
-"    bias: optional (N,) of x's dtype.\n"
+"    bias: optional (N,) of x's dtype, contiguous.\n"
 "    residual: optional (M, N) of x's dtype, unit column stride; may be out\n"
 "        itself (in place, same strides): a transformer block's x + proj(h).\n"
 "    out: optional (M, N) output of x's dtype, unit column stride, not sharing\n"

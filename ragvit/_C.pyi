@@ -223,7 +223,7 @@ def linear(
     Args:
         x: (M, K) float16, bfloat16 or float32, unit column stride, any row stride.
         weight: (N, K) of x's dtype (nn.Linear.weight).
-        bias: optional (N,) of x's dtype.
+        bias: optional (N,) of x's dtype, contiguous.
         residual: optional (M, N) of x's dtype; may be out itself (in place).
         out: optional (M, N) of x's dtype, not overlapping x, weight or bias.
 

@@ -136,7 +136,8 @@ typedef struct {
  * linear: out (M, N) = x (M, K) . weight (N, K)^T + bias (N,) + residual (M, N),
  * one dtype (F16, BF16, F32), float32 accumulation (F32: no TF32), rounded once;
  * rows of x, weight, residual and out have unit column stride and any row
- * stride; bias and residual may be NULL; residual may equal out (same strides).
+ * stride; bias (contiguous) and residual may be NULL; residual may equal out
+ * (same strides).
  * CUDA: cuBLASLt (bias epilogue, beta = 1 on residual); the CPU backend
  * accumulates in double. */
 typedef struct {
