@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # GPU check for the device machine: build, GPU test suite, compute-sanitizer, benchmarks.
-# Usage: scripts/gpu_check.sh [build] [bench] [test] [sanitize] [mma] [mmabench] [packbench] [e2e]
+# Usage: scripts/gpu_check.sh [build] [bench] [test] [sanitize | memcheck] [mma] [mmabench] [packbench] [e2e]
 #        [e2e_paper] [e2e_policies] [e2e_graph] [notebook] [quick] [tar]
 # (default: build bench test sanitize mma, in that order; each step has a time limit so the
 # summary always prints). Pass RAGVIT_GIT_SHA: the GPU machine's copy of the tree has no .git.
@@ -40,9 +40,11 @@ if has test; then
     run test timeout "${TEST_TIMEOUT:-240}" python3 -m pytest -q -rf --durations=10 ${TEST_ARGS:-} tests
     grep -E "^(FAILED|ERROR)" "$OUT/test.log" | cut -c1-200 | head -80
 fi
-if has sanitize; then
+if has sanitize || has memcheck; then
     run memcheck timeout "${SANITIZER_TIMEOUT:-150}" compute-sanitizer --tool memcheck \
         --error-exitcode 9 python3 -m pytest -q -m sanitizer tests
+fi
+if has sanitize; then
     # Only ragvit's kernels: torch's own SDPA kernels (the tests' baseline) report hazards.
     for kernels in ragged_attention pack_tokens segment_mean; do
         run "racecheck_$kernels" timeout "${SANITIZER_TIMEOUT:-150}" compute-sanitizer \

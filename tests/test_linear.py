@@ -237,6 +237,7 @@ def _strided_params():
     return params
 
 
+@pytest.mark.sanitizer
 @pytest.mark.parametrize("device, dtype, layout, residual_kind", _strided_params())
 def test_linear_strided_views(device, dtype, layout, residual_kind, gen, seed):
     """x, weight, residual and out are column slices of wider NaN-padded buffers."""
@@ -257,6 +258,7 @@ def test_linear_strided_views(device, dtype, layout, residual_kind, gen, seed):
     )
 
 
+@pytest.mark.sanitizer
 @pytest.mark.parametrize("device", devices())
 @pytest.mark.parametrize("dtype", dtype_params())
 def test_linear_bias_offset_view(device, dtype, gen, seed):

@@ -243,6 +243,7 @@ def _in_place_params():
     return params
 
 
+@pytest.mark.sanitizer
 @pytest.mark.parametrize("device, dtype, layout", _in_place_params())
 @pytest.mark.parametrize("C", [100, 2500])
 def test_layer_norm_in_place(device, dtype, layout, C, gen, seed):
@@ -257,6 +258,7 @@ def test_layer_norm_in_place(device, dtype, layout, C, gen, seed):
         assert torch.isnan(buffer.cpu()[_outside(buffer, layout, C)]).all(), "wrote outside x"
 
 
+@pytest.mark.sanitizer
 @pytest.mark.parametrize("device, dtype, layout", _in_place_params())
 @pytest.mark.parametrize("C", [100, 2500])
 def test_layer_norm_strided_views(device, dtype, layout, C, gen, seed):
@@ -328,6 +330,7 @@ def test_gelu_matches_reference(device, dtype, shape, gen, seed):
     assert same_bits(x, x_before), "gelu modified x"
 
 
+@pytest.mark.sanitizer
 @pytest.mark.parametrize("device, dtype, layout", _in_place_params())
 def test_gelu_in_place(device, dtype, layout, gen, seed):
     M, C = (37, 100) if device == "cpu" else (577, 768)
@@ -339,6 +342,7 @@ def test_gelu_in_place(device, dtype, layout, gen, seed):
         assert torch.isnan(buffer.cpu()[_outside(buffer, layout, C)]).all(), "wrote outside x"
 
 
+@pytest.mark.sanitizer
 @pytest.mark.parametrize("device, dtype, layout", _in_place_params())
 def test_gelu_strided_views(device, dtype, layout, gen, seed):
     M, C = (37, 256) if device == "cpu" else (577, 1536)
