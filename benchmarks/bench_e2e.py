@@ -277,10 +277,14 @@ def check_row(model, x, policy, pipelines, ctx) -> dict:
     with patched(model, policy):
         _, decided = timm_patch.forward_with_decisions(model, x)
     final, per_block = kept_fractions(model, policy, decided)
-    ok = c["ok"] and all(e <= tol for e in err.values() if e is not None)
+    # FA2 packed runs torch's modules like the reference: plain tolerance. Our own
+    # pipelines were judged by bench.check (tolerance, or its fp32-relative rule).
+    ok = c["ok"] and (err.get("fa2_packed") is None or err["fa2_packed"] <= tol)
     return {
         "err": err,
         "unavailable": unavailable,
+        "err_exact": c["err_exact"],
+        "err_reference_exact": c["err_reference_exact"],
         "err_ragvit_vs_reference": err["ragvit"],
         "err_fa2_vs_reference": err.get("fa2_packed") if err.get("fa2_packed") is not None
         else math.nan,
@@ -395,7 +399,13 @@ def _status(row) -> str | None:
 
 
 def _errs(c) -> str:
-    return f"{_fmt(c.get('err_ragvit_vs_reference'))} / {_fmt(c.get('err_fa2_vs_reference'))}"
+    """ragvit / FA2 max |dlogit| vs the reference; where ragvit passed by bench.check's
+    fp32-relative rule, also its error and the reference's against the fp32 forward."""
+    text = f"{_fmt(c.get('err_ragvit_vs_reference'))} / {_fmt(c.get('err_fa2_vs_reference'))}"
+    exact = (c.get("err_exact") or {}).get("ragvit")
+    if exact is not None and c.get("err_reference_exact") is not None:
+        text += f" (vs fp32: {_fmt(exact)}, fp16 ref {_fmt(c['err_reference_exact'])})"
+    return text
 
 
 def _fmt(v) -> str:
@@ -518,7 +528,10 @@ def render(rows, env) -> str:
              f"timm {env['timm']}, ragvit {env['ragvit']} @ {env['git_sha']}; "
              f"{env['dtype']}, random weights and images; median of {env['reps']} after "
              f"{env['warmup']} warm-ups ({env['timer']}). max dlogit: vs the padded-masked "
-             "reference replaying the pipeline's own decisions; top-1 agreement ignores "
+             "reference replaying the pipeline's own decisions, within 0.004 (fp16), or, where "
+             "not, at least as close to the same forward in fp32 as that fp16 reference is "
+             "(err <= 2 x the reference's + 0.001; both figures shown: ragvit adds the "
+             "residual inside the GEMM, before rounding); top-1 agreement ignores "
              "images whose reference top-2 margin is within 2x the tolerance (near-ties).", ""]
     for suite in env["suites"]:
         lines += [f"## Suite `{suite}`", ""]
