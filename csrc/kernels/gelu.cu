@@ -23,7 +23,9 @@ static __device__ __forceinline__ float gelu_exact(float v) {
 // ---- kernels ----
 
 /* kVec elements a chunk: 1, or 16 bytes' worth (the launcher checked alignment). */
-template <typename T, int kVec>
+/* kIsFlat: x and out are both dense (row stride == C), so chunk i sits at i * kVec in
+ * both and the row/column split (a 64-bit division per chunk) is skipped. */
+template <typename T, int kVec, bool kIsFlat>
 static __global__ void __launch_bounds__(kGeluThreads) gelu_kernel(const ragvit_rowwise_args a) {
     struct alignas(kVec * sizeof(T)) chunk {
         T v[kVec];
@@ -32,13 +34,17 @@ static __global__ void __launch_bounds__(kGeluThreads) gelu_kernel(const ragvit_
     const int64_t total = a.rows * chunks_per_row;
     for (int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; i < total;
          i += (int64_t)gridDim.x * blockDim.x) {
-        const int64_t m = i / chunks_per_row, c = (i - m * chunks_per_row) * kVec;
-        chunk in = *reinterpret_cast<const chunk *>(static_cast<const T *>(a.x) +
-                                                    m * a.x_stride + c);
+        int64_t x_at = i * kVec, out_at = i * kVec;
+        if constexpr (!kIsFlat) {
+            const int64_t m = i / chunks_per_row, c = (i - m * chunks_per_row) * kVec;
+            x_at = m * a.x_stride + c;
+            out_at = m * a.out_stride + c;
+        }
+        chunk in = *reinterpret_cast<const chunk *>(static_cast<const T *>(a.x) + x_at);
 #pragma unroll
         for (int j = 0; j < kVec; j++)
             float_elems_store(&in.v[j], gelu_exact(float_elems_load(&in.v[j])));
-        *reinterpret_cast<chunk *>(static_cast<T *>(a.out) + m * a.out_stride + c) = in;
+        *reinterpret_cast<chunk *>(static_cast<T *>(a.out) + out_at) = in;
     }
 }
 
@@ -57,10 +63,13 @@ static ragvit_status gelu_launch(const ragvit_rowwise_args *a, const ragvit_devi
     const int64_t cap = (int64_t)(dev->sm_count > 0 ? dev->sm_count : 1) * 16;
     if (blocks > cap)
         blocks = cap; /* grid-stride beyond a few waves */
-    if (is_vec)
-        gelu_kernel<T, kVec><<<(unsigned)blocks, kGeluThreads, 0, stream>>>(*a);
+    const bool is_flat = a->x_stride == a->channels && a->out_stride == a->channels;
+    if (is_vec && is_flat)
+        gelu_kernel<T, kVec, true><<<(unsigned)blocks, kGeluThreads, 0, stream>>>(*a);
+    else if (is_vec)
+        gelu_kernel<T, kVec, false><<<(unsigned)blocks, kGeluThreads, 0, stream>>>(*a);
     else
-        gelu_kernel<T, 1><<<(unsigned)blocks, kGeluThreads, 0, stream>>>(*a);
+        gelu_kernel<T, 1, false><<<(unsigned)blocks, kGeluThreads, 0, stream>>>(*a);
     CUDA_TRY(cudaGetLastError());
     return RAGVIT_STATUS_OK;
 }
