@@ -769,6 +769,40 @@ def test_linear_mlp_cuda_graph_replay(dtype, gen, seed):
         _check_linear(out, hidden, w2, b2, x, seed)
 
 
+@pytest.mark.gpu
+@requires_cuda
+@pytest.mark.parametrize("residual_kind", ["none", "in_place"])
+def test_linear_first_call_inside_capture(residual_kind, gen, seed):
+    """linear's very first call on a new stream and shape may be inside a capture (no
+    warm-up, torch.cuda.graph's own stream): it allocates nothing and times nothing there
+    (a workspace-free algorithm, untuned), and the replay is still right."""
+    ragvit.set_debug(False)
+    M = 300 + int(torch.randint(0, 500, (1,), generator=gen))  # a shape no other test used
+    K, N = 384, 1152 if residual_kind == "none" else 384
+    x = torch.randn((M, K), generator=gen).to(device="cuda", dtype=torch.float16)
+    w = (torch.randn((N, K), generator=gen) / math.sqrt(K)).to(device="cuda",
+                                                                dtype=torch.float16)
+    b = torch.randn((N,), generator=gen).to(device="cuda", dtype=torch.float16)
+    out = poison((M, N), torch.float16, "cuda")
+    kwargs = {"residual": out} if residual_kind == "in_place" else {}
+    start = torch.randn((M, N), generator=gen).to(device="cuda", dtype=torch.float16)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        ragvit.linear(x, w, b, out=out, **kwargs)
+    for _ in range(2):
+        x.copy_(torch.randn((M, K), generator=gen))
+        out.copy_(start)
+        graph.replay()
+        torch.cuda.synchronize()
+        _check_linear(out, x, w, b, start if kwargs else None, seed)
+    eager = poison((M, N), torch.float16, "cuda")
+    if kwargs:
+        eager.copy_(start)
+    ragvit.linear(x, w, b, out=eager, **({"residual": eager} if kwargs else {}))
+    _check_linear(eager, x, w, b, start if kwargs else None, seed)  # tuned on this call
+
+
 @pytest.mark.parametrize("np_dtype", [np.float64, np.int64], ids=["float64", "int64"])
 @pytest.mark.parametrize("op", ["linear", "layer_norm", "gelu"])
 def test_numpy_non_float_x_without_out(op, np_dtype):

@@ -8,16 +8,20 @@
  * a workspace between streams would race), and a cache of descriptors and the
  * heuristic's algorithm keyed by everything the heuristic sees (sizes, leading
  * dimensions, dtype, epilogue, pointer alignments, workspace), so a call does no
- * descriptor creation and no heuristic query once its shape has been seen.
+ * descriptor creation and no heuristic query once its shape has been seen. A plan's first
+ * call outside stream capture times the heuristic's first kLinearCandidates algorithms on
+ * its operands (output to scratch) and keeps the fastest: one host sync per shape, never
+ * again (RAGVIT_LINEAR_TUNE=0: the heuristic's first choice, no sync at all).
  * Decision: the first call on a device and stream allocates its workspace
- * (cudaMalloc): make it outside stream capture (ragvit.cuda_graph warms up
- * eagerly first). Handles, workspaces and plans live as long as the process,
+ * (cudaMalloc), unless the stream is capturing a graph (then that call runs a
+ * workspace-free algorithm; ragvit.cuda_graph warms up on its capture stream). Handles, workspaces and plans live as long as the process,
  * like the device error flag (freeing them at interpreter exit would race the
  * CUDA runtime's own teardown).
  * Covered by tests/test_linear.py (vs float64, fused residual, in place, errors). */
 #include <dlfcn.h>
 #include <pthread.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 
 #include "cuda_check.cuh"
@@ -31,6 +35,8 @@
 static constexpr int kLinearStreams = 8;
 static constexpr int kLinearCacheSlots = 128;
 static constexpr size_t kLinearWorkspaceBytes = (size_t)32 << 20;
+static constexpr int kLinearCandidates = 8; /* heuristic results timed on a shape's first call */
+static constexpr int kLinearTuneReps = 5;
 
 // ---- the cuBLASLt entry points (dlopen) ----
 
@@ -63,6 +69,7 @@ struct linear_key {
 
 struct linear_plan {
     int is_used;
+    int is_tuned; /* algo is the fastest of the heuristic's candidates, timed */
     linear_key key;
     cublasLtMatmulDesc_t desc;
     cublasLtMatrixLayout_t a, b, c, d;
@@ -169,6 +176,30 @@ static void linear_plan_release(const linear_api *api, linear_plan *p) {
     memset(p, 0, sizeof *p);
 }
 
+/* Up to `wanted` algorithms for plan p's descriptors, best guess first, under key k's
+ * workspace and pointer alignments. */
+static ragvit_status linear_heuristic(const linear_api *api, cublasLtHandle_t handle,
+                                      const linear_key *k, const linear_plan *p, int wanted,
+                                      cublasLtMatmulHeuristicResult_t *results, int *found) {
+    cublasLtMatmulPreference_t pref = NULL;
+    BLAS_TRY(api, api->pref_create(&pref));
+    const uint64_t ws = k->workspace;
+    const cublasLtMatmulPreferenceAttributes_t aligns[4] = {
+        CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES,
+        CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES};
+    cublasStatus_t st = api->pref_set(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &ws, sizeof ws);
+    for (int i = 0; i < 4 && st == CUBLAS_STATUS_SUCCESS; i++)
+        st = api->pref_set(pref, aligns[i], &k->align[i], sizeof k->align[i]);
+    *found = 0;
+    memset(results, 0, sizeof *results * (size_t)wanted);
+    if (st == CUBLAS_STATUS_SUCCESS)
+        st = api->heuristic(handle, p->desc, p->a, p->b, p->c, p->d, pref, wanted, results, found);
+    api->pref_destroy(pref);
+    if (st != CUBLAS_STATUS_SUCCESS)
+        return linear_blas_fail(api, st, "cublasLtMatmulAlgoGetHeuristic");
+    return RAGVIT_STATUS_OK;
+}
+
 /* Descriptors and the heuristic's best algorithm for key into p. */
 static ragvit_status linear_plan_build(const linear_api *api, cublasLtHandle_t handle,
                                        const linear_key *k, const void *bias, linear_plan *p) {
@@ -195,23 +226,9 @@ static ragvit_status linear_plan_build(const linear_api *api, cublasLtHandle_t h
                                      k->has_residual ? k->residual_stride : k->out_stride));
     BLAS_TRY(api, api->layout_create(&p->d, type, (uint64_t)k->cols, (uint64_t)k->rows,
                                      k->out_stride));
-    cublasLtMatmulPreference_t pref = NULL;
-    BLAS_TRY(api, api->pref_create(&pref));
-    const uint64_t ws = k->workspace;
-    const cublasLtMatmulPreferenceAttributes_t aligns[4] = {
-        CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES,
-        CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES};
-    cublasStatus_t st = api->pref_set(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &ws, sizeof ws);
-    for (int i = 0; i < 4 && st == CUBLAS_STATUS_SUCCESS; i++)
-        st = api->pref_set(pref, aligns[i], &k->align[i], sizeof k->align[i]);
     cublasLtMatmulHeuristicResult_t result;
     int found = 0;
-    memset(&result, 0, sizeof result);
-    if (st == CUBLAS_STATUS_SUCCESS)
-        st = api->heuristic(handle, p->desc, p->a, p->b, p->c, p->d, pref, 1, &result, &found);
-    api->pref_destroy(pref);
-    if (st != CUBLAS_STATUS_SUCCESS)
-        return linear_blas_fail(api, st, "cublasLtMatmulAlgoGetHeuristic");
+    RAGVIT_TRY(linear_heuristic(api, handle, k, p, 1, &result, &found));
     if (found < 1)
         return ragvit_fail(RAGVIT_STATUS_INVALID_SHAPE,
                            "linear: x, weight and out must be a problem cuBLASLt supports, got "
@@ -233,7 +250,8 @@ static uint64_t linear_key_hash(const linear_key *k) {
     return h;
 }
 
-/* Handle, and the workspace of stream (0 bytes past kLinearStreams streams). */
+/* Handle, and the workspace of stream (0 bytes past kLinearStreams streams, and for a
+ * stream first seen while it is capturing a graph). */
 static ragvit_status linear_device_state(linear_device *d, cudaStream_t stream, void **workspace,
                                          uint64_t *workspace_bytes) {
     if (!d->is_initialized) {
@@ -251,6 +269,10 @@ static ragvit_status linear_device_state(linear_device *d, cudaStream_t stream, 
     *workspace_bytes = 0;
     if (d->num_streams == kLinearStreams)
         return RAGVIT_STATUS_OK;
+    cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
+    CUDA_TRY(cudaStreamIsCapturing(stream, &capture));
+    if (capture != cudaStreamCaptureStatusNone)
+        return RAGVIT_STATUS_OK; /* no cudaMalloc under capture: workspace-free this time */
     void *ws = NULL;
     CUDA_TRY(cudaMalloc(&ws, kLinearWorkspaceBytes));
     d->streams[d->num_streams] = stream;
@@ -259,6 +281,70 @@ static ragvit_status linear_device_state(linear_device *d, cudaStream_t stream, 
     *workspace = ws;
     *workspace_bytes = kLinearWorkspaceBytes;
     return RAGVIT_STATUS_OK;
+}
+
+/* Times the heuristic's candidates for plan p on this call's operands (D goes to a scratch
+ * buffer, so out and an in-place residual are untouched) and keeps the fastest: once per
+ * plan, on its first call outside stream capture; one host sync. A candidate that fails to
+ * run is skipped; any other failure (no scratch memory, ...) keeps the heuristic's choice. */
+static void linear_tune(linear_device *d, linear_plan *p, const ragvit_linear_args *a,
+                        void *workspace, uint64_t workspace_bytes, cudaStream_t stream) {
+    const linear_api *api = &linear_lib;
+    p->is_tuned = 1;
+    cublasLtMatmulHeuristicResult_t results[kLinearCandidates];
+    int found = 0;
+    if (linear_heuristic(api, d->handle, &p->key, p, kLinearCandidates, results, &found) !=
+            RAGVIT_STATUS_OK ||
+        found < 2) {
+        (void)cudaGetLastError();
+        return;
+    }
+    const size_t es = a->dtype == RAGVIT_DTYPE_F32 ? 4 : 2;
+    void *scratch = NULL;
+    cudaEvent_t start = NULL, stop = NULL;
+    const float alpha = 1.0f, beta = a->residual != NULL ? 1.0f : 0.0f;
+    const void *c = a->residual != NULL ? a->residual : a->out;
+    float best_ms = -1.0f;
+    if (cudaMallocAsync(&scratch, (size_t)a->rows * (size_t)a->out_stride * es, stream) ==
+            cudaSuccess &&
+        cudaEventCreate(&start) == cudaSuccess && cudaEventCreate(&stop) == cudaSuccess) {
+        for (int i = 0; i < found; i++) {
+            const cublasLtMatmulAlgo_t *algo = &results[i].algo;
+            bool ok = true;
+            for (int r = 0; r <= kLinearTuneReps && ok; r++) { /* r == 0: warm-up */
+                if (r == 1)
+                    ok = cudaEventRecord(start, stream) == cudaSuccess;
+                ok = ok && api->matmul(d->handle, p->desc, &alpha, a->weight, p->a, a->x, p->b,
+                                       &beta, c, p->c, scratch, p->d, algo, workspace,
+                                       workspace_bytes, stream) == CUBLAS_STATUS_SUCCESS;
+            }
+            float ms = 0.0f;
+            ok = ok && cudaEventRecord(stop, stream) == cudaSuccess &&
+                 cudaEventSynchronize(stop) == cudaSuccess &&
+                 cudaEventElapsedTime(&ms, start, stop) == cudaSuccess;
+            if (ok && (best_ms < 0.0f || ms < best_ms)) {
+                best_ms = ms;
+                p->algo = *algo;
+            }
+        }
+    }
+    if (scratch != NULL)
+        (void)cudaFreeAsync(scratch, stream);
+    if (start != NULL)
+        (void)cudaEventDestroy(start);
+    if (stop != NULL)
+        (void)cudaEventDestroy(stop);
+    (void)cudaGetLastError(); /* a failed candidate or allocation is not this call's error */
+}
+
+/* Whether linear tunes plans (RAGVIT_LINEAR_TUNE=0 turns it off), read once. */
+static bool linear_tuning_enabled() {
+    static int enabled = -1;
+    if (enabled < 0) {
+        const char *v = getenv("RAGVIT_LINEAR_TUNE");
+        enabled = !(v != NULL && strcmp(v, "0") == 0);
+    }
+    return enabled != 0;
 }
 
 static ragvit_status linear_run(const ragvit_linear_args *a, const ragvit_device_info *dev,
@@ -297,6 +383,12 @@ static ragvit_status linear_run(const ragvit_linear_args *a, const ragvit_device
     } else if (a->bias != NULL) {
         BLAS_TRY(&linear_lib, linear_lib.desc_set(p->desc, CUBLASLT_MATMUL_DESC_BIAS_POINTER,
                                                   &a->bias, sizeof a->bias));
+    }
+    if (!p->is_tuned && linear_tuning_enabled()) {
+        cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
+        CUDA_TRY(cudaStreamIsCapturing(stream, &capture));
+        if (capture == cudaStreamCaptureStatusNone) /* else: tuned on a later eager call */
+            linear_tune(d, p, a, workspace, workspace_bytes, stream);
     }
     const float alpha = 1.0f, beta = a->residual != NULL ? 1.0f : 0.0f;
     const void *c = a->residual != NULL ? a->residual : a->out;
