@@ -598,7 +598,10 @@ def test_gpu_fp16_matches_reference(name, policy_name, batch, gen, seed):
 # on the H200, DeiT-S/B batch 1/32); ToMe merges at every block and one flipped near-tie
 # match changes every later merge of that image (0.873 over all points at DeiT-B batch 1),
 # so only its first point is compared. The logits are compared with the decisions replayed.
-OWN_DECISIONS_AGREE = {"ats_3stage": (0.9, None), "ats_k108_b3": (0.9, None),
+# ATS 0.8: with the fused row ops (residual added before rounding) ragvit's fp16 scores
+# differ from the reference's by an ulp where they used to match, and ATS's quantile
+# sampling turns that into different picks (0.848 measured, DeiT-B batch 1, H200).
+OWN_DECISIONS_AGREE = {"ats_3stage": (0.8, None), "ats_k108_b3": (0.8, None),
                        "tome_r8": (0.98, 1)}
 
 

@@ -8,10 +8,10 @@
  * a workspace between streams would race), and a cache of descriptors and the
  * heuristic's algorithm keyed by everything the heuristic sees (sizes, leading
  * dimensions, dtype, epilogue, pointer alignments, workspace), so a call does no
- * descriptor creation and no heuristic query once its shape has been seen. A plan's first
- * call outside stream capture times the heuristic's first kLinearCandidates algorithms on
- * its operands (output to scratch) and keeps the fastest: one host sync per shape, never
- * again (RAGVIT_LINEAR_TUNE=0: the heuristic's first choice, no sync at all).
+ * descriptor creation and no heuristic query once its shape has been seen (open
+ * addressing over kLinearProbe slots, so two shapes of one forward never evict each other).
+ * Timing the heuristic's other candidates on first use was tried and dropped: on the H200
+ * it moved a graph-replayed DeiT-S batch-1 forward by 1.7%, for a host sync per new shape.
  * Decision: the first call on a device and stream allocates its workspace
  * (cudaMalloc), unless the stream is capturing a graph (then that call runs a
  * workspace-free algorithm; ragvit.cuda_graph warms up on its capture stream). Handles, workspaces and plans live as long as the process,
@@ -21,7 +21,6 @@
 #include <dlfcn.h>
 #include <pthread.h>
 #include <stdint.h>
-#include <stdlib.h>
 #include <string.h>
 
 #include "cuda_check.cuh"
@@ -35,8 +34,7 @@
 static constexpr int kLinearStreams = 8;
 static constexpr int kLinearCacheSlots = 128;
 static constexpr size_t kLinearWorkspaceBytes = (size_t)32 << 20;
-static constexpr int kLinearCandidates = 8; /* heuristic results timed on a shape's first call */
-static constexpr int kLinearTuneReps = 5;
+static constexpr int kLinearProbe = 8; /* cache slots a key may occupy: h, h + 1, ... */
 
 // ---- the cuBLASLt entry points (dlopen) ----
 
@@ -69,7 +67,6 @@ struct linear_key {
 
 struct linear_plan {
     int is_used;
-    int is_tuned; /* algo is the fastest of the heuristic's candidates, timed */
     linear_key key;
     cublasLtMatmulDesc_t desc;
     cublasLtMatrixLayout_t a, b, c, d;
@@ -82,6 +79,7 @@ struct linear_device {
     cudaStream_t streams[kLinearStreams];
     void *workspaces[kLinearStreams];
     int num_streams;
+    unsigned int evictions; /* round-robin victim within a full probe window */
     linear_plan plans[kLinearCacheSlots];
 };
 
@@ -283,70 +281,6 @@ static ragvit_status linear_device_state(linear_device *d, cudaStream_t stream, 
     return RAGVIT_STATUS_OK;
 }
 
-/* Times the heuristic's candidates for plan p on this call's operands (D goes to a scratch
- * buffer, so out and an in-place residual are untouched) and keeps the fastest: once per
- * plan, on its first call outside stream capture; one host sync. A candidate that fails to
- * run is skipped; any other failure (no scratch memory, ...) keeps the heuristic's choice. */
-static void linear_tune(linear_device *d, linear_plan *p, const ragvit_linear_args *a,
-                        void *workspace, uint64_t workspace_bytes, cudaStream_t stream) {
-    const linear_api *api = &linear_lib;
-    p->is_tuned = 1;
-    cublasLtMatmulHeuristicResult_t results[kLinearCandidates];
-    int found = 0;
-    if (linear_heuristic(api, d->handle, &p->key, p, kLinearCandidates, results, &found) !=
-            RAGVIT_STATUS_OK ||
-        found < 2) {
-        (void)cudaGetLastError();
-        return;
-    }
-    const size_t es = a->dtype == RAGVIT_DTYPE_F32 ? 4 : 2;
-    void *scratch = NULL;
-    cudaEvent_t start = NULL, stop = NULL;
-    const float alpha = 1.0f, beta = a->residual != NULL ? 1.0f : 0.0f;
-    const void *c = a->residual != NULL ? a->residual : a->out;
-    float best_ms = -1.0f;
-    if (cudaMallocAsync(&scratch, (size_t)a->rows * (size_t)a->out_stride * es, stream) ==
-            cudaSuccess &&
-        cudaEventCreate(&start) == cudaSuccess && cudaEventCreate(&stop) == cudaSuccess) {
-        for (int i = 0; i < found; i++) {
-            const cublasLtMatmulAlgo_t *algo = &results[i].algo;
-            bool ok = true;
-            for (int r = 0; r <= kLinearTuneReps && ok; r++) { /* r == 0: warm-up */
-                if (r == 1)
-                    ok = cudaEventRecord(start, stream) == cudaSuccess;
-                ok = ok && api->matmul(d->handle, p->desc, &alpha, a->weight, p->a, a->x, p->b,
-                                       &beta, c, p->c, scratch, p->d, algo, workspace,
-                                       workspace_bytes, stream) == CUBLAS_STATUS_SUCCESS;
-            }
-            float ms = 0.0f;
-            ok = ok && cudaEventRecord(stop, stream) == cudaSuccess &&
-                 cudaEventSynchronize(stop) == cudaSuccess &&
-                 cudaEventElapsedTime(&ms, start, stop) == cudaSuccess;
-            if (ok && (best_ms < 0.0f || ms < best_ms)) {
-                best_ms = ms;
-                p->algo = *algo;
-            }
-        }
-    }
-    if (scratch != NULL)
-        (void)cudaFreeAsync(scratch, stream);
-    if (start != NULL)
-        (void)cudaEventDestroy(start);
-    if (stop != NULL)
-        (void)cudaEventDestroy(stop);
-    (void)cudaGetLastError(); /* a failed candidate or allocation is not this call's error */
-}
-
-/* Whether linear tunes plans (RAGVIT_LINEAR_TUNE=0 turns it off), read once. */
-static bool linear_tuning_enabled() {
-    static int enabled = -1;
-    if (enabled < 0) {
-        const char *v = getenv("RAGVIT_LINEAR_TUNE");
-        enabled = !(v != NULL && strcmp(v, "0") == 0);
-    }
-    return enabled != 0;
-}
-
 static ragvit_status linear_run(const ragvit_linear_args *a, const ragvit_device_info *dev,
                                 cudaStream_t stream) {
     RAGVIT_TRY(linear_load_api(&linear_lib));
@@ -372,23 +306,28 @@ static ragvit_status linear_run(const ragvit_linear_args *a, const ragvit_device
     k.align[3] = linear_alignment(a->out);
     k.align[4] = linear_alignment(a->bias);
     k.workspace = workspace_bytes;
-    linear_plan *p = &d->plans[linear_key_hash(&k) % kLinearCacheSlots];
-    if (!p->is_used || memcmp(&p->key, &k, sizeof k) != 0) {
-        linear_plan_release(&linear_lib, p); /* a collision evicts the older plan */
+    const uint64_t home = linear_key_hash(&k) % kLinearCacheSlots;
+    linear_plan *p = NULL, *free_slot = NULL;
+    for (int i = 0; i < kLinearProbe && p == NULL; i++) {
+        linear_plan *slot = &d->plans[(home + i) % kLinearCacheSlots];
+        if (slot->is_used && memcmp(&slot->key, &k, sizeof k) == 0)
+            p = slot;
+        else if (!slot->is_used && free_slot == NULL)
+            free_slot = slot;
+    }
+    if (p != NULL && a->bias != NULL) {
+        BLAS_TRY(&linear_lib, linear_lib.desc_set(p->desc, CUBLASLT_MATMUL_DESC_BIAS_POINTER,
+                                                  &a->bias, sizeof a->bias));
+    } else if (p == NULL) {
+        /* a free slot of the probe window, else evict one in turn */
+        p = free_slot != NULL ? free_slot
+                              : &d->plans[(home + d->evictions++ % kLinearProbe) % kLinearCacheSlots];
+        linear_plan_release(&linear_lib, p);
         const ragvit_status s = linear_plan_build(&linear_lib, d->handle, &k, a->bias, p);
         if (s != RAGVIT_STATUS_OK) {
             linear_plan_release(&linear_lib, p);
             return s;
         }
-    } else if (a->bias != NULL) {
-        BLAS_TRY(&linear_lib, linear_lib.desc_set(p->desc, CUBLASLT_MATMUL_DESC_BIAS_POINTER,
-                                                  &a->bias, sizeof a->bias));
-    }
-    if (!p->is_tuned && linear_tuning_enabled()) {
-        cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
-        CUDA_TRY(cudaStreamIsCapturing(stream, &capture));
-        if (capture == cudaStreamCaptureStatusNone) /* else: tuned on a later eager call */
-            linear_tune(d, p, a, workspace, workspace_bytes, stream);
     }
     const float alpha = 1.0f, beta = a->residual != NULL ? 1.0f : 0.0f;
     const void *c = a->residual != NULL ? a->residual : a->out;
