@@ -77,6 +77,17 @@ def gpu_marks() -> list:
     return [pytest.mark.gpu, requires_cuda]
 
 
+def set_args(**changes):
+    """A mutation for the error tables: sets args[name] = fn(args) (or the plain value)
+    for each change."""
+
+    def mutate(a):
+        for name, value in changes.items():
+            a[name] = value(a) if callable(value) else value
+
+    return mutate
+
+
 def error_params(cases, *leading) -> list:
     """pytest params (*leading, device, mutate, exc, pattern) of an error table whose rows are
     (case_id, mutate, exc, pattern, cpu_only), for "cpu" and "cuda" (CUDA rows marked

@@ -47,6 +47,7 @@ from conftest import (
     same_bits,
     seed_note,
 )
+from conftest import set_args as _set  # error-table mutations
 
 import ragvit
 
@@ -374,16 +375,6 @@ def _call_linear(a):
     return ragvit.linear(
         a["x"], a["weight"], a["bias"], residual=a["residual"], out=a["out"], stream=a["stream"]
     )
-
-
-def _set(**changes):
-    """A mutation that sets args[name] = fn(args) (or the plain value) for each change."""
-
-    def mutate(a):
-        for name, value in changes.items():
-            a[name] = value(a) if callable(value) else value
-
-    return mutate
 
 
 def _dev(a):

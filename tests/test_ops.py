@@ -45,6 +45,7 @@ from conftest import (
     same_bits,
     seed_note,
 )
+from conftest import set_args as _set  # error-table mutations
 
 import ragvit
 from ragvit.reference import (
@@ -664,16 +665,6 @@ def _call_attention(a):
         out=a["out"],
         cls_attn=a["cls_attn"],
     )
-
-
-def _set(**changes):
-    """A mutation that sets args[name] = fn(args) (or the plain value) for each change."""
-
-    def mutate(a):
-        for name, value in changes.items():
-            a[name] = value(a) if callable(value) else value
-
-    return mutate
 
 
 def _with_head_dim(head_dim):
