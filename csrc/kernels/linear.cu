@@ -1,23 +1,15 @@
-/* linear.cu — out (M, N) = x (M, K) . weight (N, K)^T + bias + residual through
- * cuBLASLt: column-major D (N, M) = op(A = weight, T) . B (= x) with the BIAS
- * epilogue and beta = 1 on C = residual (C == D in place is allowed by cuBLASLt).
- * cuBLASLt is dlopen()ed on the first call (the soname, then the path found by
- * the build), so the module imports and runs its other ops without it.
- * Per device: one handle, one 32 MiB workspace per stream for the first
- * kLinearStreams streams (later streams run workspace-free algorithms: sharing
- * a workspace between streams would race), and a cache of descriptors and the
- * heuristic's algorithm keyed by everything the heuristic sees (sizes, leading
- * dimensions, dtype, epilogue, pointer alignments, workspace), so a call does no
- * descriptor creation and no heuristic query once its shape has been seen (open
- * addressing over kLinearProbe slots, so two shapes of one forward never evict each other).
- * Timing the heuristic's other candidates on first use was tried and dropped: on the H200
- * it moved a graph-replayed DeiT-S batch-1 forward by 1.7%, for a host sync per new shape.
- * Decision: the first call on a device and stream allocates its workspace
- * (cudaMalloc), unless the stream is capturing a graph (then that call runs a
- * workspace-free algorithm; ragvit.cuda_graph warms up on its capture stream). Handles, workspaces and plans live as long as the process,
- * like the device error flag (freeing them at interpreter exit would race the
- * CUDA runtime's own teardown).
- * Covered by tests/test_linear.py (vs float64, fused residual, in place, errors). */
+/* linear.cu — out (M, N) = x (M, K) . weight (N, K)^T + bias + residual through cuBLASLt:
+ * column-major D (N, M) = op(A = weight, T) . B (= x), BIAS epilogue, beta = 1 on C =
+ * residual (C == D, in place, is allowed). cuBLASLt is dlopen()ed on first use, so the
+ * module imports and runs every other op without it. Per device: one handle; a 32 MiB
+ * workspace for each of the first kLinearStreams streams (shared workspaces would race;
+ * later streams, and a stream first seen while capturing, run workspace-free algorithms);
+ * a plan cache (descriptors + the heuristic's algorithm) keyed by all the heuristic sees,
+ * open addressing over kLinearProbe slots, so a seen shape costs no descriptor or query.
+ * Decision: no timing of the heuristic's other candidates (tried: +1.7% on a DeiT-S
+ * batch-1 graph, for a host sync per new shape). State lives as long as the process, like
+ * the device error flag (freeing it at exit would race the CUDA runtime's teardown).
+ * Covered by tests/test_linear.py (vs float64, fused residual, in place, capture, errors). */
 #include <dlfcn.h>
 #include <pthread.h>
 #include <stdint.h>
@@ -42,7 +34,6 @@ struct linear_api {
     int is_loaded;
     void *lib;
     decltype(&cublasLtCreate) create;
-    decltype(&cublasLtDestroy) destroy;
     decltype(&cublasLtGetStatusString) status_string;
     decltype(&cublasLtMatmulDescCreate) desc_create;
     decltype(&cublasLtMatmulDescDestroy) desc_destroy;
@@ -108,13 +99,13 @@ static ragvit_status linear_load_api(linear_api *api) {
     linear_api a;
     memset(&a, 0, sizeof a);
     a.lib = lib;
-    void **slots[] = {(void **)&a.create,        (void **)&a.destroy,     (void **)&a.status_string,
-                      (void **)&a.desc_create,   (void **)&a.desc_destroy, (void **)&a.desc_set,
-                      (void **)&a.layout_create, (void **)&a.layout_destroy,
-                      (void **)&a.pref_create,   (void **)&a.pref_destroy, (void **)&a.pref_set,
+    void **slots[] = {(void **)&a.create,        (void **)&a.status_string,
+                      (void **)&a.desc_create,   (void **)&a.desc_destroy,
+                      (void **)&a.desc_set,      (void **)&a.layout_create,
+                      (void **)&a.layout_destroy, (void **)&a.pref_create,
+                      (void **)&a.pref_destroy,  (void **)&a.pref_set,
                       (void **)&a.heuristic,     (void **)&a.matmul};
     const char *symbols[] = {"cublasLtCreate",
-                             "cublasLtDestroy",
                              "cublasLtGetStatusString",
                              "cublasLtMatmulDescCreate",
                              "cublasLtMatmulDescDestroy",
@@ -174,11 +165,11 @@ static void linear_plan_release(const linear_api *api, linear_plan *p) {
     memset(p, 0, sizeof *p);
 }
 
-/* Up to `wanted` algorithms for plan p's descriptors, best guess first, under key k's
+/* The heuristic's best algorithm for plan p's descriptors (*found = 0: none) under key k's
  * workspace and pointer alignments. */
 static ragvit_status linear_heuristic(const linear_api *api, cublasLtHandle_t handle,
-                                      const linear_key *k, const linear_plan *p, int wanted,
-                                      cublasLtMatmulHeuristicResult_t *results, int *found) {
+                                      const linear_key *k, const linear_plan *p,
+                                      cublasLtMatmulHeuristicResult_t *result, int *found) {
     cublasLtMatmulPreference_t pref = NULL;
     BLAS_TRY(api, api->pref_create(&pref));
     const uint64_t ws = k->workspace;
@@ -189,9 +180,9 @@ static ragvit_status linear_heuristic(const linear_api *api, cublasLtHandle_t ha
     for (int i = 0; i < 4 && st == CUBLAS_STATUS_SUCCESS; i++)
         st = api->pref_set(pref, aligns[i], &k->align[i], sizeof k->align[i]);
     *found = 0;
-    memset(results, 0, sizeof *results * (size_t)wanted);
+    memset(result, 0, sizeof *result);
     if (st == CUBLAS_STATUS_SUCCESS)
-        st = api->heuristic(handle, p->desc, p->a, p->b, p->c, p->d, pref, wanted, results, found);
+        st = api->heuristic(handle, p->desc, p->a, p->b, p->c, p->d, pref, 1, result, found);
     api->pref_destroy(pref);
     if (st != CUBLAS_STATUS_SUCCESS)
         return linear_blas_fail(api, st, "cublasLtMatmulAlgoGetHeuristic");
@@ -226,7 +217,7 @@ static ragvit_status linear_plan_build(const linear_api *api, cublasLtHandle_t h
                                      k->out_stride));
     cublasLtMatmulHeuristicResult_t result;
     int found = 0;
-    RAGVIT_TRY(linear_heuristic(api, handle, k, p, 1, &result, &found));
+    RAGVIT_TRY(linear_heuristic(api, handle, k, p, &result, &found));
     if (found < 1)
         return ragvit_fail(RAGVIT_STATUS_INVALID_SHAPE,
                            "linear: x, weight and out must be a problem cuBLASLt supports, got "
@@ -320,8 +311,8 @@ static ragvit_status linear_run(const ragvit_linear_args *a, const ragvit_device
                                                   &a->bias, sizeof a->bias));
     } else if (p == NULL) {
         /* a free slot of the probe window, else evict one in turn */
-        p = free_slot != NULL ? free_slot
-                              : &d->plans[(home + d->evictions++ % kLinearProbe) % kLinearCacheSlots];
+        const uint64_t victim = home + d->evictions++ % kLinearProbe;
+        p = free_slot != NULL ? free_slot : &d->plans[victim % kLinearCacheSlots];
         linear_plan_release(&linear_lib, p);
         const ragvit_status s = linear_plan_build(&linear_lib, d->handle, &k, a->bias, p);
         if (s != RAGVIT_STATUS_OK) {
