@@ -8,7 +8,9 @@ speed does not depend on the weights), fp16, random images; the same inputs are 
 timed. Correctness first in every suite (max |dlogit| vs the padded-masked reference
 replaying the pipeline's own decisions, top-1 agreement with ragvit.bench.check's near-tie
 rule; "all results match" is printed before any number), then images/s from
-benchmarks/timing.events_ms (median of >= 50 after >= 10 warm-ups).
+benchmarks/timing.interleaved_ms: a row's pipelines (each patched pipeline on its own copy
+of the model) timed call by call in rotating order, CUDA events around each forward, median
+of >= 50 after >= 10 warm-ups each, so host noise hits every pipeline of a row alike.
 
 Suites:
   paper     (default) ThresholdL2 keep 50% after block 4 (`l2_keep50_b4`, the paper's) and
@@ -43,6 +45,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import copy
 import math
 import os
 import sys
@@ -97,10 +100,9 @@ class Context:
     def out_of_time(self) -> bool:
         return self.suite_end is not None and time.monotonic() > self.suite_end
 
-    def time_ms(self, fn) -> timing.Stats:
-        if self.device == "cuda":
-            return timing.events_ms(fn, self.warmup, self.reps)
-        return timing.wall_ms(fn, self.warmup, self.reps)
+    def time_ms_interleaved(self, fns) -> dict:
+        """{name: timing.Stats} of the callables in fns, timed side by side."""
+        return timing.interleaved_ms(fns, self.warmup, self.reps, self.device)
 
     def images(self, batch, img_size):
         """The same random images for a (batch, size) in the check and the timing pass."""
@@ -339,6 +341,9 @@ def run_suite(suite, ctx, models, batches, policies_for, pipelines, remaining, l
     print(f"{suite}: all results match" if not bad
           else f"{suite}: {bad} rows FAILED correctness (not timed)", flush=True)
     for label, (model, img_size) in loaded.items():
+        # One copy of the model per patched pipeline, so that all of a row's pipelines are
+        # live at once and timed interleaved (patch() changes the model it is given).
+        copies = {}
         for batch in batches:
             x = None
             shared = {}  # unpruned figures, once per (model, batch)
@@ -351,24 +356,33 @@ def run_suite(suite, ctx, models, batches, policies_for, pipelines, remaining, l
                     continue
                 x = x if x is not None else ctx.images(batch, img_size)
                 policy = configs[label][row["policy"]][1]
+                names = [n for n in pipelines
+                         if (n in UNPRUNED and n not in shared) or n == "reference"
+                         or (n not in UNPRUNED and row["check"]["err"].get(n) is not None)]
+                with contextlib.ExitStack() as stack:
+                    fns = {}
+                    for name in names:
+                        if name in UNPRUNED or name == "reference":
+                            target = model  # never patched
+                        else:
+                            if name not in copies:
+                                copies[name] = copy.deepcopy(model)
+                            target = copies[name]
+                        fns[name] = stack.enter_context(pipeline(
+                            name, target, None if name in UNPRUNED else policy, x))
+                    stats = ctx.time_ms_interleaved(fns)
+                shared.update({n: stats[n] for n in UNPRUNED if n in stats})
                 row["timing"] = {}
-                for name in pipelines:
-                    if name in UNPRUNED:
-                        if name not in shared:
-                            with pipeline(name, model, None, x) as fn:
-                                shared[name] = ctx.time_ms(fn)
-                        stats = shared[name]
-                    elif name != "reference" and row["check"]["err"].get(name) is None:
-                        continue  # unavailable (listed in the check)
-                    else:
-                        with pipeline(name, model, policy, x) as fn:
-                            stats = ctx.time_ms(fn)
-                    row["timing"][name] = {"ms": vars(stats),
-                                           "images_per_s": batch / (stats.median / 1e3)}
+                for name in pipelines:  # unavailable ones are listed in the check
+                    st = shared.get(name) if name in UNPRUNED else stats.get(name)
+                    if st is not None:
+                        row["timing"][name] = {"ms": vars(st),
+                                               "images_per_s": batch / (st.median / 1e3)}
                 print(f"{suite} | {label} {row['policy']} BS {batch}: "
                       + ", ".join(f"{n} {t['images_per_s']:.0f}"
                                   for n, t in row["timing"].items()) + " img/s", flush=True)
             del x
+        del copies
     del loaded
     if ctx.device == "cuda":
         torch.cuda.empty_cache()
@@ -593,7 +607,8 @@ def main(argv=None):
     return report.publish(
         rows, bad, render, args.out, timm=timm.__version__, suites=suites, dtype=ctx.dtype,
         warmup=args.warmup, reps=args.reps,
-        timer="CUDA events" if ctx.device == "cuda" else "perf_counter, CPU smoke run")
+        timer=("CUDA events" if ctx.device == "cuda" else "perf_counter, CPU smoke run")
+        + ", a row's pipelines interleaved call by call")
 
 
 def suite_plan(suite, args, ctx):

@@ -6,7 +6,9 @@ empty-launch floor) interleave the callables in alternating blocks over many rou
 clock drift and noise hit both sides alike; the ratio is the median of per-round ratios of
 block medians, with its spread across rounds. GPU time: the calls captured in a CUDA
 graph, replays timed with CUDA events on the current stream, warm-up by time, L2 flushed
-before each replay, median and p20/p80 over at least 50 replays. Never a single sample.
+before each replay, median and p20/p80 over at least 50 replays. End to end: CUDA events
+around each forward, the pipelines of a row interleaved call by call (interleaved_ms).
+Never a single sample.
 """
 
 from __future__ import annotations
@@ -194,3 +196,43 @@ def wall_ms(fn, warmup: int = 1, reps: int = 5) -> Stats:
         fn()
         samples.append((time.perf_counter() - t0) * 1e3)
     return _stats(samples)
+
+
+def interleaved_ms(fns: dict, warmup: int = 10, reps: int = 50, device: str = "cuda") -> dict:
+    """Milliseconds per call of each fn in `fns` (name -> callable), timed side by side.
+
+    After `warmup` calls of each, `reps` rounds run every fn once (the order rotating each
+    round), each call timed alone: CUDA events around it (device "cuda", synchronized
+    after) or perf_counter (CPU). A stretch of host noise (another process, a clock
+    change) then lands on every pipeline of a row alike instead of on whichever happened
+    to be timed during it, which matters for host-bound (small-batch) forwards.
+
+    Returns:
+        {name: Stats} (median, p20/p80, p10/p90 over that fn's `reps` calls).
+    """
+    import torch
+
+    names = list(fns)
+    gpu = device == "cuda"
+    for name in names:
+        for _ in range(warmup):
+            fns[name]()
+    if gpu:
+        torch.cuda.synchronize()
+    samples = {name: [] for name in names}
+    for r in range(max(reps, 2)):
+        for i in range(len(names)):
+            name = names[(r + i) % len(names)]
+            if gpu:
+                start = torch.cuda.Event(enable_timing=True)
+                end = torch.cuda.Event(enable_timing=True)
+                start.record()
+                fns[name]()
+                end.record()
+                end.synchronize()
+                samples[name].append(start.elapsed_time(end))
+            else:
+                t0 = time.perf_counter()
+                fns[name]()
+                samples[name].append((time.perf_counter() - t0) * 1e3)
+    return {name: _stats(samples[name]) for name in names}
