@@ -4,9 +4,10 @@ The oracle is torch.nn.functional.layer_norm / gelu (exact erf form) in float64
 on the dtype-valued inputs. A result passes when it is within the conftest TOL
 table of that reference and err <= 2 * err(torch in the same dtype on the same
 device) + ERROR_FLOOR (flash-attention's rule). Shapes: M in {0, 1, 7, 197, 577}
-(larger packed batches on CUDA), C not a multiple of 8 (37, 100), DeiT widths,
-2048 (the widest row the CUDA kernel keeps in registers) and 2049 / 2500 (its
-fallback that re-reads the row). LayerNorm rows have their own scale and offset
+(larger packed batches on CUDA), C not a multiple of 8 (37, 100, 1001: the CUDA
+kernel's one-element-a-load paths), DeiT widths and 1024 (its 16-byte-chunk path
+keeps rows up to 1024 in registers), 1025 / 2048 / 2049 / 2500 (its path that
+re-reads the row). LayerNorm rows have their own scale and offset
 (and one all-zero row, a padding token, which must give exactly bias), weight
 and bias absent or present, eps 1e-5 (default) and 1e-6, plus a small-variance
 case where eps dominates. GELU inputs span the tails (|x| up to 10, and a row of
@@ -46,7 +47,8 @@ import ragvit
 
 # (M, C) per device.
 LN_SHAPES = {
-    "cpu": [(0, 100), (1, 37), (7, 100), (197, 384), (577, 768), (13, 2048), (7, 2049), (5, 2500)],
+    "cpu": [(0, 100), (1, 37), (7, 100), (197, 384), (577, 768), (5, 1001), (13, 2048), (7, 2049),
+            (5, 2500)],
     "cuda": [
         (0, 768),
         (1, 37),
@@ -54,6 +56,9 @@ LN_SHAPES = {
         (197, 192),
         (577, 384),
         (577, 768),
+        (64, 1024),
+        (33, 1001),
+        (9, 1025),
         (13, 2048),
         (13, 2049),
         (7, 2500),
