@@ -166,10 +166,12 @@ def fa2_attention(q, k, v, cu_seqlens, max_seqlen=None, *, scale=None, out=None,
 def patched(model, policy, attention=None):
     """ragvit.patch for the duration of a with block. With a replacement attention (the
     FA2 pipelines) the blocks keep torch's LayerNorm / Linear / GELU modules, as a user
-    writing that pipeline would (fused_ops=False); ragvit itself runs its fused row ops."""
+    writing that pipeline would (fused_ops=False); ragvit itself runs with patch's default
+    (its fused row ops on CUDA, torch's modules on the CPU)."""
     from . import timm_patch
 
-    timm_patch.patch(model, policy, attention=attention, fused_ops=attention is None)
+    timm_patch.patch(model, policy, attention=attention,
+                     fused_ops=None if attention is None else False)
     try:
         yield model
     finally:
