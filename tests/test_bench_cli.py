@@ -255,3 +255,42 @@ def test_interleaved_host_timer_pairs_rounds():
     assert stats["slow"].median > stats["fast"].median > 0
     assert ratios["slow"].p10 <= ratios["slow"].median <= ratios["slow"].p90
     assert ratios["slow"].median > 1
+
+
+def test_interleaved_ms_times_every_fn_each_round():
+    """benchmarks/timing.interleaved_ms (bench_e2e's timer): warm-up per fn, then one call of
+    every fn per round in rotating order, so each fn gets `reps` samples."""
+    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+    import timing
+
+    order = []
+
+    def make(name, work):
+        def fn():
+            order.append(name)
+            sum(range(work))
+        return fn
+
+    stats = timing.interleaved_ms({"a": make("a", 10), "b": make("b", 20000)}, warmup=2,
+                                  reps=6, device="cpu")
+    assert order[:4] == ["a", "a", "b", "b"]  # warm-up
+    rounds = [order[4 + 2 * r: 6 + 2 * r] for r in range(6)]
+    assert all(sorted(r) == ["a", "b"] for r in rounds)
+    assert rounds[0] != rounds[1], "the order must rotate between rounds"
+    assert stats["b"].median > stats["a"].median > 0
+
+
+def test_bench_patched_fused_ops():
+    """ragvit.bench.patched: ragvit keeps patch's default fused_ops (None: the row ops on
+    CUDA, timm's modules on the CPU); a replacement attention (the FA2 pipelines) gets
+    fused_ops=False, the modules a user writing that pipeline would run."""
+    import timm
+
+    from ragvit import bench, timm_patch
+
+    model = timm.create_model("deit_tiny_patch16_224", pretrained=False, img_size=64).eval()
+    with bench.patched(model, None):
+        assert vars(model)[timm_patch._STATE_ATTR].fused_ops is None
+    with bench.patched(model, None, attention=lambda *a, **k: None):
+        assert vars(model)[timm_patch._STATE_ATTR].fused_ops is False
+    assert not timm_patch.is_patched(model)
