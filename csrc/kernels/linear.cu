@@ -117,6 +117,8 @@ static ragvit_status linear_load_api(linear_api *api) {
                              "cublasLtMatmulPreferenceSetAttribute",
                              "cublasLtMatmulAlgoGetHeuristic",
                              "cublasLtMatmul"};
+    static_assert(sizeof slots / sizeof slots[0] == sizeof symbols / sizeof symbols[0],
+                  "one symbol name per entry point");
     for (size_t i = 0; i < sizeof symbols / sizeof symbols[0]; i++) {
         *slots[i] = dlsym(lib, symbols[i]);
         if (*slots[i] == NULL) {
