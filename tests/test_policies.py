@@ -24,6 +24,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 timm = pytest.importorskip("timm")
 
 from test_timm_patch import (  # noqa: E402
+    CPU_ATOL,
     GPU_ATOL,
     _one_cpu_thread,  # noqa: F401  (autouse fixture: one torch thread for tiny models)
     assert_fp16_close,
@@ -171,6 +172,38 @@ def test_fixed_flags():
     assert not ATS().is_fixed
     assert EViT().prune_mid_block and ATS().prune_mid_block
     assert ATS().needs_value_norm and ATS().needs_cls_attn and EViT().needs_cls_attn
+
+
+# ---- the fused row ops (fused_ops=True: ragvit.layer_norm / linear / gelu on the CPU) ----
+
+FUSED_POLICIES = {
+    "evit_fuse": lambda: EViT(0.7, layers=(3, 6, 9)),  # mid-block, cls_attn, fused token
+    "ats_3stage": lambda: ATS((30, 24, 16), layers=(2, 5, 8)),  # value norms, ragged
+    "tome_three_stages": lambda: ToMe((4, 3, 2), layers=(1, 5, 8)),  # keys, log(size) bias
+}
+
+
+@pytest.mark.parametrize("policy_name", list(FUSED_POLICIES))
+def test_fused_ops_policies_match_reference(policy_name, gen, seed):
+    """Every policy hook (cls_attn, value norms, keys, bias, fusion, mid-block pruning) on
+    the fused path: fused_ops=True equals timm's modules (fused_ops=False) and the padded
+    reference replaying the same decisions, fp32 on the CPU, within 1e-4."""
+    name, img_size, kwargs = MODELS["deit_tiny"]
+    model = make_model(name, gen, img_size, **kwargs)
+    x = images(gen, 2, img_size)
+    got = {}
+    with torch.no_grad():
+        for fused_ops in (False, True):
+            patch(model, FUSED_POLICIES[policy_name](), fused_ops=fused_ops)
+            got[fused_ops] = timm_patch.forward_with_decisions(model, x)
+            unpatch(model)
+        replayed = reference.vit_forward_reference(model, x, FUSED_POLICIES[policy_name](),
+                                                   decisions=got[True][1])
+    for ours, theirs in zip(got[True][1], got[False][1], strict=True):
+        assert torch.equal(ours, theirs), "fused and unfused made different decisions" + \
+            seed_note(seed)
+    assert max_diff(got[True][0], got[False][0]) <= CPU_ATOL, seed_note(seed)
+    assert max_diff(got[True][0], replayed) <= CPU_ATOL, seed_note(seed)
 
 
 # ---- ToMe (merging: decisions are int64 merge maps, replayed like masks) ----
