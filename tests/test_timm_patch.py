@@ -159,6 +159,22 @@ def test_fused_ops_match_torch_modules(name, policy_name, gen, seed):
     assert max_diff(got, replayed) <= CPU_ATOL, seed_note(seed)
 
 
+def test_fused_patch_embedding_any_memory_format(gen, seed):
+    """The patch embedding as one GEMM over the patches equals timm's conv, for contiguous
+    and channels_last images (im2col is a reshape of whatever layout comes in)."""
+    model = make_model("deit_tiny_patch16_224", gen, 64)
+    x = images(gen, 2, 64)
+    with torch.inference_mode():
+        expected = model.patch_embed(x)
+        for img in (x, x.contiguous(memory_format=torch.channels_last)):
+            got = timm_patch._embed_patches(model.patch_embed, img, True)
+            assert got.shape == expected.shape
+            assert max_diff(got, expected) <= CPU_ATOL, seed_note(seed)
+    assert timm_patch._can_fuse_embed(model)
+    model.patch_embed.proj.padding = (1, 1)  # not a plain stride-p conv any more
+    assert not timm_patch._can_fuse_embed(model)
+
+
 def test_fused_ops_need_fusable_blocks(gen):
     model = make_model("deit_tiny_patch16_224", gen, 64)
     model.blocks[3].mlp.act = torch.nn.GELU(approximate="tanh")
