@@ -735,10 +735,16 @@ static PyObject *alloc_like(call_state *cs, int like_slot, const ragvit_tensor *
         return (PyObject *)obj;
     }
     if (like->device_type == RAGVIT_DEVICE_CPU) {
-        int typenum = dtype == RAGVIT_DTYPE_F16   ? NPY_FLOAT16
-                      : dtype == RAGVIT_DTYPE_F32 ? NPY_FLOAT32
-                      : dtype == RAGVIT_DTYPE_I32 ? NPY_INT32
-                                                  : -1;
+        /* Every dtype NumPy has, so an op's own dtype check (which runs after this)
+         * is what rejects an unsupported input, with its message. */
+        int typenum = dtype == RAGVIT_DTYPE_F16    ? NPY_FLOAT16
+                      : dtype == RAGVIT_DTYPE_F32  ? NPY_FLOAT32
+                      : dtype == RAGVIT_DTYPE_F64  ? NPY_FLOAT64
+                      : dtype == RAGVIT_DTYPE_I32  ? NPY_INT32
+                      : dtype == RAGVIT_DTYPE_I64  ? NPY_INT64
+                      : dtype == RAGVIT_DTYPE_U8   ? NPY_UINT8
+                      : dtype == RAGVIT_DTYPE_BOOL ? NPY_BOOL
+                                                   : -1;
         if (typenum < 0) {
             ragvit_fail(RAGVIT_STATUS_INVALID_DTYPE,
                         "%s: %s must be given (out=) for bfloat16 host arrays, got none (NumPy "
@@ -1201,13 +1207,6 @@ static PyObject *rows_output(call_state *cs, PyObject *given, const ragvit_tenso
                     cs->op, x->ndim);
         raise_status(RAGVIT_STATUS_INVALID_SHAPE);
         return NULL;
-    }
-    if (x->dtype != RAGVIT_DTYPE_F16 && x->dtype != RAGVIT_DTYPE_BF16 &&
-        x->dtype != RAGVIT_DTYPE_F32) {
-        /* nothing to allocate: the core rejects x's dtype before it looks at out */
-        out->is_present = 0;
-        Py_INCREF(Py_None);
-        return Py_None;
     }
     const int64_t shape[2] = {x->shape[0], cols};
     return alloc_like(cs, 0, x, "out", x->dtype, 2, shape, out);
