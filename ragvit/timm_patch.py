@@ -227,6 +227,11 @@ def patch(model, policy: PruningPolicy | None = None, *, capacity: bool = False,
             raise TypeError(f"ragvit.patch: policy must be a ragvit.pruning.PruningPolicy or "
                             f"None, got {type(policy).__name__}")
         policy.check(len(model.blocks))
+    can_fuse = fused_ops is not False and _can_fuse(model)
+    if fused_ops and not can_fuse:
+        raise ValueError("ragvit.patch: fused_ops=True needs every block to be timm's Block "
+                         "with nn.LayerNorm, the default Mlp with exact GELU and Identity or "
+                         "LayerScale branches")
     had_forward = "forward" in vars(model)
     state = _PatchState(
         policy=policy,
@@ -239,15 +244,10 @@ def patch(model, policy: PruningPolicy | None = None, *, capacity: bool = False,
         pool_skip=0 if getattr(model, "pool_include_prefix", False) else int(
             model.num_prefix_tokens),
         dense_until_pruning=bool(dense_until_pruning),
-        fused_ops=None if fused_ops is None else bool(fused_ops),
+        # None (on CUDA) stays None where the blocks allow the row ops, else off
+        fused_ops=(None if fused_ops is None else True) if can_fuse else False,
+        fused_embed=_can_fuse_embed(model),
     )
-    state.fused_embed = _can_fuse_embed(model)
-    if state.fused_ops is None and not _can_fuse(model):
-        state.fused_ops = False
-    elif state.fused_ops and not _can_fuse(model):
-        raise ValueError("ragvit.patch: fused_ops=True needs every block to be timm's Block "
-                         "with nn.LayerNorm, the default Mlp with exact GELU and Identity or "
-                         "LayerScale branches")
 
     def forward(x: torch.Tensor) -> torch.Tensor:
         return _forward(model, state, x)[0]
