@@ -169,33 +169,7 @@ def gpu_us_graph(fn, calls_per_graph: int = 20, reps: int = 50, warmup_s: float 
 
 def events_ms(fn, warmup: int = 10, reps: int = 50) -> Stats:
     """Milliseconds per fn() from CUDA events around each call (end-to-end timing)."""
-    import torch
-
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    samples = []
-    for _ in range(reps):
-        start = torch.cuda.Event(enable_timing=True)
-        end = torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        samples.append(start.elapsed_time(end))
-    return _stats(samples)
-
-
-def wall_ms(fn, warmup: int = 1, reps: int = 5) -> Stats:
-    """Milliseconds per fn() from perf_counter around each call (CPU smoke runs only)."""
-    for _ in range(warmup):
-        fn()
-    samples = []
-    for _ in range(max(reps, 2)):
-        t0 = time.perf_counter()
-        fn()
-        samples.append((time.perf_counter() - t0) * 1e3)
-    return _stats(samples)
+    return interleaved_ms({"fn": fn}, warmup, reps)["fn"]
 
 
 def interleaved_ms(fns: dict, warmup: int = 10, reps: int = 50, device: str = "cuda") -> dict:
