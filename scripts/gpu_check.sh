@@ -1,13 +1,14 @@
 #!/usr/bin/env bash
 # GPU check for the device machine: build, GPU test suite, compute-sanitizer, benchmarks.
 # Usage: scripts/gpu_check.sh [build] [bench] [test] [sanitize | memcheck] [mma] [mmabench] [packbench] [e2e]
-#        [e2e_paper] [e2e_policies] [e2e_graph] [notebook] [quick] [tar]
+#        [e2e_paper] [e2e_policies] [e2e_graph] [notebook] [profile] [quick] [tar]
 # (default: build bench test sanitize mma, in that order; each step has a time limit so the
 # summary always prints). Pass RAGVIT_GIT_SHA: the GPU machine's copy of the tree has no .git.
 # Logs go to $OUT (or ./gpu_logs); a short summary table is printed last.
 # e2e: bench_e2e.py --quick; e2e_paper / e2e_policies / e2e_graph: one suite each (about 3 /
 # 4.5 / 1 min on the H200, capped by --budget-s below the step's timeout), writing
-# $OUT/e2e_<suite>_h200.md/.json. notebook: benchmarks/run_notebook.py executes
+# $OUT/e2e_<suite>_h200.md/.json. profile: benchmarks/profile_e2e.py, DeiT-S batch 1 and
+# DeiT-B batch 256. notebook: benchmarks/run_notebook.py executes
 # ragvit_benchmarks.ipynb on the results in $OUT and benchmarks/results plus its own H200
 # sweep (about 2 min, NB_SWEEP=0 skips it; limit NB_TIMEOUT, default 240 s), writing $OUT/notebook/ (the executed
 # notebook and its PNGs). tar (last): packs every log and $OUT/notebook/ into
@@ -86,6 +87,12 @@ if has notebook; then
     run notebook timeout "${NB_TIMEOUT:-240}" python3 benchmarks/run_notebook.py \
         --out "$OUT/notebook" --results "$OUT" benchmarks/results \
         $([ "${NB_SWEEP:-1}" = 1 ] && echo --sweep)
+fi
+if has profile; then
+    # per-kernel profiles of one patched forward (keep 50% after block 4): batch 1 and 256
+    run profile_s1 timeout 120 python3 benchmarks/profile_e2e.py --model deit_small_patch16_224 --batch 1
+    run profile_b256 timeout 120 python3 benchmarks/profile_e2e.py --model deit_base_patch16_224 \
+        --batch 256
 fi
 if has quick; then
     run bench_quick python3 benchmarks/bench_attention.py --quick
