@@ -172,20 +172,25 @@ def events_ms(fn, warmup: int = 10, reps: int = 50) -> Stats:
     return interleaved_ms({"fn": fn}, warmup, reps)["fn"]
 
 
-def interleaved_ms(fns: dict, warmup: int = 10, reps: int = 50, device: str = "cuda") -> dict:
+def interleaved_ms(fns: dict, warmup: int = 10, reps: int = 50, device: str = "cuda",
+                   burst: int = 1) -> dict:
     """Milliseconds per call of each fn in `fns` (name -> callable), timed side by side.
 
-    After `warmup` calls of each, `reps` rounds run every fn once (the order rotating each
-    round), each call timed alone: CUDA events around it (device "cuda", synchronized
-    after) or perf_counter (CPU). A stretch of host noise (another process, a clock
-    change) then lands on every pipeline of a row alike instead of on whichever happened
-    to be timed during it, which matters for host-bound (small-batch) forwards.
+    After `warmup` calls of each, `reps` rounds run every fn `burst` times back to back
+    (the order of the fns rotating each round) and time the last of those calls alone:
+    CUDA events around it (device "cuda", synchronized after) or perf_counter (CPU). A
+    stretch of host noise (another process, a clock change) then lands on every pipeline
+    of a row alike instead of on whichever happened to be timed during it, which matters
+    for host-bound (small-batch) forwards. burst > 1 times each fn in its steady state
+    (its own weights back in L2 after the other fns ran), as a model served alone runs.
 
     Returns:
         {name: Stats} (median, p20/p80, p10/p90 over that fn's `reps` calls).
     """
     import torch
 
+    if burst < 1:
+        raise ValueError(f"interleaved_ms: burst must be >= 1, got {burst}")
     names = list(fns)
     gpu = device == "cuda"
     for name in names:
@@ -197,6 +202,8 @@ def interleaved_ms(fns: dict, warmup: int = 10, reps: int = 50, device: str = "c
     for r in range(max(reps, 2)):
         for i in range(len(names)):
             name = names[(r + i) % len(names)]
+            for _ in range(burst - 1):
+                fns[name]()
             if gpu:
                 start = torch.cuda.Event(enable_timing=True)
                 end = torch.cuda.Event(enable_timing=True)

@@ -280,6 +280,35 @@ def test_interleaved_ms_times_every_fn_each_round():
     assert stats["b"].median > stats["a"].median > 0
 
 
+def test_interleaved_ms_burst_times_the_last_of_each_run():
+    """interleaved_ms(burst=3): each round calls every fn three times in a row and times
+    only the third (the steady state); burst < 1 is refused."""
+    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+    import timing
+
+    order = []
+
+    def make(name):
+        def fn():
+            order.append(name)
+            # the third call of a run is slow: only it is timed, so only it shows
+            run = len(order) - 5  # calls after the two warm-ups each, from 0
+            work = 200000 if run >= 0 and run % 3 == 2 else 10
+            sum(range(work))
+        return fn
+
+    stats = timing.interleaved_ms({"a": make("a"), "b": make("b")}, warmup=2, reps=4,
+                                  device="cpu", burst=3)
+    rounds = [order[4 + 6 * r: 10 + 6 * r] for r in range(4)]
+    assert all(r[:3] == [r[0]] * 3 and r[3:] == [r[3]] * 3 and r[0] != r[3] for r in rounds)
+    assert len(order) == 4 + 4 * 2 * 3
+    fast = min(timing.interleaved_ms({"x": lambda: None}, warmup=1, reps=4,
+                                     device="cpu")["x"].median, 1e-3)
+    assert stats["a"].median > 100 * fast and stats["b"].median > 100 * fast
+    with pytest.raises(ValueError, match="burst must be >= 1, got 0"):
+        timing.interleaved_ms({"a": make("a")}, device="cpu", burst=0)
+
+
 def test_bench_patched_fused_ops():
     """ragvit.bench.patched: ragvit keeps patch's default fused_ops (None: the row ops on
     CUDA, timm's modules on the CPU); a replacement attention (the FA2 pipelines) gets
