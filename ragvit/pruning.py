@@ -354,7 +354,7 @@ class ThresholdL2(PruningPolicy):
         return f"ThresholdL2({mode}, layers={self.layers})"
 
     def select(self, batch: TokenBatch) -> Selection:
-        scores = torch.linalg.vector_norm(batch.rows.float(), dim=-1)
+        scores = torch.linalg.vector_norm(batch.rows, dim=-1, dtype=torch.float32)  # one kernel
         if self.keep is not None:
             return topk_selection(batch, scores, self.keep[batch.stage])
         seq = batch.seq_ids

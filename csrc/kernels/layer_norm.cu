@@ -3,7 +3,8 @@
  * row held in registers: mean, then the biased variance of x - mean), rounded
  * once on store. One warp a row, 4 warps a block, the row, its weight and
  * bias loaded into registers before the reductions (one global round trip):
- * 16-byte chunks when C % 8 == 0, C <= 1024 and rows are 16-byte aligned, else
+ * 16-byte chunks when C % 8 == 0, C <= 1024 and rows are 16-byte aligned (weight
+ * and bias too when contiguous and aligned, else one element a load), else
  * one element a load (C above 32 * kLayerNormMaxPerLane re-reads the row).
  * In place (out == x) is safe: a warp reads its whole row before writing it.
  * Covered by tests/test_rowwise.py (vs float64 and torch.nn.functional.layer_norm). */
@@ -53,6 +54,10 @@ static __global__ void __launch_bounds__(kLayerNormWarps * 32)
     chunk *out = reinterpret_cast<chunk *>(static_cast<T *>(a.out) + m * a.out_stride);
     const T *w = static_cast<const T *>(a.weight);
     const T *b = static_cast<const T *>(a.bias);
+    /* contiguous, 16-byte aligned weight / bias: one 16-byte load a chunk, like the row
+     * (per-element loads cost 16 load instructions a chunk: half the bandwidth at C = 768) */
+    const bool is_w_vec = a.weight_stride == 1 && (uintptr_t)w % 16 == 0;
+    const bool is_b_vec = a.bias_stride == 1 && (uintptr_t)b % 16 == 0;
     float v[kChunks][8];
     chunk wc[kChunks], bc[kChunks]; /* raw: half the registers of floats for 16-bit types */
     float mean = 0.0f, var = 0.0f;
@@ -61,18 +66,25 @@ static __global__ void __launch_bounds__(kLayerNormWarps * 32)
         const int ch = lane + 32 * i;
         const bool is_in = ch < num_chunks;
         chunk in;
-        if (is_in)
+        if (is_in) {
             in = x[ch];
+            if (w != nullptr && is_w_vec)
+                wc[i] = reinterpret_cast<const chunk *>(w)[ch];
+            if (b != nullptr && is_b_vec)
+                bc[i] = reinterpret_cast<const chunk *>(b)[ch];
+        }
 #pragma unroll
         for (int j = 0; j < 8; j++) {
             const int64_t c = (int64_t)ch * 8 + j;
             v[i][j] = is_in ? float_elems_load(&in.v[j]) : 0.0f;
-            float_elems_store(&wc[i].v[j], is_in && w != nullptr
-                                               ? float_elems_load(w + c * a.weight_stride)
-                                               : 1.0f);
-            float_elems_store(&bc[i].v[j], is_in && b != nullptr
-                                               ? float_elems_load(b + c * a.bias_stride)
-                                               : 0.0f);
+            if (w == nullptr || !is_w_vec)
+                float_elems_store(&wc[i].v[j], is_in && w != nullptr
+                                                   ? float_elems_load(w + c * a.weight_stride)
+                                                   : 1.0f);
+            if (b == nullptr || !is_b_vec)
+                float_elems_store(&bc[i].v[j], is_in && b != nullptr
+                                                   ? float_elems_load(b + c * a.bias_stride)
+                                                   : 0.0f);
             mean += v[i][j];
         }
     }
