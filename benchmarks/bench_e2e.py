@@ -32,10 +32,10 @@ Pipelines (ragvit.bench builds them; same process, same inputs):
                n/a for ToMe (FA2 varlen takes no per-key bias for proportional attention)
   ragvit / ragvit_graph    ragvit.patch(model, policy), eager / as a CUDA graph
 
-Run time on the H200, estimated from the images/s in shared/DESIGN.md (60 calls per figure,
-plus checks, model set-up and ~30 s start-up; not yet measured): paper ~3 min (--quick
-~1 min), policies ~4.5 min, graph ~1 min, all three ~8.5 min. --budget-s (default 540)
-caps the process: each suite gets a share of what is left in proportion to those estimates;
+Run time on the H200 (measured: 60 calls per figure, the graph suite 3x that, plus checks
+and model set-up): paper ~2 min (--quick ~1 min), policies ~2.5 min, graph ~1 min, all
+three ~5.5 min. --budget-s (default 540) caps the process: each suite gets a share of what
+is left in proportion to those figures (SUITE_MINUTES);
 rows past a suite's share are reported as skipped (budget), never half-timed, and the
 results are still written. --tiny runs every suite on the CPU with DeiT-Tiny at 64 px (a
 smoke test of this script; its numbers are not ragvit's performance).
@@ -68,7 +68,7 @@ MODELS = {
     "DeiT-B 384": ("deit_base_patch16_384", 384),
     "DeiT-T 64": ("deit_tiny_patch16_224", 64),  # --tiny (CPU smoke test)
 }
-SUITE_MINUTES = {"paper": 3.0, "policies": 4.5, "graph": 1.0}  # H200 estimates (docstring)
+SUITE_MINUTES = {"paper": 2.0, "policies": 2.7, "graph": 1.0}  # H200 measurements
 SUITES = tuple(SUITE_MINUTES)
 # Calls per pipeline per timing round, the last one timed (timing.interleaved_ms): the graph
 # suite's replays are GPU-bound and short, so each is timed after two more of its own, with

@@ -1,12 +1,13 @@
 #!/usr/bin/env bash
 # GPU check for the device machine: build, GPU test suite, compute-sanitizer, benchmarks.
 # Usage: scripts/gpu_check.sh [build] [bench] [test] [sanitize | memcheck] [mma] [mmabench] [packbench] [e2e]
-#        [e2e_paper] [e2e_policies] [e2e_graph] [notebook] [profile] [quick] [tar]
+#        [e2e_all] [e2e_paper] [e2e_policies] [e2e_graph] [notebook] [profile] [quick] [tar]
 # (default: build bench test sanitize mma, in that order; each step has a time limit so the
 # summary always prints). Pass RAGVIT_GIT_SHA: the GPU machine's copy of the tree has no .git.
 # Logs go to $OUT (or ./gpu_logs); a short summary table is printed last.
-# e2e: bench_e2e.py --quick; e2e_paper / e2e_policies / e2e_graph: one suite each (about 3 /
-# 4.5 / 1 min on the H200, capped by --budget-s below the step's timeout), writing
+# e2e: bench_e2e.py --quick; e2e_all: every suite in one process ($OUT/e2e_h200.md/.json,
+# about 5.5 min); e2e_paper / e2e_policies / e2e_graph: one suite each (about 2 /
+# 2.5 / 1 min on the H200, capped by --budget-s below the step's timeout), writing
 # $OUT/e2e_<suite>_h200.md/.json. profile: benchmarks/profile_e2e.py, DeiT-S batch 1 and
 # DeiT-B batch 256. notebook: benchmarks/run_notebook.py executes
 # ragvit_benchmarks.ipynb on the results in $OUT and benchmarks/results plus its own H200
@@ -74,6 +75,11 @@ fi
 if has e2e; then
     run bench_e2e timeout "${E2E_TIMEOUT:-300}" python3 benchmarks/bench_e2e.py --quick \
         --out "$OUT/e2e_h200"
+fi
+if has e2e_all; then
+    # every suite in one process: benchmarks/results/e2e_h200.md/.json (issues 5, 6 and 7)
+    run e2e_all timeout "${E2E_ALL_TIMEOUT:-560}" python3 benchmarks/bench_e2e.py --suite all \
+        --budget-s $(( ${E2E_ALL_TIMEOUT:-560} - 50 )) --out "$OUT/e2e_h200"
 fi
 for suite in paper policies graph; do
     if has "e2e_$suite"; then
