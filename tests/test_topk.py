@@ -12,7 +12,8 @@ n = L - prefix, prefix in {0, 1, 2}; float32/float16/bfloat16 scores; int32
 and int64 out. Ties (small integers, all-equal rows), NaN, +-inf and -0.0/+0.0;
 NumPy arrays; every user-reachable error (type and message; a rejected call
 writes nothing); CUDA graph capture. CUDA cases share the CPU parametrization
-and skip without a GPU.
+and skip without a GPU; the `sanitizer` cases are small enough for
+compute-sanitizer (memcheck, racecheck) on the GPU machine.
 """
 
 from __future__ import annotations
@@ -197,6 +198,7 @@ def test_topk_index_ties_and_special_values(device, dtype, kind, L, prefix, gen,
         _check(out, scores, k, prefix, seed)
 
 
+@pytest.mark.sanitizer
 @pytest.mark.parametrize("device", devices())
 @pytest.mark.parametrize("dtype", dtype_params())
 def test_topk_index_semantics_by_hand(device, dtype):
@@ -247,6 +249,7 @@ def test_topk_index_equals_torch_pipeline_on_distinct_scores(device, L, gen, see
 SCORE_LAYOUTS = ("column_slice", "row_stride_0")
 
 
+@pytest.mark.sanitizer
 @pytest.mark.parametrize("device", devices())
 @pytest.mark.parametrize("dtype", dtype_params())
 @pytest.mark.parametrize("layout", SCORE_LAYOUTS)
@@ -255,7 +258,7 @@ def test_topk_index_strided_rows_and_out(device, dtype, layout, out_dtype, gen, 
     """scores: columns 3..3+L of a NaN-padded matrix (a stray read of the padding
     would rank first), or one row broadcast with row stride 0. out: columns 1..
     of a wider poisoned matrix whose padding must stay poisoned."""
-    B, L, prefix = 6, 197, 2
+    B, L, prefix = 6, 577, 2  # n = 575: three columns a thread in the CUDA compaction
     if layout == "column_slice":
         buffer = torch.full((B, L + 7), math.nan, dtype=dtype, device=device)
         scores = buffer[:, 3 : 3 + L]
@@ -263,7 +266,7 @@ def test_topk_index_strided_rows_and_out(device, dtype, layout, out_dtype, gen, 
     else:
         scores = _scores(gen, 1, L, dtype, device, "normal", prefix).expand(B, L)
     assert scores.stride(1) == 1 and scores.stride(0) in (L + 7, 0)
-    for k in (0, 1, 50, L - prefix):
+    for k in (0, 1, 287, L - prefix):
         out_buf = _poisoned((B, prefix + k + 3), out_dtype, device)
         out = out_buf[:, 1 : 1 + prefix + k]
         assert ragvit.topk_index(scores, k, prefix=prefix, out=out) is out
