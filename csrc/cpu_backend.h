@@ -16,5 +16,6 @@ ragvit_status ragvit_cpu_segment_mean(const ragvit_segment_mean_args *a);
 ragvit_status ragvit_cpu_linear(const ragvit_linear_args *a);
 ragvit_status ragvit_cpu_layer_norm(const ragvit_rowwise_args *a);
 ragvit_status ragvit_cpu_gelu(const ragvit_rowwise_args *a);
+ragvit_status ragvit_cpu_topk_index(const ragvit_topk_index_args *a);
 
 #endif /* RAGVIT_CPU_BACKEND_H */

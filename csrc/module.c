@@ -1194,6 +1194,73 @@ static PyObject *py_segment_mean(PyObject *module, PyObject *const *args, Py_ssi
     return sequence_op(module, args, nargs, kwnames, "segment_mean", "skip", 0);
 }
 
+PyDoc_STRVAR(topk_index_doc,
+"topk_index(scores, k, *, prefix=0, out=None, stream=None) -> out\n"
+"\n"
+"Per row of a score matrix: the `prefix` leading columns and the k\n"
+"highest-scoring columns after them, in ascending column order (the kept\n"
+"token indices of a top-k pruning policy), in one launch with no host sync\n"
+"(CUDA-graph capturable).\n"
+"\n"
+"Args:\n"
+"    scores: (B, L) float16, bfloat16 or float32, unit column stride, any row\n"
+"        stride (a view of a wider matrix is read in place); L <= 8192.\n"
+"    k: columns to choose among [prefix, L), an int in [0, L - prefix].\n"
+"    prefix: leading columns always kept (CLS / distillation tokens), an int\n"
+"        in [0, L]; their scores are never read.\n"
+"    out: optional (B, prefix + k) int32 or int64, unit column stride, rows not\n"
+"        overlapping, not sharing memory with scores; allocated as int64 like\n"
+"        scores when omitted.\n"
+"    stream: as for attention.\n"
+"\n"
+"Returns:\n"
+"    out: row b is the ascending union of 0..prefix-1 and the k columns c >=\n"
+"    prefix ranked highest by scores[b, c]. Ranking: score descending; ties\n"
+"    keep the lower column; NaN ranks above every number (as torch.topk);\n"
+"    -0.0 equals +0.0. The same on the CPU and on CUDA, bit for bit. B = 0 or\n"
+"    prefix + k = 0 launches nothing.\n"
+"\n"
+"Raises:\n"
+"    ValueError (shapes, L > 8192, k or prefix out of range, k + prefix > L,\n"
+"    strides, aliasing, devices), TypeError (dtype, k or prefix not an int),\n"
+"    BufferError, MemoryError, RuntimeError (CUDA failure).");
+
+static PyObject *py_topk_index(PyObject *module, PyObject *const *args, Py_ssize_t nargs,
+                               PyObject *kwnames) {
+    static const char *const names[] = {"scores", "k", "prefix", "out", "stream"};
+    PyObject *values[5];
+    PyObject *out_obj = NULL, *result = NULL;
+    ragvit_tensor scores, out;
+    long long k = 0, prefix = 0;
+    call_state cs;
+    call_init(&cs, module, "topk_index");
+    if (parse_args(cs.op, args, nargs, kwnames, names, 5, 2, 2, values)) return NULL;
+    if (parse_count(&cs, values[1], "k", &k)) return NULL;
+    if (values[2] != NULL && parse_count(&cs, values[2], "prefix", &prefix)) return NULL;
+    if (parse_stream(&cs, values[4])) return NULL;
+    if (import_arg(&cs, values[0], "scores", &scores) || import_arg(&cs, values[3], "out", &out)) {
+        goto done;
+    }
+    if (values[3] != NULL) {
+        out_obj = values[3];
+        Py_INCREF(out_obj);
+    } else if (scores.ndim == 2 && scores.shape[1] <= RAGVIT_TOPK_MAX_COLS &&
+               prefix + k <= scores.shape[1]) {
+        /* Any other scores, k or prefix fails in the core before out is read. */
+        const int64_t shape[2] = {scores.shape[0], prefix + k};
+        out_obj = alloc_like(&cs, 0, &scores, "out", RAGVIT_DTYPE_I64, 2, shape, &out);
+        if (out_obj == NULL) goto done;
+    }
+    if (finish_streams(&cs)) goto done;
+    RAISE_IF(ragvit_topk_index(&cs.st->ctx, &out, &scores, k, prefix, cs.stream));
+    result = out_obj;
+    out_obj = NULL;
+done:
+    release_slots(&cs);
+    Py_XDECREF(out_obj);
+    return result;
+}
+
 /* New reference to the given out, or a new (rows, cols) array allocated like
  * the argument in slot 0 (x); NULL with an exception. */
 static PyObject *rows_output(call_state *cs, PyObject *given, const ragvit_tensor *x,
@@ -1565,6 +1632,8 @@ static PyMethodDef module_methods[] = {
     {"layer_norm", (PyCFunction)(void (*)(void))py_layer_norm, METH_FASTCALL | METH_KEYWORDS,
      layer_norm_doc},
     {"gelu", (PyCFunction)(void (*)(void))py_gelu, METH_FASTCALL | METH_KEYWORDS, gelu_doc},
+    {"topk_index", (PyCFunction)(void (*)(void))py_topk_index, METH_FASTCALL | METH_KEYWORDS,
+     topk_index_doc},
     {"cuda_is_compiled", py_cuda_is_compiled, METH_NOARGS,
      "cuda_is_compiled() -> bool\n\nTrue when the extension was built with nvcc."},
     {"cuda_device_count", py_cuda_device_count, METH_NOARGS,

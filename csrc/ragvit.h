@@ -223,6 +223,19 @@ ragvit_status ragvit_layer_norm_forward(ragvit_context *ctx, const ragvit_tensor
 ragvit_status ragvit_gelu_forward(ragvit_context *ctx, const ragvit_tensor *out,
                                   const ragvit_tensor *x, void *stream);
 
+/* ---- topk.c ----
+ * out (B, prefix + k) int32 or int64, unit column stride: per row of scores
+ * (B, L) float16/bfloat16/float32 (unit column stride, any row stride), the
+ * columns 0..prefix-1 followed by the k highest-scoring columns of [prefix, L),
+ * all in ascending column order. Ranking: score descending, ties keep the
+ * lower column, NaN above every number, -0.0 equal to +0.0. 0 <= prefix <= L,
+ * 0 <= k <= L - prefix, L <= RAGVIT_TOPK_MAX_COLS (a row's keys fit one
+ * block's shared memory). One launch, no host sync, no allocation. */
+#define RAGVIT_TOPK_MAX_COLS 8192
+ragvit_status ragvit_topk_index(ragvit_context *ctx, const ragvit_tensor *out,
+                                const ragvit_tensor *scores, int64_t k, int64_t prefix,
+                                void *stream);
+
 #ifdef __cplusplus
 }
 #endif

@@ -251,6 +251,40 @@ def layer_norm(
 def gelu(x: Array, *, out: Array | None = None, stream: Any = None) -> Array:
     """Exact (erf) GELU of (M, C) rows, float32 math rounded once; out may be x."""
 
+def topk_index(
+    scores: Array,
+    k: int,
+    *,
+    prefix: int = 0,
+    out: Array | None = None,
+    stream: Any = None,
+) -> Array:
+    """Per row: the `prefix` leading columns and the k top-scoring columns after them.
+
+    One launch, no host sync (CUDA-graph capturable); replaces topk + sort +
+    arange + cat in the top-k pruning policies.
+
+    Args:
+        scores: (B, L) float16, bfloat16 or float32, unit column stride, any row
+            stride; L <= 8192.
+        k: columns to choose among [prefix, L), an int in [0, L - prefix].
+        prefix: leading columns always kept (CLS / distillation tokens), an int
+            in [0, L]; their scores are never read.
+        out: optional (B, prefix + k) int32 or int64, unit column stride, not
+            overlapping scores; allocated as int64 like scores when omitted.
+
+    Returns:
+        out: row b is the ascending union of 0..prefix-1 and the k columns
+        c >= prefix ranked highest by scores[b, c]. Ranking: score descending;
+        ties keep the lower column; NaN ranks above every number (as
+        torch.topk); -0.0 equals +0.0. CPU and CUDA agree bit for bit.
+
+    Raises:
+        ValueError: shapes, L > 8192, k or prefix out of range, k + prefix > L,
+            strides, aliasing, devices.
+        TypeError: scores' or out's dtype; k or prefix not an int (bool too).
+    """
+
 def cuda_is_compiled() -> bool:
     """True when the extension was built with nvcc."""
 

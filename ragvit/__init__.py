@@ -24,6 +24,7 @@ from .ops import (
     repack_into,
     segment_mean,
     set_debug,
+    topk_index,
     unpack,
 )
 
@@ -72,6 +73,7 @@ __all__ = [
     "repack_into",
     "segment_mean",
     "set_debug",
+    "topk_index",
     "unpack",
     "unpatch",
 ]

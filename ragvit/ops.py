@@ -19,6 +19,7 @@ segment_mean = _C.segment_mean
 linear = _C.linear
 layer_norm = _C.layer_norm
 gelu = _C.gelu
+topk_index = _C.topk_index
 cuda_is_compiled = _C.cuda_is_compiled
 cuda_device_count = _C.cuda_device_count
 set_debug = _C.set_debug
@@ -47,6 +48,7 @@ __all__ = [
     "linear",
     "layer_norm",
     "gelu",
+    "topk_index",
     "cuda_available",
     "cuda_is_compiled",
     "cuda_device_count",

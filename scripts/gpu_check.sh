@@ -49,7 +49,7 @@ if has sanitize || has memcheck; then
 fi
 if has sanitize; then
     # Only ragvit's kernels: torch's own SDPA kernels (the tests' baseline) report hazards.
-    for kernels in ragged_attention pack_tokens segment_mean; do
+    for kernels in ragged_attention pack_tokens segment_mean topk_index; do
         run "racecheck_$kernels" timeout "${SANITIZER_TIMEOUT:-150}" compute-sanitizer \
             --tool racecheck --kernel-name "kns=$kernels" --error-exitcode 9 \
             python3 -m pytest -q -m sanitizer -k "not garbage" tests

@@ -177,6 +177,25 @@ typedef struct {
     int32_t dtype;
 } ragvit_rowwise_args;
 
+/* topk_index: scores (B, L) F16/BF16/F32, unit column stride, any row stride;
+ * out (B, prefix + k) int32 or int64, unit column stride. out[b] holds, in
+ * ascending order, the columns 0..prefix-1 and the k columns of [prefix, L)
+ * with the highest scores: ties keep the lower column, NaN ranks above every
+ * number, -0.0 equals +0.0. 0 <= prefix, 0 <= k, prefix + k <= L <=
+ * RAGVIT_TOPK_MAX_COLS (checked by the core; the launcher refuses the rest). */
+typedef struct {
+    void *out;
+    const void *scores;
+    int64_t out_stride_b;
+    int64_t scores_stride_b;
+    int64_t batch;  /* B */
+    int64_t cols;   /* L */
+    int64_t prefix; /* leading columns always kept */
+    int64_t k;      /* columns chosen among [prefix, L) */
+    int32_t dtype;     /* of scores: F16, BF16 or F32 */
+    int32_t out_dtype; /* I32 or I64 */
+} ragvit_topk_index_args;
+
 #ifdef RAGVIT_WITH_CUDA
 /* ---- device state (cuda_common.cu) ---- */
 /* Number of visible devices; 0 (and OK) when there is no driver or device. */
@@ -220,6 +239,8 @@ ragvit_status ragvit_cuda_layer_norm(const ragvit_rowwise_args *a, const ragvit_
                                      void *stream);
 ragvit_status ragvit_cuda_gelu(const ragvit_rowwise_args *a, const ragvit_device_info *dev,
                                void *stream);
+ragvit_status ragvit_cuda_topk_index(const ragvit_topk_index_args *a,
+                                     const ragvit_device_info *dev, void *stream);
 #endif
 
 #ifdef __cplusplus
