@@ -75,6 +75,8 @@ from functools import cached_property
 
 import torch
 
+from . import ops
+
 __all__ = [
     "ATS",
     "DynamicViT",
@@ -246,6 +248,9 @@ class PruningPolicy:
                              "cls_attn / value_norm / keys")
 
 
+_TOPK_INDEX_MAX_COLS = 8192  # ragvit.topk_index's limit (RAGVIT_TOPK_MAX_COLS in ragvit.h)
+
+
 def kept_count(keep_ratio: float, num_patches: int) -> int:
     """Patch tokens kept out of num_patches: ceil(keep_ratio * n), at least 1 (0 if n == 0)."""
     if num_patches <= 0:
@@ -269,8 +274,10 @@ def topk_selection(batch: TokenBatch, scores: torch.Tensor, keep_ratio: float) -
     if batch.seq_len is not None:
         B, L = batch.num_seqs, batch.seq_len
         k = kept_count(keep_ratio, L - P)
-        patch_scores = scores.view(B, L)[:, P:]
-        top = torch.topk(patch_scores.float(), k, dim=1, sorted=False).indices
+        if L <= _TOPK_INDEX_MAX_COLS:  # one launch instead of topk + sort + arange + cat
+            return Selection(index=ops.topk_index(scores.reshape(B, L).contiguous(), k,
+                                                  prefix=P))
+        top = torch.topk(scores.view(B, L)[:, P:].float(), k, dim=1, sorted=False).indices
         top = torch.sort(top, dim=1).values + P
         prefix = torch.arange(P, device=top.device).expand(B, P)
         return Selection(index=torch.cat([prefix, top], dim=1))

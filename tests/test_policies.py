@@ -36,7 +36,7 @@ from test_timm_patch import (  # noqa: E402
 )
 
 import ragvit  # noqa: E402
-from ragvit import reference, timm_patch  # noqa: E402
+from ragvit import pruning, reference, timm_patch  # noqa: E402
 from ragvit.pruning import (  # noqa: E402
     ATS,
     DynamicViT,
@@ -444,6 +444,23 @@ def hand_batch(gen, lengths, P, C=4, seq_len=None, garbage=0, **extra):
 def softmaxish(gen, T):
     """Positive scores with distinct values (no ties to break)."""
     return torch.rand(T, generator=gen) * 0.9 + 0.05 + torch.arange(T) * 1e-4
+
+
+@pytest.mark.parametrize("L", [197, pruning._TOPK_INDEX_MAX_COLS + 1])
+def test_topk_selection_uniform_both_paths(gen, L):
+    """Uniform batches: ragvit.topk_index up to its column limit, torch's topk + sort past
+    it; both keep the prefix and the top k (distinct scores), ascending; the limit is the
+    op's own (one more column raises there)."""
+    B, P = 2, 1
+    batch = hand_batch(gen, [L] * B, P, 2, seq_len=L)
+    scores = torch.randperm(B * L, generator=gen).float()  # distinct (floats tie past 8192)
+    sel = pruning.topk_selection(batch, scores, 0.25)
+    k = pruning.kept_count(0.25, L - P)
+    for b in range(B):
+        top = sorted((torch.argsort(scores.view(B, L)[b, P:], descending=True)[:k] + P).tolist())
+        assert sel.index[b].tolist() == list(range(P)) + top
+    with pytest.raises(ValueError, match="8192"):
+        ragvit.topk_index(torch.zeros(1, pruning._TOPK_INDEX_MAX_COLS + 1), 1)
 
 
 def test_evit_topk_and_fusion_weights_float64(gen):
