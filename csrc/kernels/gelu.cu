@@ -1,7 +1,7 @@
 /* gelu.cu — exact (erf) GELU of packed rows, out (M, C) = x * Phi(x) in
  * float32, rounded once; out may be x (in place: each element is read once,
  * then written by the same thread). grid-stride over M * ceil(C / kVec) chunks
- * of kVec elements, two a thread per iteration; the 16-byte vector path (8 halves or 4 floats a load) runs
+ * of kVec elements; the 16-byte vector path (8 halves or 4 floats a load) runs
  * when C, both row strides and both pointers are 16-byte multiples, else one
  * element a chunk.
  * Covered by tests/test_rowwise.py (vs float64 and torch's exact GELU). */
@@ -22,25 +22,9 @@ static __device__ __forceinline__ float gelu_exact(float v) {
 
 // ---- kernels ----
 
-/* kVec elements a chunk: 1, or 16 bytes' worth (the launcher checked alignment).
- * kIsFlat: x and out are both dense (row stride == C), so chunk i sits at i * kVec in
- * both and the row/column split (a 64-bit division per chunk) is skipped.
- * Each thread loads kGeluUnroll chunks (a grid stride apart) before computing any: erf
- * costs about as much time as the memory traffic, and two loads in flight a thread let
- * one chunk's math overlap the other's load. */
-static constexpr int kGeluUnroll = 2;
-
-template <typename T, int kVec, bool kIsFlat>
-static __device__ __forceinline__ int64_t gelu_offset(const ragvit_rowwise_args &a, int64_t i,
-                                                      int64_t chunks_per_row, int64_t stride) {
-    if constexpr (kIsFlat) {
-        return i * kVec;
-    } else {
-        const int64_t m = i / chunks_per_row;
-        return m * stride + (i - m * chunks_per_row) * kVec;
-    }
-}
-
+/* kVec elements a chunk: 1, or 16 bytes' worth (the launcher checked alignment). */
+/* kIsFlat: x and out are both dense (row stride == C), so chunk i sits at i * kVec in
+ * both and the row/column split (a 64-bit division per chunk) is skipped. */
 template <typename T, int kVec, bool kIsFlat>
 static __global__ void __launch_bounds__(kGeluThreads) gelu_kernel(const ragvit_rowwise_args a) {
     struct alignas(kVec * sizeof(T)) chunk {
@@ -48,30 +32,19 @@ static __global__ void __launch_bounds__(kGeluThreads) gelu_kernel(const ragvit_
     };
     const int64_t chunks_per_row = a.channels / kVec;
     const int64_t total = a.rows * chunks_per_row;
-    const int64_t step = (int64_t)gridDim.x * blockDim.x;
-    const T *x = static_cast<const T *>(a.x);
-    T *out = static_cast<T *>(a.out);
-    for (int64_t i0 = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; i0 < total;
-         i0 += kGeluUnroll * step) {
-        chunk in[kGeluUnroll];
-#pragma unroll
-        for (int u = 0; u < kGeluUnroll; u++) {
-            const int64_t i = i0 + u * step;
-            if (i < total)
-                in[u] = *reinterpret_cast<const chunk *>(
-                    x + gelu_offset<T, kVec, kIsFlat>(a, i, chunks_per_row, a.x_stride));
+    for (int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; i < total;
+         i += (int64_t)gridDim.x * blockDim.x) {
+        int64_t x_at = i * kVec, out_at = i * kVec;
+        if constexpr (!kIsFlat) {
+            const int64_t m = i / chunks_per_row, c = (i - m * chunks_per_row) * kVec;
+            x_at = m * a.x_stride + c;
+            out_at = m * a.out_stride + c;
         }
+        chunk in = *reinterpret_cast<const chunk *>(static_cast<const T *>(a.x) + x_at);
 #pragma unroll
-        for (int u = 0; u < kGeluUnroll; u++) {
-            const int64_t i = i0 + u * step;
-            if (i >= total)
-                break;
-#pragma unroll
-            for (int j = 0; j < kVec; j++)
-                float_elems_store(&in[u].v[j], gelu_exact(float_elems_load(&in[u].v[j])));
-            *reinterpret_cast<chunk *>(
-                out + gelu_offset<T, kVec, kIsFlat>(a, i, chunks_per_row, a.out_stride)) = in[u];
-        }
+        for (int j = 0; j < kVec; j++)
+            float_elems_store(&in.v[j], gelu_exact(float_elems_load(&in.v[j])));
+        *reinterpret_cast<chunk *>(static_cast<T *>(a.out) + out_at) = in;
     }
 }
 
