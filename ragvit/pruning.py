@@ -299,12 +299,16 @@ def topk_selection(batch: TokenBatch, scores: torch.Tensor, keep_ratio: float) -
 
 
 def segment_mean_scores(batch: TokenBatch, scores: torch.Tensor) -> torch.Tensor:
-    """(B+1,) float32 mean of `scores` over each image's patch tokens (slot B: garbage)."""
-    w = batch.is_patch.float()
-    sums = torch.zeros(batch.num_seqs + 1, device=scores.device).index_add_(
-        0, batch.seq_ids, scores.float() * w)
-    counts = torch.zeros(batch.num_seqs + 1, device=scores.device).index_add_(0, batch.seq_ids, w)
-    return sums / counts.clamp(min=1)
+    """(B+1,) float32 mean of `scores` over each image's patch tokens (slot B, for rows past
+    cu_seqlens[B]: 0; an image without patch tokens: 0).
+
+    Summed in a fixed order by ragvit.segment_mean, so one input always gives the same
+    means: a CUDA index_add_ sums by atomics in any order, and a threshold at a multiple of
+    the mean then flipped tokens near it between two forwards of the same images.
+    """
+    means = ops.segment_mean(scores.float().reshape(-1, 1), batch.cu_seqlens,
+                             skip=batch.num_prefix)
+    return torch.cat([means[:, 0], means.new_zeros(1)])
 
 
 class ThresholdL2(PruningPolicy):

@@ -463,6 +463,21 @@ def test_topk_selection_uniform_both_paths(gen, L):
         ragvit.topk_index(torch.zeros(1, pruning._TOPK_INDEX_MAX_COLS + 1), 1)
 
 
+def test_segment_mean_scores_float64(gen):
+    """Per-image mean of the patch-row scores (prefix rows and rows past cu_seqlens[B] left
+    out; slot B and an image without patch rows: 0) against float64."""
+    lengths, P = [5, 1, 9], 1
+    batch = hand_batch(gen, lengths, P, garbage=3)
+    scores = torch.randn(batch.total_tokens, generator=gen)
+    got = pruning.segment_mean_scores(batch, scores)
+    cu = [0, 5, 6, 15]
+    expected = [scores[cu[b] + P:cu[b + 1]].double().mean().item() if lengths[b] > P else 0.0
+                for b in range(3)] + [0.0]
+    assert got.dtype == torch.float32 and got.shape == (4,)
+    torch.testing.assert_close(got.double(), torch.tensor(expected, dtype=torch.float64),
+                               atol=1e-6, rtol=1e-6)
+
+
 def test_evit_topk_and_fusion_weights_float64(gen):
     B, L, P, C = 3, 9, 1, 5
     batch = hand_batch(gen, [L] * B, P, C, seq_len=L)
@@ -653,6 +668,29 @@ def test_gpu_fp16_matches_reference(name, policy_name, batch, gen, seed):
 # sampling turns that into different picks (0.848 measured, DeiT-B batch 1, H200).
 OWN_DECISIONS_AGREE = {"ats_3stage": (0.8, None), "ats_k108_b3": (0.8, None),
                        "tome_r8": (0.98, 1)}
+
+
+@pytest.mark.gpu
+@requires_cuda
+@pytest.mark.parametrize("policy_name", ["l2_thr1_b4", "ats_k108_b3", "dynamicvit",
+                                         "evit_fuse"])
+def test_gpu_forward_is_deterministic(policy_name, gen, seed):
+    """Two forwards of the same images give bit-identical logits and decisions: every
+    score a policy ranks or thresholds is summed in a fixed order (an atomic index_add_
+    mean flipped ThresholdL2 threshold decisions between two forwards, DeiT-B batch 256)."""
+    model = make_model("deit_base_patch16_224", gen, 224, dtype=torch.float16, device="cuda")
+    x = images(gen, 128, 224, dtype=torch.float16, device="cuda")
+    policy = GPU_POLICIES[policy_name]() if policy_name in GPU_POLICIES else \
+        POLICIES[policy_name]()
+    if isinstance(policy, DynamicViT):
+        policy = DynamicViT(predictor=random_predictors(3, model.embed_dim))
+    patch(model, policy)
+    with torch.inference_mode():
+        first, first_decided = timm_patch.forward_with_decisions(model, x)
+        second, second_decided = timm_patch.forward_with_decisions(model, x)
+    for a, b in zip(first_decided, second_decided, strict=True):
+        assert torch.equal(a, b), "decisions differ between two forwards" + seed_note(seed)
+    assert torch.equal(first, second), "logits differ between two forwards" + seed_note(seed)
 
 
 @contextlib.contextmanager
