@@ -1,11 +1,11 @@
 /* layer_norm.cu — LayerNorm over the last dim of packed rows: out (M, C) from
  * x (M, C), optional weight/bias (C,), float32 statistics (two passes over the
  * row held in registers: mean, then the biased variance of x - mean), rounded
- * once on store. One warp a row, 4 warps a block, the row, its weight and
- * bias loaded into registers before the reductions (one global round trip):
- * 16-byte chunks when C % 8 == 0, C <= 1024 and rows are 16-byte aligned (weight
- * and bias too when contiguous and aligned, else one element a load), else
- * one element a load (C above 32 * kLayerNormMaxPerLane re-reads the row).
+ * once on store. 4 warps a block. Vector path (C % 8 == 0, C <= 1024, rows
+ * 16-byte aligned): 16-byte chunks, at most 16 blocks an SM, each warp looping
+ * over rows with weight and bias loaded once, so a row costs one load and one
+ * store. Scalar path (anything else): one warp a row, one element a load (C
+ * above 32 * kLayerNormMaxPerLane re-reads the row).
  * In place (out == x) is safe: a warp reads its whole row before writing it.
  * Covered by tests/test_rowwise.py (vs float64 and torch.nn.functional.layer_norm). */
 #include <cuda_bf16.h>
@@ -17,6 +17,7 @@
 
 static constexpr int kLayerNormWarps = 4;
 static constexpr int kLayerNormMaxPerLane = 32; /* C <= 1024 stays in registers */
+static constexpr int kLayerNormBlocksPerSm = 16;  /* vector path grid cap, per SM */
 
 // ---- device helpers ----
 
@@ -37,8 +38,10 @@ static __device__ __forceinline__ float layer_norm_affine(float v, float mean, f
 
 /* Vector path: lane l holds 8-element chunks l, l + 32, ..., kChunks of them (C <= 256 *
  * kChunks, C % 8 == 0, rows and pointers 16-byte aligned; a chunk is one 16-byte load for
- * 16-bit types, two for float). Weight and bias are loaded with the row, before the
- * reductions, so the row costs one global round trip. */
+ * 16-bit types, two for float). A warp normalizes rows warp, warp + warps in the grid, ...
+ * with weight and bias loaded once, before its first row (a contiguous, 16-byte aligned
+ * weight or bias as 16-byte chunks, else one element a load): per row only the row is
+ * loaded and stored, one global round trip. */
 template <typename T, int kChunks>
 static __global__ void __launch_bounds__(kLayerNormWarps * 32)
     layer_norm_vec_kernel(const ragvit_rowwise_args a) {
@@ -46,69 +49,77 @@ static __global__ void __launch_bounds__(kLayerNormWarps * 32)
         T v[8];
     };
     const int lane = threadIdx.x % 32;
-    const int64_t m = (int64_t)blockIdx.x * kLayerNormWarps + threadIdx.x / 32;
-    if (m >= a.rows)
+    const int64_t first = (int64_t)blockIdx.x * kLayerNormWarps + threadIdx.x / 32;
+    const int64_t step = (int64_t)gridDim.x * kLayerNormWarps;
+    if (first >= a.rows)
         return;
     const int num_chunks = (int)(a.channels / 8);
-    const chunk *x = reinterpret_cast<const chunk *>(static_cast<const T *>(a.x) + m * a.x_stride);
-    chunk *out = reinterpret_cast<chunk *>(static_cast<T *>(a.out) + m * a.out_stride);
     const T *w = static_cast<const T *>(a.weight);
     const T *b = static_cast<const T *>(a.bias);
-    /* contiguous, 16-byte aligned weight / bias: one 16-byte load a chunk, like the row
-     * (per-element loads cost 16 load instructions a chunk: half the bandwidth at C = 768) */
     const bool is_w_vec = a.weight_stride == 1 && (uintptr_t)w % 16 == 0;
     const bool is_b_vec = a.bias_stride == 1 && (uintptr_t)b % 16 == 0;
-    float v[kChunks][8];
     chunk wc[kChunks], bc[kChunks]; /* raw: half the registers of floats for 16-bit types */
-    float mean = 0.0f, var = 0.0f;
 #pragma unroll
     for (int i = 0; i < kChunks; i++) {
         const int ch = lane + 32 * i;
-        const bool is_in = ch < num_chunks;
-        chunk in;
-        if (is_in) {
-            in = x[ch];
-            if (w != nullptr && is_w_vec)
-                wc[i] = reinterpret_cast<const chunk *>(w)[ch];
-            if (b != nullptr && is_b_vec)
-                bc[i] = reinterpret_cast<const chunk *>(b)[ch];
-        }
+        if (ch >= num_chunks)
+            continue;
+        if (w != nullptr && is_w_vec)
+            wc[i] = reinterpret_cast<const chunk *>(w)[ch];
+        if (b != nullptr && is_b_vec)
+            bc[i] = reinterpret_cast<const chunk *>(b)[ch];
 #pragma unroll
         for (int j = 0; j < 8; j++) {
             const int64_t c = (int64_t)ch * 8 + j;
-            v[i][j] = is_in ? float_elems_load(&in.v[j]) : 0.0f;
             if (w == nullptr || !is_w_vec)
-                float_elems_store(&wc[i].v[j], is_in && w != nullptr
-                                                   ? float_elems_load(w + c * a.weight_stride)
-                                                   : 1.0f);
+                float_elems_store(&wc[i].v[j],
+                                  w != nullptr ? float_elems_load(w + c * a.weight_stride) : 1.0f);
             if (b == nullptr || !is_b_vec)
-                float_elems_store(&bc[i].v[j], is_in && b != nullptr
-                                                   ? float_elems_load(b + c * a.bias_stride)
-                                                   : 0.0f);
-            mean += v[i][j];
+                float_elems_store(&bc[i].v[j],
+                                  b != nullptr ? float_elems_load(b + c * a.bias_stride) : 0.0f);
         }
     }
     const float inv_c = 1.0f / (float)a.channels;
-    mean = layer_norm_warp_sum(mean) * inv_c;
+    for (int64_t m = first; m < a.rows; m += step) {
+        const chunk *x =
+            reinterpret_cast<const chunk *>(static_cast<const T *>(a.x) + m * a.x_stride);
+        chunk *out = reinterpret_cast<chunk *>(static_cast<T *>(a.out) + m * a.out_stride);
+        float v[kChunks][8];
+        float mean = 0.0f, var = 0.0f;
 #pragma unroll
-    for (int i = 0; i < kChunks; i++)
+        for (int i = 0; i < kChunks; i++) {
+            const int ch = lane + 32 * i;
+            chunk in;
+            if (ch < num_chunks)
+                in = x[ch];
 #pragma unroll
-        for (int j = 0; j < 8; j++) {
-            const float d = lane + 32 * i < num_chunks ? v[i][j] - mean : 0.0f;
-            var += d * d;
+            for (int j = 0; j < 8; j++) {
+                v[i][j] = ch < num_chunks ? float_elems_load(&in.v[j]) : 0.0f;
+                mean += v[i][j];
+            }
         }
-    const float rstd = rsqrtf(layer_norm_warp_sum(var) * inv_c + a.eps);
+        mean = layer_norm_warp_sum(mean) * inv_c;
 #pragma unroll
-    for (int i = 0; i < kChunks; i++) {
-        const int ch = lane + 32 * i;
-        if (ch < num_chunks) {
-            chunk o;
+        for (int i = 0; i < kChunks; i++)
 #pragma unroll
-            for (int j = 0; j < 8; j++)
-                float_elems_store(&o.v[j], layer_norm_affine(v[i][j], mean, rstd,
-                                                                float_elems_load(&wc[i].v[j]),
-                                                                float_elems_load(&bc[i].v[j])));
-            out[ch] = o;
+            for (int j = 0; j < 8; j++) {
+                const float d = lane + 32 * i < num_chunks ? v[i][j] - mean : 0.0f;
+                var += d * d;
+            }
+        const float rstd = rsqrtf(layer_norm_warp_sum(var) * inv_c + a.eps);
+#pragma unroll
+        for (int i = 0; i < kChunks; i++) {
+            const int ch = lane + 32 * i;
+            if (ch < num_chunks) {
+                chunk o;
+#pragma unroll
+                for (int j = 0; j < 8; j++)
+                    float_elems_store(&o.v[j],
+                                      layer_norm_affine(v[i][j], mean, rstd,
+                                                        float_elems_load(&wc[i].v[j]),
+                                                        float_elems_load(&bc[i].v[j])));
+                out[ch] = o;
+            }
         }
     }
 }
@@ -174,9 +185,14 @@ static __global__ void __launch_bounds__(kLayerNormWarps * 32)
 // ---- launcher ----
 
 template <typename T>
-static ragvit_status layer_norm_launch(const ragvit_rowwise_args *a, cudaStream_t stream) {
+static ragvit_status layer_norm_launch(const ragvit_rowwise_args *a,
+                                       const ragvit_device_info *dev, cudaStream_t stream) {
     const int64_t blocks = (a->rows + kLayerNormWarps - 1) / kLayerNormWarps;
-    const dim3 grid((unsigned)blocks), block(kLayerNormWarps * 32);
+    /* vector path: a few waves of warps that loop over rows (weight and bias loaded once
+     * a warp); the scalar path keeps one row a warp */
+    const int64_t cap = (int64_t)(dev->sm_count > 0 ? dev->sm_count : 1) * kLayerNormBlocksPerSm;
+    const dim3 grid((unsigned)blocks), vec_grid((unsigned)(blocks < cap ? blocks : cap));
+    const dim3 block(kLayerNormWarps * 32);
     const int64_t es = (int64_t)sizeof(T);
     const bool is_vec = a->channels % 8 == 0 && a->channels <= 256 * 4 &&
                         (a->x_stride * es) % 16 == 0 && (a->out_stride * es) % 16 == 0 &&
@@ -184,13 +200,13 @@ static ragvit_status layer_norm_launch(const ragvit_rowwise_args *a, cudaStream_
     const int64_t chunks = (a->channels / 8 + 31) / 32;
     const int64_t per_lane = (a->channels + 31) / 32;
     if (is_vec && chunks <= 1)
-        layer_norm_vec_kernel<T, 1><<<grid, block, 0, stream>>>(*a);
+        layer_norm_vec_kernel<T, 1><<<vec_grid, block, 0, stream>>>(*a);
     else if (is_vec && chunks <= 2)
-        layer_norm_vec_kernel<T, 2><<<grid, block, 0, stream>>>(*a);
+        layer_norm_vec_kernel<T, 2><<<vec_grid, block, 0, stream>>>(*a);
     else if (is_vec && chunks <= 3)
-        layer_norm_vec_kernel<T, 3><<<grid, block, 0, stream>>>(*a);
+        layer_norm_vec_kernel<T, 3><<<vec_grid, block, 0, stream>>>(*a);
     else if (is_vec)
-        layer_norm_vec_kernel<T, 4><<<grid, block, 0, stream>>>(*a);
+        layer_norm_vec_kernel<T, 4><<<vec_grid, block, 0, stream>>>(*a);
     else if (per_lane <= 8)
         layer_norm_kernel<T, 8><<<grid, block, 0, stream>>>(*a);
     else if (per_lane <= kLayerNormMaxPerLane)
@@ -214,11 +230,11 @@ extern "C" ragvit_status ragvit_cuda_layer_norm(const ragvit_rowwise_args *a,
     const cudaStream_t s = (cudaStream_t)stream;
     switch (a->dtype) {
     case RAGVIT_DTYPE_F16:
-        return layer_norm_launch<__half>(a, s);
+        return layer_norm_launch<__half>(a, dev, s);
     case RAGVIT_DTYPE_BF16:
-        return layer_norm_launch<__nv_bfloat16>(a, s);
+        return layer_norm_launch<__nv_bfloat16>(a, dev, s);
     case RAGVIT_DTYPE_F32:
-        return layer_norm_launch<float>(a, s);
+        return layer_norm_launch<float>(a, dev, s);
     default:
         return ragvit_fail(RAGVIT_STATUS_INVALID_DTYPE,
                            "layer_norm: x must be float16, bfloat16 or float32, got dtype code %d",
