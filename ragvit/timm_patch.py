@@ -58,6 +58,7 @@ class _PatchState:
     dense_until_pruning: bool = True
     fused_ops: bool | None = None  # None: on CUDA; True: on any device; False: never
     fused_embed: bool = False  # the patch embedding is a plain strided conv (_can_fuse_embed)
+    fused_pos_embed: bool = False  # timm's own _pos_embed, static size (_can_fuse_pos_embed)
     cu_cache: dict = field(default_factory=dict)
 
 
@@ -170,6 +171,37 @@ def _embed_patches(pe, x: torch.Tensor, fused: bool) -> torch.Tensor:
     return rows.view(B, (H // ph) * (W // pw), conv.out_channels)
 
 
+def _can_fuse_pos_embed(model) -> bool:
+    """Whether model._pos_embed is VisionTransformer's own with a learned pos_embed of
+    static size (not a subclass's, e.g. the distilled DeiT's, not dynamic_img_size)."""
+    from timm.models.vision_transformer import VisionTransformer
+
+    return (type(model)._pos_embed is VisionTransformer._pos_embed
+            and getattr(model, "pos_embed", None) is not None
+            and not getattr(model, "dynamic_img_size", False))
+
+
+def _pos_embed(model, tokens: torch.Tensor) -> torch.Tensor:
+    """VisionTransformer._pos_embed without the concatenation's extra pass: the prefix rows
+    (class and register tokens) and the patch rows are written into one (B, P + n, C)
+    buffer by two adds, the same sums rounded the same way as timm's cat + add (which
+    copies every row once more: 0.3 ms at DeiT-B batch 256)."""
+    B, n, C = tokens.shape
+    pos = model.pos_embed
+    parts = [t for t in (model.cls_token, getattr(model, "reg_token", None)) if t is not None]
+    P = sum(t.shape[1] for t in parts)
+    out = torch.empty(B, P + n, C, dtype=tokens.dtype, device=tokens.device)
+    if model.no_embed_class:  # pos_embed covers the patch rows only
+        torch.add(tokens, pos, out=out[:, P:])
+        if P:
+            out[:, :P] = torch.cat(parts, dim=1)
+    else:
+        torch.add(tokens, pos[:, P:], out=out[:, P:])
+        if P:
+            torch.add(torch.cat(parts, dim=1).expand(B, P, C), pos[:, :P], out=out[:, :P])
+    return model.pos_drop(out)
+
+
 # ---- public entry points ----
 
 
@@ -247,6 +279,7 @@ def patch(model, policy: PruningPolicy | None = None, *, capacity: bool = False,
         # None (on CUDA) stays None where the blocks allow the row ops, else off
         fused_ops=(None if fused_ops is None else True) if can_fuse else False,
         fused_embed=_can_fuse_embed(model),
+        fused_pos_embed=_can_fuse_pos_embed(model),
     )
 
     def forward(x: torch.Tensor) -> torch.Tensor:
@@ -446,7 +479,9 @@ def _forward(model, state: _PatchState, x: torch.Tensor, record: bool = False):
     _check_mode(model)
     fused = _use_fused(model, state, x)
     tokens = _embed_patches(model.patch_embed, x, fused and state.fused_embed)
-    h = model.norm_pre(model.patch_drop(model._pos_embed(tokens)))
+    h = _pos_embed(model, tokens) if fused and state.fused_pos_embed else \
+        model._pos_embed(tokens)
+    h = model.norm_pre(model.patch_drop(h))
     B, N, C = h.shape
     cur = _Rows(h.reshape(B * N, C), _uniform_cu(state, B, N, h.device), N, N, num_tokens=N)
     if record:

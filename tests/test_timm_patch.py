@@ -175,6 +175,26 @@ def test_fused_patch_embedding_any_memory_format(gen, seed):
     assert not timm_patch._can_fuse_embed(model)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+@pytest.mark.parametrize("name, kwargs", [
+    ("deit_tiny_patch16_224", {}),  # class token, pos_embed over every row
+    ("deit3_small_patch16_224", {}),  # no_embed_class: pos_embed over the patch rows only
+    ("vit_tiny_patch16_224", {"reg_tokens": 2}),  # class and register tokens
+    ("vit_tiny_patch16_224", {"reg_tokens": 2, "no_embed_class": True}),
+], ids=["deit", "deit3", "registers", "registers_no_embed_class"])
+def test_fused_pos_embed_equals_timm(name, kwargs, dtype, gen, seed):
+    """_pos_embed (prefix and patch rows written by two adds into one buffer) equals timm's
+    cat + add bit for bit; subclasses with their own _pos_embed are not fused."""
+    model = make_model(name, gen, 64, **kwargs).to(dtype)
+    tokens = torch.randn(3, 16, model.embed_dim, generator=gen).to(dtype)
+    assert timm_patch._can_fuse_pos_embed(model)
+    with torch.inference_mode():
+        assert torch.equal(timm_patch._pos_embed(model, tokens), model._pos_embed(tokens)), \
+            seed_note(seed)
+    distilled = make_model("deit_tiny_distilled_patch16_224", gen, 64)
+    assert not timm_patch._can_fuse_pos_embed(distilled)
+
+
 def test_fused_ops_need_fusable_blocks(gen):
     model = make_model("deit_tiny_patch16_224", gen, 64)
     model.blocks[3].mlp.act = torch.nn.GELU(approximate="tanh")
