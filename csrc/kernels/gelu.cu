@@ -10,7 +10,6 @@
 #include <stdint.h>
 
 #include "cuda_check.cuh"
-#include "dependent_launch.cuh"
 #include "float_elems.cuh"
 
 static constexpr int kGeluThreads = 256;
@@ -31,7 +30,6 @@ static __global__ void __launch_bounds__(kGeluThreads) gelu_kernel(const ragvit_
     struct alignas(kVec * sizeof(T)) chunk {
         T v[kVec];
     };
-    dependent_launch_wait();
     const int64_t chunks_per_row = a.channels / kVec;
     const int64_t total = a.rows * chunks_per_row;
     for (int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; i < total;
@@ -66,11 +64,12 @@ static ragvit_status gelu_launch(const ragvit_rowwise_args *a, const ragvit_devi
     if (blocks > cap)
         blocks = cap; /* grid-stride beyond a few waves */
     const bool is_flat = a->x_stride == a->channels && a->out_stride == a->channels;
-    void (*kernel)(const ragvit_rowwise_args) = is_vec && is_flat ? gelu_kernel<T, kVec, true>
-                                                : is_vec           ? gelu_kernel<T, kVec, false>
-                                                                   : gelu_kernel<T, 1, false>;
-    CUDA_TRY(dependent_launch(dependent_launch_supported(dev), kernel, dim3((unsigned)blocks),
-                              dim3(kGeluThreads), 0, stream, *a));
+    if (is_vec && is_flat)
+        gelu_kernel<T, kVec, true><<<(unsigned)blocks, kGeluThreads, 0, stream>>>(*a);
+    else if (is_vec)
+        gelu_kernel<T, kVec, false><<<(unsigned)blocks, kGeluThreads, 0, stream>>>(*a);
+    else
+        gelu_kernel<T, 1, false><<<(unsigned)blocks, kGeluThreads, 0, stream>>>(*a);
     CUDA_TRY(cudaGetLastError());
     return RAGVIT_STATUS_OK;
 }

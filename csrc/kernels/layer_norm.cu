@@ -13,7 +13,6 @@
 #include <stdint.h>
 
 #include "cuda_check.cuh"
-#include "dependent_launch.cuh"
 #include "float_elems.cuh"
 
 static constexpr int kLayerNormWarps = 4;
@@ -49,7 +48,6 @@ static __global__ void __launch_bounds__(kLayerNormWarps * 32)
     struct alignas(16) chunk {
         T v[8];
     };
-    dependent_launch_wait();
     const int lane = threadIdx.x % 32;
     const int64_t first = (int64_t)blockIdx.x * kLayerNormWarps + threadIdx.x / 32;
     const int64_t step = (int64_t)gridDim.x * kLayerNormWarps;
@@ -131,7 +129,6 @@ static __global__ void __launch_bounds__(kLayerNormWarps * 32)
 template <typename T, int kPerLane>
 static __global__ void __launch_bounds__(kLayerNormWarps * 32)
     layer_norm_kernel(const ragvit_rowwise_args a) {
-    dependent_launch_wait();
     const int lane = threadIdx.x % 32;
     const int64_t m = (int64_t)blockIdx.x * kLayerNormWarps + threadIdx.x / 32;
     if (m >= a.rows)
@@ -202,16 +199,20 @@ static ragvit_status layer_norm_launch(const ragvit_rowwise_args *a,
                         (uintptr_t)a->x % 16 == 0 && (uintptr_t)a->out % 16 == 0;
     const int64_t chunks = (a->channels / 8 + 31) / 32;
     const int64_t per_lane = (a->channels + 31) / 32;
-    void (*kernel)(const ragvit_rowwise_args) =
-        is_vec ? (chunks <= 1   ? layer_norm_vec_kernel<T, 1>
-                  : chunks <= 2 ? layer_norm_vec_kernel<T, 2>
-                  : chunks <= 3 ? layer_norm_vec_kernel<T, 3>
-                                : layer_norm_vec_kernel<T, 4>)
-               : (per_lane <= 8                       ? layer_norm_kernel<T, 8>
-                  : per_lane <= kLayerNormMaxPerLane ? layer_norm_kernel<T, kLayerNormMaxPerLane>
-                                                      : layer_norm_kernel<T, 0>);
-    CUDA_TRY(dependent_launch(dependent_launch_supported(dev), kernel, is_vec ? vec_grid : grid,
-                              block, 0, stream, *a));
+    if (is_vec && chunks <= 1)
+        layer_norm_vec_kernel<T, 1><<<vec_grid, block, 0, stream>>>(*a);
+    else if (is_vec && chunks <= 2)
+        layer_norm_vec_kernel<T, 2><<<vec_grid, block, 0, stream>>>(*a);
+    else if (is_vec && chunks <= 3)
+        layer_norm_vec_kernel<T, 3><<<vec_grid, block, 0, stream>>>(*a);
+    else if (is_vec)
+        layer_norm_vec_kernel<T, 4><<<vec_grid, block, 0, stream>>>(*a);
+    else if (per_lane <= 8)
+        layer_norm_kernel<T, 8><<<grid, block, 0, stream>>>(*a);
+    else if (per_lane <= kLayerNormMaxPerLane)
+        layer_norm_kernel<T, kLayerNormMaxPerLane><<<grid, block, 0, stream>>>(*a);
+    else
+        layer_norm_kernel<T, 0><<<grid, block, 0, stream>>>(*a);
     CUDA_TRY(cudaGetLastError());
     return RAGVIT_STATUS_OK;
 }

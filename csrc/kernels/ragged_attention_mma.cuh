@@ -23,8 +23,6 @@
 #include <stdint.h>
 #include <string.h>
 
-#include "dependent_launch.cuh"
-
 #define RAGGED_ATTENTION_MMA_KEYS 64       /* keys per K/V tile */
 #define RAGGED_ATTENTION_MMA_MAX_WARPS 4   /* 16 query rows per warp */
 #define RAGGED_ATTENTION_MMA_MAX_STAGES 4  /* K/V tiles in flight */
@@ -623,7 +621,6 @@ __launch_bounds__(RAGGED_ATTENTION_MMA_MAX_WARPS * 32, D <= 64 ? 4 : (D <= 96 ? 
     ragged_attention_mma_kernel(const __grid_constant__ ragvit_attention_args a, int max_len,
                                 int num_stages, int smem_bytes) {
     extern __shared__ __align__(16) unsigned char ragged_attention_mma_smem[];
-    dependent_launch_wait();
     const int rows = blockDim.x >> 1;
     Elem *s_q = reinterpret_cast<Elem *>(ragged_attention_mma_smem);
     Elem *s_kv = s_q + rows * (D + 8);
@@ -669,7 +666,6 @@ typedef struct {
     int max_len;
     int smem_bytes;
     dim3 grid;
-    bool is_dependent; /* dependent_launch (sm_90+: the launch overlaps the GEMM before it) */
 } ragged_attention_mma_plan;
 
 static int64_t ragged_attention_mma_smem_bytes(int head_dim, int num_warps, int num_stages,
@@ -762,7 +758,6 @@ static ragged_attention_mma_plan ragged_attention_mma_make_plan(const ragvit_att
     plan.smem_bytes = (int)ragged_attention_mma_smem_bytes(a->head_dim, num_warps, num_stages,
                                                            a->num_heads, has_cls);
     plan.grid = dim3((unsigned)grid_x, (unsigned)grid_y, (unsigned)grid_z);
-    plan.is_dependent = dependent_launch_supported(dev);
     return plan;
 }
 
@@ -799,12 +794,14 @@ template <typename Elem, int D>
 static ragvit_status ragged_attention_mma_launch_hdim(const ragvit_attention_args *a,
                                                       const ragged_attention_mma_plan *plan,
                                                       cudaStream_t stream) {
-    void (*kernel)(const ragvit_attention_args, int, int, int) =
-        a->bias != NULL ? ragged_attention_mma_kernel<Elem, D, true>
-                        : ragged_attention_mma_kernel<Elem, D, false>;
-    CUDA_TRY(dependent_launch(plan->is_dependent, kernel, plan->grid, dim3(32 * plan->num_warps),
-                              (size_t)plan->smem_bytes, stream, *a, plan->max_len,
-                              plan->num_stages, plan->smem_bytes));
+    if (a->bias != NULL)
+        ragged_attention_mma_kernel<Elem, D, true>
+            <<<plan->grid, 32 * plan->num_warps, (size_t)plan->smem_bytes, stream>>>(
+                *a, plan->max_len, plan->num_stages, plan->smem_bytes);
+    else
+        ragged_attention_mma_kernel<Elem, D, false>
+            <<<plan->grid, 32 * plan->num_warps, (size_t)plan->smem_bytes, stream>>>(
+                *a, plan->max_len, plan->num_stages, plan->smem_bytes);
     CUDA_TRY(cudaGetLastError());
     return RAGVIT_STATUS_OK;
 }
