@@ -189,16 +189,17 @@ def _pos_embed(model, tokens: torch.Tensor) -> torch.Tensor:
     B, n, C = tokens.shape
     pos = model.pos_embed
     parts = [t for t in (model.cls_token, getattr(model, "reg_token", None)) if t is not None]
-    P = sum(t.shape[1] for t in parts)
+    prefix = parts[0] if len(parts) == 1 else torch.cat(parts, dim=1) if parts else None
+    P = prefix.shape[1] if prefix is not None else 0
     out = torch.empty(B, P + n, C, dtype=tokens.dtype, device=tokens.device)
     if model.no_embed_class:  # pos_embed covers the patch rows only
         torch.add(tokens, pos, out=out[:, P:])
         if P:
-            out[:, :P] = torch.cat(parts, dim=1)
+            out[:, :P] = prefix
     else:
         torch.add(tokens, pos[:, P:], out=out[:, P:])
         if P:
-            torch.add(torch.cat(parts, dim=1).expand(B, P, C), pos[:, :P], out=out[:, :P])
+            torch.add(prefix.expand(B, P, C), pos[:, :P], out=out[:, :P])
     return model.pos_drop(out)
 
 
