@@ -666,8 +666,11 @@ def test_gpu_fp16_matches_reference(name, policy_name, batch, gen, seed):
 # ATS 0.8: with the fused row ops (residual added before rounding) ragvit's fp16 scores
 # differ from the reference's by an ulp where they used to match, and ATS's quantile
 # sampling turns that into different picks (0.848 measured, DeiT-B batch 1, H200).
+# DynamicViT 0.95: its keep scores are fp16 log-probabilities from fp16 linears, full of
+# near-ties, so the same ulp-level score differences swap two tokens of a 197-token image
+# now and then (0.980 measured, DeiT-B batch 1, H200: two swaps in three stages).
 OWN_DECISIONS_AGREE = {"ats_3stage": (0.8, None), "ats_k108_b3": (0.8, None),
-                       "tome_r8": (0.98, 1)}
+                       "tome_r8": (0.98, 1), "dynamicvit": (0.95, None)}
 
 
 @pytest.mark.gpu
