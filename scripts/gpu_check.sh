@@ -74,7 +74,7 @@ if has packbench; then
 fi
 if has e2e; then
     run bench_e2e timeout "${E2E_TIMEOUT:-300}" python3 benchmarks/bench_e2e.py --quick \
-        --out "$OUT/e2e_h200"
+        --out "$OUT/e2e_quick_h200"
 fi
 if has e2e_all; then
     # every suite in one process: benchmarks/results/e2e_h200.md/.json (issues 5, 6 and 7)
