@@ -8,6 +8,7 @@
  * skipped, the in-bounds work is still done, then INVALID_VALUE is returned,
  * as the CUDA kernels write what they can and raise the error flag. */
 #include "cpu_backend.h"
+#include "topk_key.h"
 
 #include <float.h>
 #include <math.h>
@@ -763,16 +764,10 @@ typedef struct {
     int32_t column;
 } topk_entry;
 
-/* Order-preserving key of a score, bit for bit the kernel's (topk_index.cu):
- * NaN above every number, -0.0 equal to +0.0. */
+/* Order-preserving key of a score (topk_key.h, shared with the kernel). */
 static inline uint32_t topk_key(float score)
 {
-    uint32_t bits = float_bits(score);
-    if ((bits & 0x7FFFFFFFu) > 0x7F800000u)
-        return 0xFFFFFFFFu;
-    if ((bits & 0x7FFFFFFFu) == 0)
-        bits = 0;
-    return (bits & 0x80000000u) ? ~bits : (bits | 0x80000000u);
+    return topk_key_from_bits(float_bits(score));
 }
 
 /* qsort order: key descending, then column ascending (a total order, so the

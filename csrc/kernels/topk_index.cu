@@ -14,6 +14,7 @@
 
 #include "cuda_check.cuh"
 #include "float_elems.cuh"
+#include "topk_key.h"
 
 static constexpr int kTopkThreads = 256; /* also the number of histogram bins */
 static constexpr int kTopkWarps = kTopkThreads / 32;
@@ -21,16 +22,9 @@ static constexpr int kTopkRadixBits = 8;
 
 // ---- device helpers ----
 
-/* Order-preserving key of a score: a > b (NaN above +inf, -0.0 == +0.0) iff
- * key(a) > key(b). Works on the bits so no compiler flag can fold the -0.0
- * case; every NaN becomes the largest key. The CPU backend has the same. */
+/* Order-preserving key of a score (topk_key.h, shared with the CPU backend). */
 static __device__ __forceinline__ uint32_t topk_key(float score) {
-    uint32_t bits = __float_as_uint(score);
-    if ((bits & 0x7FFFFFFFu) > 0x7F800000u)
-        return 0xFFFFFFFFu;
-    if ((bits & 0x7FFFFFFFu) == 0)
-        bits = 0;
-    return (bits & 0x80000000u) ? ~bits : (bits | 0x80000000u);
+    return topk_key_from_bits(__float_as_uint(score));
 }
 
 /* Shared-memory slot of key i: one pad word every 32 keys, so the compaction's
