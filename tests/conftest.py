@@ -88,6 +88,35 @@ def set_args(**changes):
     return mutate
 
 
+def matrix_input_errors(op: str, name: str, shape: tuple[int, int]) -> list:
+    """Error-table rows shared by the ops whose argument `name` is a (rows, cols) float
+    matrix with a unit column stride (linear's and the row ops' x, topk_index's scores):
+    1-D and 3-D, int32 and float64, a list, a column stride. `shape` is the base
+    argument's (cols even); op may be "{op}" for a table formatted per op later."""
+    rows, cols = shape
+
+    def change(fn):
+        return set_args(**{name: fn})
+
+    dims = rf"{op}: {name} must have 2 dimensions"
+    dtype = rf"{op}: {name} must be float16, bfloat16 or float32, got "
+    return [
+        (f"{name}_1d", change(lambda a: a[name].reshape(-1)), ValueError, dims, False),
+        (f"{name}_3d", change(lambda a: a[name].reshape(rows, 2, cols // 2)), ValueError, dims,
+         False),
+        (f"{name}_int32", change(lambda a: a[name].to(torch.int32)), TypeError, dtype + "int32",
+         False),
+        (f"{name}_float64", change(lambda a: a[name].double()), TypeError, dtype + "float64",
+         False),
+        (f"{name}_list", change(lambda a: a[name].tolist()), TypeError,
+         rf"{op}: {name} must be an array", False),
+        (f"{name}_last_dim_strided",
+         change(lambda a: torch.randn((cols, rows), device=a[name].device).t()), ValueError,
+         rf"{op}: {name} must be contiguous in its last dimension \(stride 1\), got stride "
+         rf"{rows}", False),
+    ]
+
+
 def error_params(cases, *leading) -> list:
     """pytest params (*leading, device, mutate, exc, pattern) of an error table whose rows are
     (case_id, mutate, exc, pattern, cpu_only), for "cpu" and "cuda" (CUDA rows marked

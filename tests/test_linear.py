@@ -41,6 +41,7 @@ from conftest import (
     devices,
     dtype_params,
     error_params,
+    matrix_input_errors,
     gpu_marks,
     poison,
     requires_cuda,
@@ -406,37 +407,7 @@ def _rows_overlap(shape, device):
 
 
 # (id, mutation, exception, message regex, cpu_only)
-LINEAR_ERRORS = [
-    ("x_1d", _set(x=lambda a: a["x"].reshape(-1)), ValueError, "x must have 2 dimensions", False),
-    (
-        "x_3d",
-        _set(x=lambda a: a["x"].reshape(5, 2, 4)),
-        ValueError,
-        "x must have 2 dimensions",
-        False,
-    ),
-    (
-        "x_int32",
-        _set(x=lambda a: a["x"].to(torch.int32)),
-        TypeError,
-        r"linear: x must be float16, bfloat16 or float32, got int32",
-        False,
-    ),
-    (
-        "x_float64",
-        _set(x=lambda a: a["x"].double()),
-        TypeError,
-        r"x must be float16, bfloat16 or float32, got float64",
-        False,
-    ),
-    ("x_list", _set(x=lambda a: a["x"].tolist()), TypeError, r"x must be an array", False),
-    (
-        "x_last_dim_strided",
-        _set(x=lambda a: torch.randn((8, 5), device=_dev(a)).t()),
-        ValueError,
-        r"x must be contiguous in its last dimension \(stride 1\), got stride 5",
-        False,
-    ),
+LINEAR_ERRORS = matrix_input_errors("linear", "x", (5, 8)) + [
     (
         "x_rows_overlap",
         _set(x=lambda a: _rows_overlap((5, 8), _dev(a))),

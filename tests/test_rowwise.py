@@ -35,6 +35,7 @@ from conftest import (
     devices,
     dtype_params,
     error_params,
+    matrix_input_errors,
     gpu_marks,
     poison,
     requires_cuda,
@@ -450,37 +451,7 @@ def _out_is_x_with_other_stride(a):
 
 # Rows shared by layer_norm and gelu: (id, mutation, exception, message regex, cpu_only).
 # {op} in a pattern is replaced by the op's name.
-SHARED_ERRORS = [
-    ("x_1d", _set(x=lambda a: a["x"].reshape(-1)), ValueError, r"{op}: x must have 2 dim", False),
-    (
-        "x_3d",
-        _set(x=lambda a: a["x"].reshape(5, 3, 4)),
-        ValueError,
-        r"{op}: x must have 2 dimensions",
-        False,
-    ),
-    (
-        "x_int32",
-        _set(x=lambda a: a["x"].to(torch.int32)),
-        TypeError,
-        r"{op}: x must be float16, bfloat16 or float32, got int32",
-        False,
-    ),
-    (
-        "x_float64",
-        _set(x=lambda a: a["x"].double()),
-        TypeError,
-        r"x must be float16, bfloat16 or float32, got float64",
-        False,
-    ),
-    ("x_list", _set(x=lambda a: a["x"].tolist()), TypeError, r"{op}: x must be an array", False),
-    (
-        "x_last_dim_strided",
-        _set(x=lambda a: torch.randn((12, 5), device=_dev(a)).t()),
-        ValueError,
-        r"x must be contiguous in its last dimension \(stride 1\), got stride 5",
-        False,
-    ),
+SHARED_ERRORS = matrix_input_errors("{op}", "x", (5, 12)) + [
     (
         "out_wrong_shape",
         _set(out=lambda a: poison((5, 11), device=_dev(a))),

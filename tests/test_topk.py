@@ -29,6 +29,7 @@ from conftest import (
     devices,
     dtype_params,
     error_params,
+    matrix_input_errors,
     gpu_marks,
     requires_cuda,
     same_bits,
@@ -361,49 +362,7 @@ def _dev(a):
 
 
 # (id, mutation, exception, message regex, cpu_only)
-TOPK_ERRORS = [
-    (
-        "scores_1d",
-        _set(scores=lambda a: a["scores"].reshape(-1)),
-        ValueError,
-        r"topk_index: scores must have 2 dimensions, got 1 \(40,\)",
-        False,
-    ),
-    (
-        "scores_3d",
-        _set(scores=lambda a: a["scores"].reshape(2, 2, 10)),
-        ValueError,
-        r"topk_index: scores must have 2 dimensions, got 3",
-        False,
-    ),
-    (
-        "scores_int32",
-        _set(scores=lambda a: a["scores"].to(torch.int32)),
-        TypeError,
-        r"topk_index: scores must be float16, bfloat16 or float32, got int32",
-        False,
-    ),
-    (
-        "scores_float64",
-        _set(scores=lambda a: a["scores"].double()),
-        TypeError,
-        r"topk_index: scores must be float16, bfloat16 or float32, got float64",
-        False,
-    ),
-    (
-        "scores_list",
-        _set(scores=lambda a: a["scores"].tolist()),
-        TypeError,
-        r"topk_index: scores must be an array",
-        False,
-    ),
-    (
-        "scores_column_strided",
-        _set(scores=lambda a: torch.randn((10, 4), device=_dev(a)).t()),
-        ValueError,
-        r"scores must be contiguous in its last dimension \(stride 1\), got stride 4",
-        False,
-    ),
+TOPK_ERRORS = matrix_input_errors("topk_index", "scores", (4, 10)) + [
     (
         "scores_too_wide",
         _set(scores=lambda a: torch.randn((4, 8193), device=_dev(a))),
