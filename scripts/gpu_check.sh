@@ -6,7 +6,7 @@
 # summary always prints). Pass RAGVIT_GIT_SHA: the GPU machine's copy of the tree has no .git.
 # Logs go to $OUT (or ./gpu_logs); a short summary table is printed last.
 # e2e: bench_e2e.py --quick; e2e_all: every suite in one process ($OUT/e2e_h200.md/.json,
-# about 5.5 min); e2e_paper / e2e_policies / e2e_graph: one suite each (about 2 /
+# about 3.5 min); e2e_paper / e2e_policies / e2e_graph: one suite each (about 2 /
 # 2.5 / 1 min on the H200, capped by --budget-s below the step's timeout), writing
 # $OUT/e2e_<suite>_h200.md/.json. profile: benchmarks/profile_e2e.py, DeiT-S batch 1 and
 # DeiT-B batch 256. notebook: benchmarks/run_notebook.py executes
