@@ -1668,6 +1668,9 @@ static int module_exec(PyObject *module) {
         !st->str_exchange_api || !st->str_stream || !st->str_max_version || !st->max_version) {
         return -1;
     }
+    if (PyModule_AddIntConstant(module, "TOPK_INDEX_MAX_COLS", RAGVIT_TOPK_MAX_COLS) < 0) {
+        return -1;
+    }
     return PyModule_AddStringConstant(module, "dlpack_version", "1.3");
 }
 

@@ -18,6 +18,11 @@ from typing import Any
 
 Array = Any
 
+#: Most columns (L) topk_index takes: a row's keys fit one block's shared memory.
+TOPK_INDEX_MAX_COLS: int
+#: The DLPack version this module speaks.
+dlpack_version: str
+
 def attention(
     q: Array,
     k: Array,

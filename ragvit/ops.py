@@ -20,6 +20,7 @@ linear = _C.linear
 layer_norm = _C.layer_norm
 gelu = _C.gelu
 topk_index = _C.topk_index
+TOPK_INDEX_MAX_COLS = _C.TOPK_INDEX_MAX_COLS
 cuda_is_compiled = _C.cuda_is_compiled
 cuda_device_count = _C.cuda_device_count
 set_debug = _C.set_debug

@@ -248,9 +248,6 @@ class PruningPolicy:
                              "cls_attn / value_norm / keys")
 
 
-_TOPK_INDEX_MAX_COLS = 8192  # ragvit.topk_index's limit (RAGVIT_TOPK_MAX_COLS in ragvit.h)
-
-
 def kept_count(keep_ratio: float, num_patches: int) -> int:
     """Patch tokens kept out of num_patches: ceil(keep_ratio * n), at least 1 (0 if n == 0)."""
     if num_patches <= 0:
@@ -274,7 +271,7 @@ def topk_selection(batch: TokenBatch, scores: torch.Tensor, keep_ratio: float) -
     if batch.seq_len is not None:
         B, L = batch.num_seqs, batch.seq_len
         k = kept_count(keep_ratio, L - P)
-        if L <= _TOPK_INDEX_MAX_COLS:  # one launch instead of topk + sort + arange + cat
+        if L <= ops.TOPK_INDEX_MAX_COLS:  # one launch instead of topk + sort + arange + cat
             return Selection(index=ops.topk_index(scores.reshape(B, L).contiguous(), k,
                                                   prefix=P))
         top = torch.topk(scores.view(B, L)[:, P:].float(), k, dim=1, sorted=False).indices

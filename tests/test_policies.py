@@ -446,7 +446,7 @@ def softmaxish(gen, T):
     return torch.rand(T, generator=gen) * 0.9 + 0.05 + torch.arange(T) * 1e-4
 
 
-@pytest.mark.parametrize("L", [197, pruning._TOPK_INDEX_MAX_COLS + 1])
+@pytest.mark.parametrize("L", [197, ragvit.ops.TOPK_INDEX_MAX_COLS + 1])
 def test_topk_selection_uniform_both_paths(gen, L):
     """Uniform batches: ragvit.topk_index up to its column limit, torch's topk + sort past
     it; both keep the prefix and the top k (distinct scores), ascending; the limit is the
@@ -460,7 +460,7 @@ def test_topk_selection_uniform_both_paths(gen, L):
         top = sorted((torch.argsort(scores.view(B, L)[b, P:], descending=True)[:k] + P).tolist())
         assert sel.index[b].tolist() == list(range(P)) + top
     with pytest.raises(ValueError, match="8192"):
-        ragvit.topk_index(torch.zeros(1, pruning._TOPK_INDEX_MAX_COLS + 1), 1)
+        ragvit.topk_index(torch.zeros(1, ragvit.ops.TOPK_INDEX_MAX_COLS + 1), 1)
 
 
 def test_segment_mean_scores_float64(gen):
