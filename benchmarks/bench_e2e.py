@@ -34,11 +34,11 @@ Pipelines (ragvit.bench builds them; same process, same inputs):
 
 Run time on the H200 (measured: 60 calls per figure, the graph suite 3x that, plus checks
 and model set-up): paper ~2 min alone (--quick ~1 min), policies ~2.5 min alone, graph
-~1 min, all three in one process ~3.5 min (model set-up shared). --budget-s (default 540) caps the process: each suite gets a share of what
-is left in proportion to those figures (SUITE_MINUTES);
-rows past a suite's share are reported as skipped (budget), never half-timed, and the
-results are still written. --tiny runs every suite on the CPU with DeiT-Tiny at 64 px (a
-smoke test of this script; its numbers are not ragvit's performance).
+~1 min, all three in one process ~3.5 min (model set-up shared). --budget-s (default 540)
+caps the process: each suite gets a share of what is left in proportion to those figures
+(SUITE_MINUTES); rows past a suite's share are reported as skipped (budget), never
+half-timed, and the results are still written. --tiny runs every suite on the CPU with
+DeiT-Tiny at 64 px (a smoke test of this script; its numbers are not ragvit's performance).
 """
 
 from __future__ import annotations
