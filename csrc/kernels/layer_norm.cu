@@ -3,7 +3,8 @@
  * row held in registers: mean, then the biased variance of x - mean), rounded
  * once on store. 4 warps a block. Vector path (C % 8 == 0, C <= 1024, rows
  * 16-byte aligned): 16-byte chunks, at most 16 blocks an SM, each warp looping
- * over rows with weight and bias loaded once, so a row costs one load and one
+ * over rows with weight and bias loaded once (with its first row) and the next
+ * row loaded while the current one is reduced: a row costs one load and one
  * store. Scalar path (anything else): one warp a row, one element a load (C
  * above 32 * kLayerNormMaxPerLane re-reads the row).
  * In place (out == x) is safe: a warp reads its whole row before writing it.
@@ -39,9 +40,10 @@ static __device__ __forceinline__ float layer_norm_affine(float v, float mean, f
 /* Vector path: lane l holds 8-element chunks l, l + 32, ..., kChunks of them (C <= 256 *
  * kChunks, C % 8 == 0, rows and pointers 16-byte aligned; a chunk is one 16-byte load for
  * 16-bit types, two for float). A warp normalizes rows warp, warp + warps in the grid, ...
- * with weight and bias loaded once, before its first row (a contiguous, 16-byte aligned
- * weight or bias as 16-byte chunks, else one element a load): per row only the row is
- * loaded and stored, one global round trip. */
+ * with weight and bias loaded once (a contiguous, 16-byte aligned weight or bias as
+ * 16-byte chunks, else one element a load). Its first row is loaded together with them,
+ * and each next row while the current one is reduced, so a warp with one row costs one
+ * global round trip and a warp with many overlaps their loads. */
 template <typename T, int kChunks>
 static __global__ void __launch_bounds__(kLayerNormWarps * 32)
     layer_norm_vec_kernel(const ragvit_rowwise_args a) {
@@ -54,8 +56,14 @@ static __global__ void __launch_bounds__(kLayerNormWarps * 32)
     if (first >= a.rows)
         return;
     const int num_chunks = (int)(a.channels / 8);
+    const T *x = static_cast<const T *>(a.x);
     const T *w = static_cast<const T *>(a.weight);
     const T *b = static_cast<const T *>(a.bias);
+    chunk in[kChunks]; /* the row being normalized, raw */
+#pragma unroll
+    for (int i = 0; i < kChunks; i++)
+        if (lane + 32 * i < num_chunks)
+            in[i] = reinterpret_cast<const chunk *>(x + first * a.x_stride)[lane + 32 * i];
     const bool is_w_vec = a.weight_stride == 1 && (uintptr_t)w % 16 == 0;
     const bool is_b_vec = a.bias_stride == 1 && (uintptr_t)b % 16 == 0;
     chunk wc[kChunks], bc[kChunks]; /* raw: half the registers of floats for 16-bit types */
@@ -81,22 +89,22 @@ static __global__ void __launch_bounds__(kLayerNormWarps * 32)
     }
     const float inv_c = 1.0f / (float)a.channels;
     for (int64_t m = first; m < a.rows; m += step) {
-        const chunk *x =
-            reinterpret_cast<const chunk *>(static_cast<const T *>(a.x) + m * a.x_stride);
-        chunk *out = reinterpret_cast<chunk *>(static_cast<T *>(a.out) + m * a.out_stride);
         float v[kChunks][8];
         float mean = 0.0f, var = 0.0f;
 #pragma unroll
-        for (int i = 0; i < kChunks; i++) {
-            const int ch = lane + 32 * i;
-            chunk in;
-            if (ch < num_chunks)
-                in = x[ch];
+        for (int i = 0; i < kChunks; i++)
 #pragma unroll
             for (int j = 0; j < 8; j++) {
-                v[i][j] = ch < num_chunks ? float_elems_load(&in.v[j]) : 0.0f;
+                v[i][j] = lane + 32 * i < num_chunks ? float_elems_load(&in[i].v[j]) : 0.0f;
                 mean += v[i][j];
             }
+        /* the warp's next row (a different row: in place stays safe) */
+        const int64_t next = m + step;
+        if (next < a.rows) {
+#pragma unroll
+            for (int i = 0; i < kChunks; i++)
+                if (lane + 32 * i < num_chunks)
+                    in[i] = reinterpret_cast<const chunk *>(x + next * a.x_stride)[lane + 32 * i];
         }
         mean = layer_norm_warp_sum(mean) * inv_c;
 #pragma unroll
@@ -107,6 +115,7 @@ static __global__ void __launch_bounds__(kLayerNormWarps * 32)
                 var += d * d;
             }
         const float rstd = rsqrtf(layer_norm_warp_sum(var) * inv_c + a.eps);
+        chunk *out = reinterpret_cast<chunk *>(static_cast<T *>(a.out) + m * a.out_stride);
 #pragma unroll
         for (int i = 0; i < kChunks; i++) {
             const int ch = lane + 32 * i;
