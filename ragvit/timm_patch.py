@@ -165,10 +165,26 @@ def _embed_patches(pe, x: torch.Tensor, fused: bool) -> torch.Tensor:
     ph, pw = conv.kernel_size
     # (B, C, H/ph, ph, W/pw, pw) -> (B, H/ph, W/pw, C, ph, pw): rows in token order, columns
     # in the conv weight's (C, ph, pw) order.
-    patches = x.reshape(B, C, H // ph, ph, W // pw, pw).permute(0, 2, 4, 1, 3, 5)
-    rows = ops.linear(patches.reshape(-1, C * ph * pw),
-                      conv.weight.reshape(conv.out_channels, -1), conv.bias)
+    patches = _patch_rows(x, ph, pw)
+    rows = ops.linear(patches, conv.weight.reshape(conv.out_channels, -1), conv.bias)
     return rows.view(B, (H // ph) * (W // pw), conv.out_channels)
+
+
+def _patch_rows(x: torch.Tensor, ph: int, pw: int) -> torch.Tensor:
+    """(B, C, H, W) images -> (B * H/ph * W/pw, C * ph * pw) patch rows, the conv weight's
+    (C, ph, pw) order in each row. A permuted copy; for a contiguous x whose patch rows are
+    whole 8-byte words (pw * itemsize % 8 == 0: fp16/bf16/fp32 at pw = 16) it moves int64
+    words, 4x fewer elements for 16-bit types (torch's copy of the 6-d permute is
+    index-bound: DeiT-B at batch 256 took 147 us); the bytes are the same either way."""
+    B, C, H, W = x.shape
+    h, w = H // ph, W // pw
+    words = pw * x.element_size() // 8
+    if (x.is_contiguous() and pw * x.element_size() % 8 == 0 and (H, W) == (h * ph, w * pw)
+            and x.data_ptr() % 8 == 0 and x.numel() > 0):
+        x64 = x.view(torch.int64).view(B, C, h, ph, w, words)
+        return x64.permute(0, 2, 4, 1, 3, 5).contiguous().view(x.dtype).view(
+            B * h * w, C * ph * pw)
+    return x.reshape(B, C, h, ph, w, pw).permute(0, 2, 4, 1, 3, 5).reshape(-1, C * ph * pw)
 
 
 def _can_fuse_pos_embed(model) -> bool:

@@ -175,6 +175,28 @@ def test_fused_patch_embedding_any_memory_format(gen, seed):
     assert not timm_patch._can_fuse_embed(model)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16],
+                         ids=["fp32", "fp16", "bf16"])
+@pytest.mark.parametrize("layout", ["contiguous", "channels_last", "offset", "narrow_patch"])
+def test_patch_rows_are_the_permuted_patches(dtype, layout, gen, seed):
+    """_patch_rows (int64 words where the layout allows) moves exactly the bytes of the
+    plain 6-d permute, on every path: contiguous (words), channels_last and an x whose data
+    starts 2 bytes into its storage (element copy), 2-pixel patches (4-byte rows: element
+    copy)."""
+    p = 2 if layout == "narrow_patch" else 16
+    full = torch.randn(3 * 3 * 32 * 32 + 1, generator=gen).to(dtype)
+    x = full[:-1].view(3, 3, 32, 32)
+    if layout == "offset":
+        x = full[1:].view(3, 3, 32, 32)
+    elif layout == "channels_last":
+        x = x.contiguous(memory_format=torch.channels_last)
+    h = w = 32 // p
+    expected = x.reshape(3, 3, h, p, w, p).permute(0, 2, 4, 1, 3, 5).reshape(-1, 3 * p * p)
+    got = timm_patch._patch_rows(x, p, p)
+    assert got.shape == (3 * h * w, 3 * p * p)
+    assert torch.equal(got, expected), seed_note(seed)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
 @pytest.mark.parametrize("name, kwargs", [
     ("deit_tiny_patch16_224", {}),  # class token, pos_embed over every row
