@@ -181,8 +181,8 @@ def test_fused_patch_embedding_any_memory_format(gen, seed):
 def test_patch_rows_are_the_permuted_patches(dtype, layout, gen, seed):
     """_patch_rows (int64 words where the layout allows) moves exactly the bytes of the
     plain 6-d permute, on every path: contiguous (words), channels_last and an x whose data
-    starts 2 bytes into its storage (element copy), 2-pixel patches (4-byte rows: element
-    copy)."""
+    starts one element into its storage (element copy), 2-pixel patches (4-byte patch rows
+    of 16-bit types: element copy; fp32's 8 bytes: one word a row)."""
     p = 2 if layout == "narrow_patch" else 16
     full = torch.randn(3 * 3 * 32 * 32 + 1, generator=gen).to(dtype)
     x = full[:-1].view(3, 3, 32, 32)
