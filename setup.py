@@ -44,10 +44,15 @@ class BuildExt(build_ext):
         if cuda is None:
             print("ragvit: nvcc not found (CUDA_HOME, CUDA_PATH, PATH): building a CPU-only module")
         else:
-            # sm_80 SASS also runs on 8.6/8.9; sm_90 SASS + PTX for Hopper and newer
+            # sm_80 SASS also runs on 8.6/8.9; Hopper ("90" or "90a") gets sm_90a SASS (its
+            # wgmma attention path, RAGVIT_HAS_SM90A) and newer GPUs the last arch's PTX
             archs = os.environ.get("RAGVIT_CUDA_ARCHS", "80;90").replace(",", ";").split(";")
-            gencode = [f"-gencode=arch=compute_{a},code=sm_{a}" for a in archs]
+            archs = [a.strip().rstrip("a") for a in archs if a.strip()]
+            gencode = [f"-gencode=arch=compute_{a}{'a' if a == '90' else ''},"
+                       f"code=sm_{a}{'a' if a == '90' else ''}" for a in archs]
             gencode.append(f"-gencode=arch=compute_{archs[-1]},code=compute_{archs[-1]}")
+            if "90" in archs:
+                gencode.append("-DRAGVIT_HAS_SM90A")
             os.makedirs(self.build_temp, exist_ok=True)
             sources = sorted(glob.glob(os.path.join(ROOT, "csrc", "kernels", "*.cu")))
             objects = [os.path.join(self.build_temp, os.path.basename(s) + ".o") for s in sources]

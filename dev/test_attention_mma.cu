@@ -1,13 +1,15 @@
 /* test_attention_mma.cu — standalone GPU self-test of csrc/kernels/ragged_attention_mma.cuh:
  * random ragged batches (lengths 1 .. 1024, gaps before/after, empty and invalid sequences,
  * 70000 sequences), fp16/bf16, D in {32, 64, 80, 96, 128}, contiguous and (T, 3, H, D) q/k/v
- * views with a padded output, cls_attn on/off, the launcher's plan and forced ones (1..4 warps,
- * 2..4 K/V stages), against a float64 CPU reference. Outputs and cls_attn start as NaN and
- * tokens outside valid sequences are NaN in q/k/v: everything outside the valid sequences
- * must stay bit-for-bit NaN, the error flag must match, and a second launch must reproduce
- * the first bitwise. Build and run from the repository root on the GPU machine:
- *   nvcc -std=c++17 -O3 -DRAGVIT_WITH_CUDA -Icsrc -Icsrc/kernels \
- *     -gencode=arch=compute_80,code=sm_80 -gencode=arch=compute_90,code=sm_90 \
+ * views with a padded output, cls_attn on/off, the launcher's plan (on an H200 built with
+ * -DRAGVIT_HAS_SM90A: the sm_90a wgmma path wherever D = 64 without cls_attn) and forced
+ * mma.sync ones (1..4 warps, 2..4 K/V stages), against a float64 CPU reference. Outputs and
+ * cls_attn start as NaN and tokens outside valid sequences are NaN in q/k/v: everything
+ * outside the valid sequences must stay bit-for-bit NaN, the error flag must match, and a
+ * second launch must reproduce the first bitwise. Build and run from the repository root on
+ * the GPU machine:
+ *   nvcc -std=c++17 -O3 -DRAGVIT_WITH_CUDA -DRAGVIT_HAS_SM90A -Icsrc -Icsrc/kernels \
+ *     -gencode=arch=compute_80,code=sm_80 -gencode=arch=compute_90a,code=sm_90a \
  *     dev/test_attention_mma.cu -o /tmp/test_attention_mma -lpthread && /tmp/test_attention_mma
  * Prints one line per case and "ALL PASS" (exit 0) or "FAIL: n case(s)" (exit 1). --quick runs
  * small cases only (for compute-sanitizer --tool racecheck/memcheck); --bench adds GPU timings
@@ -596,6 +598,35 @@ static int check_supports(void) {
     ragvit_device_info big_dev = dev;
     big_dev.smem_per_block_optin = 227 * 1024;
     expect("D=128 with 227 KB of shared memory", x, big_dev, true);
+    /* the sm_90a path: D = 64 fp16/bf16 without cls_attn or bias, on 9.0 only */
+    auto expect_wgmma = [&](const char *what, const ragvit_attention_args &x,
+                            const ragvit_device_info &d, bool want) {
+#ifndef RAGVIT_HAS_SM90A
+        want = false; /* a build without sm_90a code never takes it */
+#endif
+        const bool got = ragged_attention_wgmma_supports(&x, &d);
+        if (got != want) {
+            printf("FAIL wgmma_supports(%s) = %d, want %d\n", what, got, want);
+            ++failures;
+        }
+    };
+    expect_wgmma("D=64 on 9.0", a, big_dev, true);
+    expect_wgmma("D=64 on 9.0 with 48 KB of shared memory", a, dev, false);
+    ragvit_device_info ampere = big_dev;
+    ampere.cc_major = 8;
+    expect_wgmma("D=64 on 8.0", a, ampere, false);
+    x = a;
+    x.head_dim = 128;
+    expect_wgmma("D=128", x, big_dev, false);
+    x = a;
+    x.cls_attn = reinterpret_cast<float *>(buffer + 1024);
+    expect_wgmma("cls_attn", x, big_dev, false);
+    x = a;
+    x.bias = reinterpret_cast<const float *>(buffer + 1024);
+    expect_wgmma("bias", x, big_dev, false);
+    x = a;
+    x.dtype = RAGVIT_DTYPE_F32;
+    expect_wgmma("fp32", x, big_dev, false);
     printf("%-4s ragged_attention_mma_supports checks\n", failures ? "FAIL" : "ok");
     return failures;
 }
@@ -677,21 +708,22 @@ static void bench(void) {
         dev.device_id = device;
         dev.sm_count = prop.multiProcessorCount;
         dev.cc_major = prop.major;
+        dev.cc_minor = prop.minor;
         dev.smem_per_block_optin = (int64_t)prop.sharedMemPerBlockOptin;
         dev.error_flag = flag;
         cudaEvent_t e0, e1;
         CHECK_CUDA(cudaEventCreate(&e0));
         CHECK_CUDA(cudaEventCreate(&e1));
-        /* median of 5 x 200 launches of one plan, in us per launch */
-        auto time_plan = [&](const ragged_attention_mma_plan &plan) {
+        /* median of 5 x 200 launches, in us per launch */
+        auto time_launch = [&](auto launch) {
             for (int i = 0; i < 50; ++i)
-                if (ragged_attention_mma_launch_plan(&a, &plan, 0) != RAGVIT_STATUS_OK)
+                if (launch() != RAGVIT_STATUS_OK)
                     exit(2);
             std::vector<float> reps;
             for (int r = 0; r < 5; ++r) {
                 CHECK_CUDA(cudaEventRecord(e0));
                 for (int i = 0; i < 200; ++i)
-                    (void)ragged_attention_mma_launch_plan(&a, &plan, 0);
+                    (void)launch();
                 CHECK_CUDA(cudaEventRecord(e1));
                 CHECK_CUDA(cudaEventSynchronize(e1));
                 float ms = 0.0f;
@@ -701,6 +733,9 @@ static void bench(void) {
             CHECK_CUDA(cudaGetLastError());
             std::sort(reps.begin(), reps.end());
             return (double)reps[2];
+        };
+        auto time_plan = [&](const ragged_attention_mma_plan &plan) {
+            return time_launch([&] { return ragged_attention_mma_launch_plan(&a, &plan, 0); });
         };
         a.cls_attn = nullptr;
         const ragged_attention_mma_plan best = ragged_attention_mma_make_plan(&a, &dev, 0, 0);
@@ -716,6 +751,9 @@ static void bench(void) {
         for (const auto &f : forced)
             printf(" w%ds%d %.2f", f[0], f[1],
                    time_plan(ragged_attention_mma_make_plan(&a, &dev, f[0], f[1])));
+        if (ragged_attention_wgmma_supports(&a, &dev)) /* the sm_90a path, what auto runs */
+            printf(" | wgmma %.2f",
+                   time_launch([&] { return ragged_attention_wgmma_launch(&a, &dev, 0); }));
         printf("\n");
         fflush(stdout);
         CHECK_CUDA(cudaEventDestroy(e0));

@@ -59,8 +59,8 @@ fi
 # launch plan (DeiT shapes). dev/test_attention_mma.bin is built here unless it was carried
 # in already built (it is git-ignored, so it only exists when built from this tree).
 if { has mma || has mmabench; } && [ ! -x dev/test_attention_mma.bin ]; then
-    run mma_build nvcc -std=c++17 -O3 -DRAGVIT_WITH_CUDA -Icsrc -Icsrc/kernels \
-        -gencode=arch=compute_90,code=sm_90 dev/test_attention_mma.cu -o dev/test_attention_mma.bin \
+    run mma_build nvcc -std=c++17 -O3 -DRAGVIT_WITH_CUDA -DRAGVIT_HAS_SM90A -Icsrc -Icsrc/kernels \
+        -gencode=arch=compute_90a,code=sm_90a dev/test_attention_mma.cu -o dev/test_attention_mma.bin \
         -lpthread
 fi
 if has mma; then

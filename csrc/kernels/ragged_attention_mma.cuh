@@ -657,6 +657,8 @@ __launch_bounds__(RAGGED_ATTENTION_MMA_MAX_WARPS * 32, D <= 64 ? 4 : (D <= 96 ? 
     }
 }
 
+#include "ragged_attention_wgmma.cuh" /* the sm_90a path for D = 64 (uses the helpers above) */
+
 // ---- launcher ----
 
 /* Launch shape: warps per block (16 query rows each), K/V ring stages, grid, smem bytes. */
@@ -840,6 +842,8 @@ static ragvit_status ragged_attention_mma_launch_plan(const ragvit_attention_arg
 static ragvit_status ragged_attention_mma_launch(const ragvit_attention_args *a,
                                                  const ragvit_device_info *dev,
                                                  cudaStream_t stream) {
+    if (ragged_attention_wgmma_supports(a, dev))
+        return ragged_attention_wgmma_launch(a, dev, stream);
     const ragged_attention_mma_plan plan = ragged_attention_mma_make_plan(a, dev, 0, 0);
     return ragged_attention_mma_launch_plan(a, &plan, stream);
 }
@@ -876,7 +880,7 @@ static ragvit_status ragged_attention_mma_init(const ragvit_device_info *dev) {
     RAGGED_ATTENTION_MMA_INIT(96)
     RAGGED_ATTENTION_MMA_INIT(128)
 #undef RAGGED_ATTENTION_MMA_INIT
-    return status;
+    return ragged_attention_wgmma_init(dev);
 }
 
 #endif /* RAGVIT_RAGGED_ATTENTION_MMA_CUH */

@@ -1,0 +1,449 @@
+/* ragged_attention_wgmma.cuh — Hopper attention for fp16/bf16 q/k/v/out with D = 64 and no
+ * cls_attn / bias: the path ragged_attention_mma_launch takes on a compute capability 9.0
+ * device when the module has sm_90a code (RAGVIT_HAS_SM90A; setup.py builds "90" as sm_90a).
+ * One warpgroup (4 warps, 128 threads) per 64 query rows of one head of one sequence;
+ * grid = (query tiles, H, min(S, 65535)) as the mma.sync kernel's. Q (64 rows) and 64-key
+ * K/V tiles sit in shared memory as rows of 128 bytes (one row = one token's 64 elements)
+ * in the 128-byte swizzle wgmma reads: 16-byte chunk c of row r at chunk c ^ (r % 8), each
+ * tile 1024-byte aligned, filled by 16-byte cp.async (rows past the sequence zero-filled)
+ * through a ring of 2-4 K/V stages. S = Q K^T: 4 wgmma.mma_async m64n64k16 with both
+ * operands from shared memory (K-major); O += P V: 4 m64n64k16 with P in registers (the S
+ * accumulators rounded to the input type: their layout is the A-register layout) and V
+ * from shared memory transposed (MN-major), fp32 accumulators throughout. Online softmax
+ * in base 2 with scale * log2(e) folded into the exponent, as the mma.sync kernel.
+ * Covered by dev/test_attention_mma.cu (its launcher plans) and tests/test_ops.py through
+ * the dispatcher. Not compiled for other targets (the kernel body is sm_90a-only). */
+#ifndef RAGVIT_RAGGED_ATTENTION_WGMMA_CUH
+#define RAGVIT_RAGGED_ATTENTION_WGMMA_CUH
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <math.h>
+#include <stdint.h>
+
+#define RAGGED_ATTENTION_WGMMA_ROWS 64      /* query rows per block (one warpgroup) */
+#define RAGGED_ATTENTION_WGMMA_KEYS 64      /* keys per K/V tile */
+#define RAGGED_ATTENTION_WGMMA_TILE 8192    /* bytes of one 64 x 64 16-bit tile */
+#define RAGGED_ATTENTION_WGMMA_MAX_STAGES 4 /* K/V tiles in flight */
+
+/* Shared memory of a plan: alignment slack, Q, then num_stages (K, V) tile pairs. */
+static int ragged_attention_wgmma_smem_bytes(int num_stages) {
+    return 1024 + RAGGED_ATTENTION_WGMMA_TILE * (1 + 2 * num_stages);
+}
+
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+#define RAGGED_ATTENTION_WGMMA_DEVICE 1
+#endif
+
+#ifdef RAGGED_ATTENTION_WGMMA_DEVICE
+/* 64-bit shared-memory matrix descriptor: start address, leading and stride byte offsets
+ * (all >> 4), 128-byte swizzle (layout type 1 in bits 62-63). */
+static __device__ __forceinline__ uint64_t ragged_attention_wgmma_desc(uint32_t addr,
+                                                                      uint32_t lbo_bytes,
+                                                                      uint32_t sbo_bytes) {
+    return (uint64_t)((addr >> 4) & 0x3FFFu) | ((uint64_t)((lbo_bytes >> 4) & 0x3FFFu) << 16) |
+           ((uint64_t)((sbo_bytes >> 4) & 0x3FFFu) << 32) | ((uint64_t)1 << 62);
+}
+
+static __device__ __forceinline__ void ragged_attention_wgmma_fence() {
+    asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
+}
+
+static __device__ __forceinline__ void ragged_attention_wgmma_commit() {
+    asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
+}
+
+static __device__ __forceinline__ void ragged_attention_wgmma_wait_all() {
+    asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
+}
+
+/* cp.async writes reach wgmma (the async proxy) only through this fence. */
+static __device__ __forceinline__ void ragged_attention_wgmma_fence_proxy() {
+    asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+}
+
+/* Keeps the compiler from moving accumulator accesses across an asynchronous wgmma. */
+static __device__ __forceinline__ void ragged_attention_wgmma_fence_regs(float (&d)[32]) {
+#pragma unroll
+    for (int i = 0; i < 32; ++i)
+        asm volatile("" : "+f"(d[i])::"memory");
+}
+
+#define RAGGED_ATTENTION_WGMMA_D                                                               \
+    "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, "  \
+    "%19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}"
+#define RAGGED_ATTENTION_WGMMA_OUT(d)                                                          \
+    "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]),       \
+        "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]),            \
+        "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]),         \
+        "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]),         \
+        "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]),         \
+        "+f"(d[31])
+
+/* fp16 or bf16 operands (the instruction's .atype/.btype). */
+template <typename Elem>
+struct ragged_attention_wgmma_is_half {
+    static constexpr bool value = false;
+};
+template <>
+struct ragged_attention_wgmma_is_half<__half> {
+    static constexpr bool value = true;
+};
+
+/* scale-d is a predicate: always 1 here (d += A B; callers zero d first). */
+#define RAGGED_ATTENTION_WGMMA_PRED "{\n.reg .pred p;\nsetp.ne.b32 p, %32, 0;\n"
+
+/* d (64 x 64, fp32) += A (64 x 16, shared, K-major) * B (16 x 64, shared, K-major). */
+template <typename Elem>
+static __device__ __forceinline__ void ragged_attention_wgmma_ss(float (&d)[32], uint64_t a,
+                                                                uint64_t b) {
+    if constexpr (ragged_attention_wgmma_is_half<Elem>::value)
+        asm volatile(RAGGED_ATTENTION_WGMMA_PRED
+                     "wgmma.mma_async.sync.aligned.m64n64k16.f32.f16.f16 "
+                     RAGGED_ATTENTION_WGMMA_D
+                     ", %33, %34, p, 1, 1, 0, 0;\n}\n"
+                     : RAGGED_ATTENTION_WGMMA_OUT(d)
+                     : "r"(1), "l"(a), "l"(b));
+    else
+        asm volatile(RAGGED_ATTENTION_WGMMA_PRED
+                     "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 "
+                     RAGGED_ATTENTION_WGMMA_D
+                     ", %33, %34, p, 1, 1, 0, 0;\n}\n"
+                     : RAGGED_ATTENTION_WGMMA_OUT(d)
+                     : "r"(1), "l"(a), "l"(b));
+}
+
+/* d (64 x 64, fp32) += A (64 x 16, registers: this warp's 16 rows as mma.m16n8k16's A
+ * fragment) * B (16 x 64, shared, MN-major: imm-trans-b = 1). */
+template <typename Elem>
+static __device__ __forceinline__ void ragged_attention_wgmma_rs(float (&d)[32],
+                                                                const uint32_t (&a)[4],
+                                                                uint64_t b) {
+    if constexpr (ragged_attention_wgmma_is_half<Elem>::value)
+        asm volatile(RAGGED_ATTENTION_WGMMA_PRED
+                     "wgmma.mma_async.sync.aligned.m64n64k16.f32.f16.f16 "
+                     RAGGED_ATTENTION_WGMMA_D
+                     ", {%33, %34, %35, %36}, %37, p, 1, 1, 1;\n}\n"
+                     : RAGGED_ATTENTION_WGMMA_OUT(d)
+                     : "r"(1), "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b));
+    else
+        asm volatile(RAGGED_ATTENTION_WGMMA_PRED
+                     "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 "
+                     RAGGED_ATTENTION_WGMMA_D
+                     ", {%33, %34, %35, %36}, %37, p, 1, 1, 1;\n}\n"
+                     : RAGGED_ATTENTION_WGMMA_OUT(d)
+                     : "r"(1), "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b));
+}
+
+/* 64 rows of 64 elements (src row r at src + r * stride) into a swizzled 1024-byte aligned
+ * tile at shared address dst; rows >= valid_rows are zero-filled and read nothing. */
+template <typename Elem>
+static __device__ __forceinline__ void ragged_attention_wgmma_load_tile(uint32_t dst,
+                                                                       const Elem *src,
+                                                                       int64_t stride,
+                                                                       int valid_rows) {
+#pragma unroll
+    for (int i = 0; i < 4; ++i) { /* 512 chunks of 16 bytes, 4 a thread */
+        const int c = threadIdx.x + 128 * i;
+        const int r = c >> 3, col = c & 7;
+        const bool is_valid = r < valid_rows;
+        const Elem *g = src + (is_valid ? (int64_t)r * stride : (int64_t)0) + col * 8;
+        ragged_attention_mma_cp_async16(dst + r * 128 + ((col ^ (r & 7)) << 4), g, is_valid);
+    }
+}
+
+/* One 64-row query tile of head h of the sequence starting at token `start` (the block is
+ * one warpgroup; every branch is block-uniform). smem: 1024-byte aligned shared address. */
+template <typename Elem>
+static __device__ __forceinline__ void ragged_attention_wgmma_tile(uint32_t smem, int num_stages,
+                                                                  const ragvit_attention_args &a,
+                                                                  int start, int h, int q0,
+                                                                  int len, float scale_log2) {
+    using ops = ragged_attention_mma_elem<Elem>;
+    constexpr int kKeys = RAGGED_ATTENTION_WGMMA_KEYS;
+    constexpr uint32_t kTile = RAGGED_ATTENTION_WGMMA_TILE;
+    const int warp = threadIdx.x >> 5;
+    const int lane = threadIdx.x & 31;
+    const int group = lane >> 2, tig = lane & 3;
+    const int num_tiles = (len + kKeys - 1) / kKeys;
+    const uint32_t s_q = smem;
+    const Elem *k_head = static_cast<const Elem *>(a.k) + (int64_t)h * a.k_stride_head;
+    const Elem *v_head = static_cast<const Elem *>(a.v) + (int64_t)h * a.v_stride_head;
+
+    __syncthreads(); /* this block's previous tile may still read shared memory */
+    ragged_attention_wgmma_load_tile<Elem>(
+        s_q,
+        static_cast<const Elem *>(a.q) + ((int64_t)start + q0) * a.q_stride_token +
+            (int64_t)h * a.q_stride_head,
+        a.q_stride_token, min(RAGGED_ATTENTION_WGMMA_ROWS, len - q0));
+    for (int st = 0; st < num_stages - 1; ++st) {
+        if (st < num_tiles) {
+            const uint32_t s_k = smem + kTile * (1 + 2 * st);
+            const int64_t token = (int64_t)start + st * kKeys;
+            ragged_attention_wgmma_load_tile<Elem>(s_k, k_head + token * a.k_stride_token,
+                                                   a.k_stride_token, len - st * kKeys);
+            ragged_attention_wgmma_load_tile<Elem>(s_k + kTile, v_head + token * a.v_stride_token,
+                                                   a.v_stride_token, len - st * kKeys);
+        }
+        ragged_attention_mma_cp_async_commit(); /* group st: key tile st (+ Q) */
+    }
+
+    float o[32];
+#pragma unroll
+    for (int i = 0; i < 32; ++i)
+        o[i] = 0.0f;
+    float row_max0 = -INFINITY, row_max1 = -INFINITY, row_sum0 = 0.0f, row_sum1 = 0.0f;
+    const uint64_t desc_q = ragged_attention_wgmma_desc(s_q, 16, 1024);
+    int stage = 0;
+    for (int t = 0; t < num_tiles; ++t) {
+        const int num_keys = min(kKeys, len - t * kKeys);
+        ragged_attention_mma_cp_async_wait_pending(num_stages - 2); /* tile t landed */
+        ragged_attention_wgmma_fence_proxy();
+        __syncthreads(); /* every thread's copies; tile t - 1 fully consumed */
+        if (t + num_stages - 1 < num_tiles) {
+            const int fill = stage == 0 ? num_stages - 1 : stage - 1;
+            const uint32_t s_k = smem + kTile * (1 + 2 * fill);
+            const int key0 = (t + num_stages - 1) * kKeys;
+            const int64_t token = (int64_t)start + key0;
+            ragged_attention_wgmma_load_tile<Elem>(s_k, k_head + token * a.k_stride_token,
+                                                   a.k_stride_token, len - key0);
+            ragged_attention_wgmma_load_tile<Elem>(s_k + kTile, v_head + token * a.v_stride_token,
+                                                   a.v_stride_token, len - key0);
+        }
+        ragged_attention_mma_cp_async_commit();
+        const uint32_t s_k = smem + kTile * (1 + 2 * stage);
+        const uint32_t s_v = s_k + kTile;
+        stage = stage + 1 == num_stages ? 0 : stage + 1;
+
+        /* S = Q K^T: k-step kk reads columns [16 kk, 16 kk + 16) of both (32 bytes on) */
+        float s[32];
+#pragma unroll
+        for (int i = 0; i < 32; ++i)
+            s[i] = 0.0f;
+        const uint64_t desc_k = ragged_attention_wgmma_desc(s_k, 16, 1024);
+        ragged_attention_wgmma_fence_regs(s);
+        ragged_attention_wgmma_fence();
+#pragma unroll
+        for (int kk = 0; kk < 4; ++kk)
+            ragged_attention_wgmma_ss<Elem>(s, desc_q + 2 * kk, desc_k + 2 * kk);
+        ragged_attention_wgmma_commit();
+        ragged_attention_wgmma_wait_all();
+        ragged_attention_wgmma_fence_regs(s);
+
+        /* thread (group, tig) of warp w: rows 16 w + group (s[4i], s[4i + 1]) and + 8
+         * (s[4i + 2], s[4i + 3]), keys 8 i + 2 tig + {0, 1} */
+        if (num_keys < kKeys) {
+#pragma unroll
+            for (int i = 0; i < 8; ++i)
+#pragma unroll
+                for (int e = 0; e < 4; ++e)
+                    if (i * 8 + 2 * tig + (e & 1) >= num_keys)
+                        s[4 * i + e] = -INFINITY;
+        }
+        float mx0 = -INFINITY, mx1 = -INFINITY;
+#pragma unroll
+        for (int i = 0; i < 8; ++i) {
+            mx0 = fmaxf(mx0, fmaxf(s[4 * i], s[4 * i + 1]));
+            mx1 = fmaxf(mx1, fmaxf(s[4 * i + 2], s[4 * i + 3]));
+        }
+        mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 1));
+        mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 1));
+        mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 2));
+        mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 2));
+        /* key t * 64 is valid: both maxima are finite; scale_log2 > 0 commutes with max */
+        const float m0 = fmaxf(row_max0, mx0 * scale_log2);
+        const float m1 = fmaxf(row_max1, mx1 * scale_log2);
+        float sum0 = 0.0f, sum1 = 0.0f;
+#pragma unroll
+        for (int i = 0; i < 8; ++i) {
+            s[4 * i] = ragged_attention_mma_exp2(fmaf(s[4 * i], scale_log2, -m0));
+            s[4 * i + 1] = ragged_attention_mma_exp2(fmaf(s[4 * i + 1], scale_log2, -m0));
+            s[4 * i + 2] = ragged_attention_mma_exp2(fmaf(s[4 * i + 2], scale_log2, -m1));
+            s[4 * i + 3] = ragged_attention_mma_exp2(fmaf(s[4 * i + 3], scale_log2, -m1));
+            sum0 += s[4 * i] + s[4 * i + 1];
+            sum1 += s[4 * i + 2] + s[4 * i + 3];
+        }
+        if (t == 0) {
+            row_sum0 = sum0;
+            row_sum1 = sum1;
+        } else {
+            const float alpha0 = ragged_attention_mma_exp2(row_max0 - m0);
+            const float alpha1 = ragged_attention_mma_exp2(row_max1 - m1);
+            row_sum0 = fmaf(row_sum0, alpha0, sum0);
+            row_sum1 = fmaf(row_sum1, alpha1, sum1);
+#pragma unroll
+            for (int i = 0; i < 8; ++i) {
+                o[4 * i] *= alpha0;
+                o[4 * i + 1] *= alpha0;
+                o[4 * i + 2] *= alpha1;
+                o[4 * i + 3] *= alpha1;
+            }
+        }
+        row_max0 = m0;
+        row_max1 = m1;
+
+        /* O += P V: k-step j is keys [16 j, 16 j + 16), the C fragments of key blocks 2 j and
+         * 2 j + 1 packed as the A fragment; V rows 16 j on (2048 bytes on). Key blocks past
+         * num_keys hold P = 0 and zero-filled V: no need to skip them. */
+        uint32_t p[4][4];
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+            p[j][0] = ops::pack(s[8 * j], s[8 * j + 1]);
+            p[j][1] = ops::pack(s[8 * j + 2], s[8 * j + 3]);
+            p[j][2] = ops::pack(s[8 * j + 4], s[8 * j + 5]);
+            p[j][3] = ops::pack(s[8 * j + 6], s[8 * j + 7]);
+        }
+        const uint64_t desc_v = ragged_attention_wgmma_desc(s_v, kTile, 1024);
+        ragged_attention_wgmma_fence_regs(o);
+        ragged_attention_wgmma_fence();
+#pragma unroll
+        for (int j = 0; j < 4; ++j)
+            ragged_attention_wgmma_rs<Elem>(o, p[j], desc_v + (uint64_t)((2048 * j) >> 4));
+        ragged_attention_wgmma_commit();
+        ragged_attention_wgmma_wait_all();
+        ragged_attention_wgmma_fence_regs(o);
+    }
+    ragged_attention_mma_cp_async_wait<0>(); /* only empty groups can be left */
+
+    row_sum0 += __shfl_xor_sync(0xffffffffu, row_sum0, 1);
+    row_sum1 += __shfl_xor_sync(0xffffffffu, row_sum1, 1);
+    row_sum0 += __shfl_xor_sync(0xffffffffu, row_sum0, 2);
+    row_sum1 += __shfl_xor_sync(0xffffffffu, row_sum1, 2);
+    const float inv0 = __fdividef(1.0f, row_sum0);
+    const float inv1 = __fdividef(1.0f, row_sum1);
+    const int r0 = q0 + warp * 16 + group; /* this thread's rows r0 and r0 + 8 */
+    Elem *out = static_cast<Elem *>(a.out) + (int64_t)h * a.out_stride_head;
+#pragma unroll
+    for (int i = 0; i < 8; ++i) {
+        const int col = 8 * i + 2 * tig;
+        if (r0 < len)
+            *reinterpret_cast<uint32_t *>(out + ((int64_t)start + r0) * a.out_stride_token + col) =
+                ops::pack(o[4 * i] * inv0, o[4 * i + 1] * inv0);
+        if (r0 + 8 < len)
+            *reinterpret_cast<uint32_t *>(out + ((int64_t)start + r0 + 8) * a.out_stride_token +
+                                          col) =
+                ops::pack(o[4 * i + 2] * inv1, o[4 * i + 3] * inv1);
+    }
+}
+#endif /* RAGGED_ATTENTION_WGMMA_DEVICE */
+
+/* Block (x, y, z): query tiles x, x + gridDim.x, ... of head y of sequences z, z + gridDim.z,
+ * ...; a sequence with bad bounds or longer than max_len is skipped and flagged, as in the
+ * mma.sync kernel. 4 blocks an SM (<= 128 registers). */
+template <typename Elem>
+static __global__ void __launch_bounds__(128, 4)
+    ragged_attention_wgmma_kernel(const __grid_constant__ ragvit_attention_args a, int max_len,
+                                  int num_stages) {
+#ifdef RAGGED_ATTENTION_WGMMA_DEVICE
+    extern __shared__ __align__(16) unsigned char ragged_attention_wgmma_smem[];
+    const uint32_t raw = ragged_attention_mma_smem_addr(ragged_attention_wgmma_smem);
+    const uint32_t smem = (raw + 1023u) & ~1023u; /* the swizzle needs 1024-byte tiles */
+    const int h = blockIdx.y;
+    const float scale_log2 = a.scale * RAGGED_ATTENTION_MMA_LOG2E;
+    for (int s = blockIdx.z; s < a.num_seqs; s += gridDim.z) {
+        const int start = __ldg(a.cu_seqlens + s);
+        const int end = __ldg(a.cu_seqlens + s + 1);
+        const bool is_bad = start < 0 || end < start || (int64_t)end > a.total_tokens;
+        if (is_bad || end - start > max_len) {
+            if (blockIdx.x == 0 && h == 0 && threadIdx.x == 0 && a.error_flag != NULL)
+                atomicOr(a.error_flag,
+                         is_bad ? RAGVIT_ERROR_BAD_CU_SEQLENS : RAGVIT_ERROR_SEQLEN_OVER_MAX);
+            continue;
+        }
+        const int len = end - start;
+        for (int q0 = blockIdx.x * RAGGED_ATTENTION_WGMMA_ROWS; q0 < len;
+             q0 += gridDim.x * RAGGED_ATTENTION_WGMMA_ROWS)
+            ragged_attention_wgmma_tile<Elem>(smem, num_stages, a, start, h, q0, len, scale_log2);
+    }
+#else
+    (void)a;
+    (void)max_len;
+    (void)num_stages;
+    __trap(); /* never launched: ragged_attention_wgmma_supports is false without sm_90a */
+#endif
+}
+
+// ---- launcher ----
+
+/* Whether the wgmma path runs these arguments (the caller checked
+ * ragged_attention_mma_supports): fp16/bf16, D = 64, no cls_attn, no bias, a compute
+ * capability 9.0 device and a module built with sm_90a code. */
+static bool ragged_attention_wgmma_supports(const ragvit_attention_args *a,
+                                            const ragvit_device_info *dev) {
+#ifdef RAGVIT_HAS_SM90A
+    return dev != NULL && dev->cc_major == 9 && dev->cc_minor == 0 && a->head_dim == 64 &&
+           a->cls_attn == NULL && a->bias == NULL &&
+           (a->dtype == RAGVIT_DTYPE_F16 || a->dtype == RAGVIT_DTYPE_BF16) &&
+           dev->smem_per_block_optin >= ragged_attention_wgmma_smem_bytes(2);
+#else
+    (void)a;
+    (void)dev;
+    return false;
+#endif
+}
+
+/* Launches (no allocation, no host sync): stages as the mma.sync plans choose them (up to 4
+ * K/V tiles in flight when the grid is one wave, else 2), grid capped like theirs. */
+static ragvit_status ragged_attention_wgmma_launch(const ragvit_attention_args *a,
+                                                   const ragvit_device_info *dev,
+                                                   cudaStream_t stream) {
+    int64_t max_len = a->max_seqlen > 0 ? a->max_seqlen : a->total_tokens;
+    if (max_len > INT32_MAX)
+        max_len = INT32_MAX;
+    if (max_len < 1)
+        max_len = 1;
+    const int64_t rows = RAGGED_ATTENTION_WGMMA_ROWS;
+    const int64_t sm_count = dev->sm_count > 0 ? dev->sm_count : 132;
+    const int64_t seqs = a->num_seqs, heads = a->num_heads;
+    const int64_t key_tiles =
+        (max_len + RAGGED_ATTENTION_WGMMA_KEYS - 1) / RAGGED_ATTENTION_WGMMA_KEYS;
+    int64_t grid_x = (max_len + rows - 1) / rows;
+    int num_stages = 2;
+    if (grid_x * heads * seqs <= sm_count)
+        num_stages = (int)(key_tiles < RAGGED_ATTENTION_WGMMA_MAX_STAGES
+                               ? (key_tiles > 2 ? key_tiles : 2)
+                               : RAGGED_ATTENTION_WGMMA_MAX_STAGES);
+    while (num_stages > 2 &&
+           ragged_attention_wgmma_smem_bytes(num_stages) > dev->smem_per_block_optin)
+        --num_stages;
+    const int64_t grid_z =
+        seqs < RAGGED_ATTENTION_MMA_MAX_GRID_YZ ? seqs : RAGGED_ATTENTION_MMA_MAX_GRID_YZ;
+    int64_t budget = 2 * (a->total_tokens / rows + seqs) * heads;
+    if (budget < 64 * sm_count)
+        budget = 64 * sm_count;
+    if (grid_x * heads * grid_z > budget) {
+        grid_x = budget / (heads * grid_z);
+        if (grid_x < 1)
+            grid_x = 1;
+    }
+    const dim3 grid((unsigned)grid_x, (unsigned)heads, (unsigned)grid_z);
+    const size_t smem = (size_t)ragged_attention_wgmma_smem_bytes(num_stages);
+    if (a->dtype == RAGVIT_DTYPE_BF16)
+        ragged_attention_wgmma_kernel<__nv_bfloat16>
+            <<<grid, 128, smem, stream>>>(*a, (int)max_len, num_stages);
+    else
+        ragged_attention_wgmma_kernel<__half>
+            <<<grid, 128, smem, stream>>>(*a, (int)max_len, num_stages);
+    CUDA_TRY(cudaGetLastError());
+    return RAGVIT_STATUS_OK;
+}
+
+/* One-time per-device setup: opt in to the 4-stage plan's shared memory. */
+static ragvit_status ragged_attention_wgmma_init(const ragvit_device_info *dev) {
+#ifdef RAGVIT_HAS_SM90A
+    if (dev->cc_major != 9 || dev->cc_minor != 0)
+        return RAGVIT_STATUS_OK;
+    int bytes = ragged_attention_wgmma_smem_bytes(RAGGED_ATTENTION_WGMMA_MAX_STAGES);
+    if (bytes > dev->smem_per_block_optin)
+        bytes = (int)dev->smem_per_block_optin;
+    CUDA_TRY(cudaFuncSetAttribute(ragged_attention_wgmma_kernel<__half>,
+                                  cudaFuncAttributeMaxDynamicSharedMemorySize, bytes));
+    CUDA_TRY(cudaFuncSetAttribute(ragged_attention_wgmma_kernel<__nv_bfloat16>,
+                                  cudaFuncAttributeMaxDynamicSharedMemorySize, bytes));
+#else
+    (void)dev;
+#endif
+    return RAGVIT_STATUS_OK;
+}
+
+#endif /* RAGVIT_RAGGED_ATTENTION_WGMMA_CUH */
