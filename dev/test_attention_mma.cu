@@ -251,7 +251,9 @@ struct device_buffers {
 };
 
 /* Launch shapes every case runs with: {sm_count, num_warps, num_stages}; 0 = the
- * launcher's own choice (sm_count steers it: more SMs -> fewer warps, more stages). */
+ * launcher's own choice (sm_count steers it: more SMs -> fewer warps, more stages);
+ * num_warps = -1: the sm_90a wgmma path with num_stages K/V slots where it applies (else
+ * the launcher's own choice). */
 struct launch_shape {
     int sm_count, num_warps, num_stages;
 };
@@ -313,9 +315,13 @@ static run_result run_kernel(const test_case &c, const layout &l, const device_b
     if (ragged_attention_mma_supports(&a, &dev)) {
         const ragged_attention_mma_plan plan =
             ragged_attention_mma_make_plan(&a, &dev, shape.num_warps, shape.num_stages);
-        const ragvit_status st = shape.num_warps == 0 && shape.num_stages == 0
-                                     ? ragged_attention_mma_launch(&a, &dev, 0)
-                                     : ragged_attention_mma_launch_plan(&a, &plan, 0);
+        const bool is_auto = (shape.num_warps == 0 && shape.num_stages == 0) ||
+                             (shape.num_warps < 0 && !ragged_attention_wgmma_supports(&a, &dev));
+        const ragvit_status st =
+            is_auto ? ragged_attention_mma_launch(&a, &dev, 0)
+            : shape.num_warps < 0
+                ? ragged_attention_wgmma_launch_stages(&a, &dev, shape.num_stages, 0)
+                : ragged_attention_mma_launch_plan(&a, &plan, 0);
         if (st != RAGVIT_STATUS_OK) {
             fprintf(stderr, "launch returned status %d\n", (int)st);
             exit(2);
@@ -460,10 +466,12 @@ static int run_case(const test_case &c) {
     CHECK_CUDA(cudaMalloc(&b.flag, sizeof(unsigned)));
 
     const std::vector<launch_shape> shapes =
-        g_is_quick ? std::vector<launch_shape>{{132, 0, 0}, {132, 1, 3}, {132, 4, 2}}
-                   : std::vector<launch_shape>{{132, 0, 0},     {1000000, 0, 0}, {132, 4, 2},
-                                               {132, 4, 3},     {132, 3, 4},     {132, 2, 3},
-                                               {132, 1, 2},     {132, 1, 4}};
+        g_is_quick
+            ? std::vector<launch_shape>{{132, 0, 0}, {132, 1, 3}, {132, 4, 2}, {132, -1, 3}}
+            : std::vector<launch_shape>{{132, 0, 0},  {1000000, 0, 0}, {132, 4, 2},
+                                        {132, 4, 3},  {132, 3, 4},     {132, 2, 3},
+                                        {132, 1, 2},  {132, 1, 4},     {132, -1, 2},
+                                        {132, -1, 3}, {132, -1, 5}};
     int failures = 0;
     for (int with_cls = 0; with_cls < 2; ++with_cls) {
         check_stats st;
@@ -644,7 +652,10 @@ static void bench(void) {
                             {"deit-s B=256 keep .5", 256, 99, 6},
                             {"deit-s B=256 len 197", 256, 197, 6},
                             {"deit-b B=64 keep .5", 64, 99, 12},
-                            {"deit-b B=256 len 197", 256, 197, 12}};
+                            {"deit-b B=256 len 197", 256, 197, 12},
+                            {"deit-s B=1 keep .5", 1, 99, 6},
+                            {"deit-b B=1 len 577", 1, 577, 12},
+                            {"deit-b B=32 len 577", 32, 577, 12}};
     const int D = 64;
     int device = 0;
     CHECK_CUDA(cudaGetDevice(&device));
@@ -751,9 +762,14 @@ static void bench(void) {
         for (const auto &f : forced)
             printf(" w%ds%d %.2f", f[0], f[1],
                    time_plan(ragged_attention_mma_make_plan(&a, &dev, f[0], f[1])));
-        if (ragged_attention_wgmma_supports(&a, &dev)) /* the sm_90a path, what auto runs */
+        if (ragged_attention_wgmma_supports(&a, &dev)) { /* the sm_90a path, what auto runs */
             printf(" | wgmma %.2f",
                    time_launch([&] { return ragged_attention_wgmma_launch(&a, &dev, 0); }));
+            for (int stages = 2; stages <= RAGGED_ATTENTION_WGMMA_MAX_STAGES; ++stages)
+                printf(" s%d %.2f", stages, time_launch([&] {
+                           return ragged_attention_wgmma_launch_stages(&a, &dev, stages, 0);
+                       }));
+        }
         printf("\n");
         fflush(stdout);
         CHECK_CUDA(cudaEventDestroy(e0));

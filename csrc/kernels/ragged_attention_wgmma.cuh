@@ -6,11 +6,13 @@
  * K/V tiles sit in shared memory as rows of 128 bytes (one row = one token's 64 elements)
  * in the 128-byte swizzle wgmma reads: 16-byte chunk c of row r at chunk c ^ (r % 8), each
  * tile 1024-byte aligned, filled by 16-byte cp.async (rows past the sequence zero-filled)
- * through a ring of 2-4 K/V stages. S = Q K^T: 4 wgmma.mma_async m64n64k16 with both
- * operands from shared memory (K-major); O += P V: 4 m64n64k16 with P in registers (the S
- * accumulators rounded to the input type: their layout is the A-register layout) and V
- * from shared memory transposed (MN-major), fp32 accumulators throughout. Online softmax
- * in base 2 with scale * log2(e) folded into the exponent, as the mma.sync kernel.
+ * through rings of 2-5 K slots and as many V slots, V one tile behind K. S = Q K^T: 4
+ * wgmma.mma_async m64n64k16 with both operands from shared memory (K-major); O += P V: 4
+ * m64n64k16 with P in registers (the S accumulators rounded to the input type: their layout
+ * is the A-register layout) and V from shared memory transposed (MN-major), fp32
+ * accumulators throughout. Each step issues Q K^T of key tile j and P V of tile j - 1 back
+ * to back and does tile j's softmax while P V runs. Online softmax in base 2 with
+ * scale * log2(e) folded into the exponent, as the mma.sync kernel.
  * Covered by dev/test_attention_mma.cu (its launcher plans) and tests/test_ops.py through
  * the dispatcher. Not compiled for other targets (the kernel body is sm_90a-only). */
 #ifndef RAGVIT_RAGGED_ATTENTION_WGMMA_CUH
@@ -24,9 +26,9 @@
 #define RAGGED_ATTENTION_WGMMA_ROWS 64      /* query rows per block (one warpgroup) */
 #define RAGGED_ATTENTION_WGMMA_KEYS 64      /* keys per K/V tile */
 #define RAGGED_ATTENTION_WGMMA_TILE 8192    /* bytes of one 64 x 64 16-bit tile */
-#define RAGGED_ATTENTION_WGMMA_MAX_STAGES 4 /* K/V tiles in flight */
+#define RAGGED_ATTENTION_WGMMA_MAX_STAGES 5 /* slots of each of the K and V rings */
 
-/* Shared memory of a plan: alignment slack, Q, then num_stages (K, V) tile pairs. */
+/* Shared memory of a plan: alignment slack, Q, num_stages K slots, num_stages V slots. */
 static int ragged_attention_wgmma_smem_bytes(int num_stages) {
     return 1024 + RAGGED_ATTENTION_WGMMA_TILE * (1 + 2 * num_stages);
 }
@@ -53,8 +55,10 @@ static __device__ __forceinline__ void ragged_attention_wgmma_commit() {
     asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
 }
 
-static __device__ __forceinline__ void ragged_attention_wgmma_wait_all() {
-    asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
+/* Waits until at most N of this warpgroup's committed wgmma groups are still in flight. */
+template <int N>
+static __device__ __forceinline__ void ragged_attention_wgmma_wait() {
+    asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory");
 }
 
 /* cp.async writes reach wgmma (the async proxy) only through this fence. */
@@ -90,27 +94,28 @@ struct ragged_attention_wgmma_is_half<__half> {
     static constexpr bool value = true;
 };
 
-/* scale-d is a predicate: always 1 here (d += A B; callers zero d first). */
+/* scale-d is a predicate: 1 accumulates (d += A B), 0 overwrites (d = A B). */
 #define RAGGED_ATTENTION_WGMMA_PRED "{\n.reg .pred p;\nsetp.ne.b32 p, %32, 0;\n"
 
-/* d (64 x 64, fp32) += A (64 x 16, shared, K-major) * B (16 x 64, shared, K-major). */
+/* d (64 x 64, fp32) = A (64 x 16, shared, K-major) * B (16 x 64, shared, K-major), plus d
+ * when accumulate != 0. */
 template <typename Elem>
 static __device__ __forceinline__ void ragged_attention_wgmma_ss(float (&d)[32], uint64_t a,
-                                                                uint64_t b) {
+                                                                uint64_t b, int accumulate) {
     if constexpr (ragged_attention_wgmma_is_half<Elem>::value)
         asm volatile(RAGGED_ATTENTION_WGMMA_PRED
                      "wgmma.mma_async.sync.aligned.m64n64k16.f32.f16.f16 "
                      RAGGED_ATTENTION_WGMMA_D
                      ", %33, %34, p, 1, 1, 0, 0;\n}\n"
                      : RAGGED_ATTENTION_WGMMA_OUT(d)
-                     : "r"(1), "l"(a), "l"(b));
+                     : "r"(accumulate), "l"(a), "l"(b));
     else
         asm volatile(RAGGED_ATTENTION_WGMMA_PRED
                      "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 "
                      RAGGED_ATTENTION_WGMMA_D
                      ", %33, %34, p, 1, 1, 0, 0;\n}\n"
                      : RAGGED_ATTENTION_WGMMA_OUT(d)
-                     : "r"(1), "l"(a), "l"(b));
+                     : "r"(accumulate), "l"(a), "l"(b));
 }
 
 /* d (64 x 64, fp32) += A (64 x 16, registers: this warp's 16 rows as mma.m16n8k16's A
@@ -152,8 +157,81 @@ static __device__ __forceinline__ void ragged_attention_wgmma_load_tile(uint32_t
     }
 }
 
+/* Ring group g of a sequence with num_tiles key tiles: K tile g + 1 into K slot
+ * (g + 1) % num_stages and V tile g into V slot g % num_stages (tiles past the sequence are
+ * skipped; the caller commits, so empty groups keep the count uniform). V lags K by one tile
+ * because P V of tile g runs one step after Q K^T of tile g. */
+template <typename Elem>
+static __device__ __forceinline__ void ragged_attention_wgmma_load_group(
+    uint32_t s_k0, uint32_t s_v0, int num_stages, int g, int num_tiles, const Elem *k_seq,
+    const Elem *v_seq, const ragvit_attention_args &a, int len) {
+    constexpr int kKeys = RAGGED_ATTENTION_WGMMA_KEYS;
+    constexpr uint32_t kTile = RAGGED_ATTENTION_WGMMA_TILE;
+    if (g + 1 < num_tiles) {
+        const int key0 = (g + 1) * kKeys;
+        ragged_attention_wgmma_load_tile<Elem>(s_k0 + kTile * ((g + 1) % num_stages),
+                                               k_seq + (int64_t)key0 * a.k_stride_token,
+                                               a.k_stride_token, len - key0);
+    }
+    if (g < num_tiles) {
+        const int key0 = g * kKeys;
+        ragged_attention_wgmma_load_tile<Elem>(s_v0 + kTile * (g % num_stages),
+                                               v_seq + (int64_t)key0 * a.v_stride_token,
+                                               a.v_stride_token, len - key0);
+    }
+}
+
+/* Online softmax of one 64 x 64 score tile s in place (s becomes P = 2^(s scale_log2 - m),
+ * keys >= num_keys masked to 0); updates the row maxima and sums of this thread's two rows
+ * and returns their rescale factors 2^(old max - new max) in alpha (1 on the first tile).
+ * Thread (group, tig) of warp w holds rows 16 w + group (s[4i], s[4i + 1]) and + 8
+ * (s[4i + 2], s[4i + 3]), keys 8 i + 2 tig + {0, 1}. */
+static __device__ __forceinline__ void ragged_attention_wgmma_softmax(
+    float (&s)[32], int num_keys, float scale_log2, bool is_first, float (&row_max)[2],
+    float (&row_sum)[2], float (&alpha)[2]) {
+    const int tig = (threadIdx.x & 31) & 3;
+    if (num_keys < RAGGED_ATTENTION_WGMMA_KEYS) {
+#pragma unroll
+        for (int i = 0; i < 8; ++i)
+#pragma unroll
+            for (int e = 0; e < 4; ++e)
+                if (i * 8 + 2 * tig + (e & 1) >= num_keys)
+                    s[4 * i + e] = -INFINITY;
+    }
+    float mx[2] = {-INFINITY, -INFINITY};
+#pragma unroll
+    for (int i = 0; i < 8; ++i) {
+        mx[0] = fmaxf(mx[0], fmaxf(s[4 * i], s[4 * i + 1]));
+        mx[1] = fmaxf(mx[1], fmaxf(s[4 * i + 2], s[4 * i + 3]));
+    }
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+        mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 1));
+        mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 2));
+        /* the tile's first key is valid: the maximum is finite; scale_log2 > 0 commutes */
+        const float m = is_first ? mx[r] * scale_log2 : fmaxf(row_max[r], mx[r] * scale_log2);
+        alpha[r] = is_first ? 1.0f : ragged_attention_mma_exp2(row_max[r] - m);
+        row_max[r] = m;
+    }
+    float sum[2] = {0.0f, 0.0f};
+#pragma unroll
+    for (int i = 0; i < 8; ++i)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+            const int r = e >> 1;
+            s[4 * i + e] = ragged_attention_mma_exp2(fmaf(s[4 * i + e], scale_log2, -row_max[r]));
+            sum[r] += s[4 * i + e];
+        }
+#pragma unroll
+    for (int r = 0; r < 2; ++r)
+        row_sum[r] = is_first ? sum[r] : fmaf(row_sum[r], alpha[r], sum[r]);
+}
+
 /* One 64-row query tile of head h of the sequence starting at token `start` (the block is
- * one warpgroup; every branch is block-uniform). smem: 1024-byte aligned shared address. */
+ * one warpgroup; every branch is block-uniform). smem: 1024-byte aligned shared address:
+ * Q, then num_stages K slots, then num_stages V slots. Step j (0 .. num_tiles) issues
+ * S = Q K_j^T (j < num_tiles) and O += P_{j-1} V_{j-1} (j >= 1) back to back, then does the
+ * softmax of S_j while P V runs (FlashAttention-3's intra-warpgroup overlap). */
 template <typename Elem>
 static __device__ __forceinline__ void ragged_attention_wgmma_tile(uint32_t smem, int num_stages,
                                                                   const ragvit_attention_args &a,
@@ -166,151 +244,123 @@ static __device__ __forceinline__ void ragged_attention_wgmma_tile(uint32_t smem
     const int lane = threadIdx.x & 31;
     const int group = lane >> 2, tig = lane & 3;
     const int num_tiles = (len + kKeys - 1) / kKeys;
-    const uint32_t s_q = smem;
-    const Elem *k_head = static_cast<const Elem *>(a.k) + (int64_t)h * a.k_stride_head;
-    const Elem *v_head = static_cast<const Elem *>(a.v) + (int64_t)h * a.v_stride_head;
+    const uint32_t s_q = smem, s_k0 = smem + kTile, s_v0 = smem + kTile * (1 + num_stages);
+    const Elem *k_seq = static_cast<const Elem *>(a.k) + (int64_t)h * a.k_stride_head +
+                        (int64_t)start * a.k_stride_token;
+    const Elem *v_seq = static_cast<const Elem *>(a.v) + (int64_t)h * a.v_stride_head +
+                        (int64_t)start * a.v_stride_token;
 
     __syncthreads(); /* this block's previous tile may still read shared memory */
-    ragged_attention_wgmma_load_tile<Elem>(
+    ragged_attention_wgmma_load_tile<Elem>( /* group -1: Q and K_0 */
         s_q,
         static_cast<const Elem *>(a.q) + ((int64_t)start + q0) * a.q_stride_token +
             (int64_t)h * a.q_stride_head,
         a.q_stride_token, min(RAGGED_ATTENTION_WGMMA_ROWS, len - q0));
-    for (int st = 0; st < num_stages - 1; ++st) {
-        if (st < num_tiles) {
-            const uint32_t s_k = smem + kTile * (1 + 2 * st);
-            const int64_t token = (int64_t)start + st * kKeys;
-            ragged_attention_wgmma_load_tile<Elem>(s_k, k_head + token * a.k_stride_token,
-                                                   a.k_stride_token, len - st * kKeys);
-            ragged_attention_wgmma_load_tile<Elem>(s_k + kTile, v_head + token * a.v_stride_token,
-                                                   a.v_stride_token, len - st * kKeys);
-        }
-        ragged_attention_mma_cp_async_commit(); /* group st: key tile st (+ Q) */
+    ragged_attention_wgmma_load_tile<Elem>(s_k0, k_seq, a.k_stride_token, len);
+    ragged_attention_mma_cp_async_commit();
+    for (int g = 0; g <= num_stages - 2; ++g) {
+        ragged_attention_wgmma_load_group<Elem>(s_k0, s_v0, num_stages, g, num_tiles, k_seq,
+                                                v_seq, a, len);
+        ragged_attention_mma_cp_async_commit();
     }
 
-    float o[32];
+    float o[32], s[32];
 #pragma unroll
-    for (int i = 0; i < 32; ++i)
+    for (int i = 0; i < 32; ++i) {
         o[i] = 0.0f;
-    float row_max0 = -INFINITY, row_max1 = -INFINITY, row_sum0 = 0.0f, row_sum1 = 0.0f;
+        s[i] = 0.0f;
+    }
+    float row_max[2] = {-INFINITY, -INFINITY}, row_sum[2] = {0.0f, 0.0f}, alpha[2];
+    uint32_t p[4][4];
     const uint64_t desc_q = ragged_attention_wgmma_desc(s_q, 16, 1024);
-    int stage = 0;
-    for (int t = 0; t < num_tiles; ++t) {
-        const int num_keys = min(kKeys, len - t * kKeys);
-        ragged_attention_mma_cp_async_wait_pending(num_stages - 2); /* tile t landed */
+    int k_slot = 0, v_slot = 0;
+    /* Step j's start: group j - 1 (K_j, V_{j-1}) landed and every thread is done with step
+     * j - 1's wgmmas, so group j + num_stages - 2 may refill the slots K_{j-1}, V_{j-2} left. */
+    auto begin_step = [&](int j) {
+        ragged_attention_mma_cp_async_wait_pending(j == 0 ? num_stages - 1 : num_stages - 2);
         ragged_attention_wgmma_fence_proxy();
-        __syncthreads(); /* every thread's copies; tile t - 1 fully consumed */
-        if (t + num_stages - 1 < num_tiles) {
-            const int fill = stage == 0 ? num_stages - 1 : stage - 1;
-            const uint32_t s_k = smem + kTile * (1 + 2 * fill);
-            const int key0 = (t + num_stages - 1) * kKeys;
-            const int64_t token = (int64_t)start + key0;
-            ragged_attention_wgmma_load_tile<Elem>(s_k, k_head + token * a.k_stride_token,
-                                                   a.k_stride_token, len - key0);
-            ragged_attention_wgmma_load_tile<Elem>(s_k + kTile, v_head + token * a.v_stride_token,
-                                                   a.v_stride_token, len - key0);
+        __syncthreads();
+        if (j >= 1) {
+            ragged_attention_wgmma_load_group<Elem>(s_k0, s_v0, num_stages, j + num_stages - 2,
+                                                    num_tiles, k_seq, v_seq, a, len);
+            ragged_attention_mma_cp_async_commit();
         }
-        ragged_attention_mma_cp_async_commit();
-        const uint32_t s_k = smem + kTile * (1 + 2 * stage);
-        const uint32_t s_v = s_k + kTile;
-        stage = stage + 1 == num_stages ? 0 : stage + 1;
-
-        /* S = Q K^T: k-step kk reads columns [16 kk, 16 kk + 16) of both (32 bytes on) */
-        float s[32];
-#pragma unroll
-        for (int i = 0; i < 32; ++i)
-            s[i] = 0.0f;
-        const uint64_t desc_k = ragged_attention_wgmma_desc(s_k, 16, 1024);
-        ragged_attention_wgmma_fence_regs(s);
-        ragged_attention_wgmma_fence();
+    };
+    /* S = Q K_j^T; k-step kk reads columns [16 kk, 16 kk + 16) of Q and K (32 bytes on). */
+    auto issue_s = [&]() {
+        const uint64_t desc_k = ragged_attention_wgmma_desc(s_k0 + kTile * k_slot, 16, 1024);
 #pragma unroll
         for (int kk = 0; kk < 4; ++kk)
-            ragged_attention_wgmma_ss<Elem>(s, desc_q + 2 * kk, desc_k + 2 * kk);
+            ragged_attention_wgmma_ss<Elem>(s, desc_q + 2 * kk, desc_k + 2 * kk, kk);
         ragged_attention_wgmma_commit();
-        ragged_attention_wgmma_wait_all();
+        k_slot = k_slot + 1 == num_stages ? 0 : k_slot + 1;
+    };
+    /* P (in s) as the A fragments of P V: k-step jj is keys [16 jj, 16 jj + 16), the C
+     * fragments of key blocks 2 jj and 2 jj + 1. */
+    auto pack_p = [&]() {
+#pragma unroll
+        for (int jj = 0; jj < 4; ++jj) {
+            p[jj][0] = ops::pack(s[8 * jj], s[8 * jj + 1]);
+            p[jj][1] = ops::pack(s[8 * jj + 2], s[8 * jj + 3]);
+            p[jj][2] = ops::pack(s[8 * jj + 4], s[8 * jj + 5]);
+            p[jj][3] = ops::pack(s[8 * jj + 6], s[8 * jj + 7]);
+        }
+    };
+    /* O += P V; V MN-major, rows 16 jj on (2048 bytes); keys past the sequence have P = 0
+     * and zero-filled V rows. */
+    auto issue_pv = [&]() {
+        const uint64_t desc_v = ragged_attention_wgmma_desc(s_v0 + kTile * v_slot, kTile, 1024);
+#pragma unroll
+        for (int jj = 0; jj < 4; ++jj)
+            ragged_attention_wgmma_rs<Elem>(o, p[jj], desc_v + (uint64_t)((2048 * jj) >> 4));
+        ragged_attention_wgmma_commit();
+        v_slot = v_slot + 1 == num_stages ? 0 : v_slot + 1;
+    };
+
+    /* step 0: S_0 alone. Steps 1 .. num_tiles - 1: S_j and P_{j-1} V_{j-1} back to back,
+     * S_j's softmax while P V runs. Step num_tiles: the last P V. Straight-line wgmma
+     * groups in each, so ptxas keeps them asynchronous. */
+    begin_step(0);
+    ragged_attention_wgmma_fence_regs(s);
+    ragged_attention_wgmma_fence();
+    issue_s();
+    ragged_attention_wgmma_wait<0>();
+    ragged_attention_wgmma_fence_regs(s);
+    ragged_attention_wgmma_softmax(s, min(kKeys, len), scale_log2, true, row_max, row_sum,
+                                   alpha);
+    for (int j = 1; j < num_tiles; ++j) {
+        begin_step(j);
+        pack_p();
         ragged_attention_wgmma_fence_regs(s);
-
-        /* thread (group, tig) of warp w: rows 16 w + group (s[4i], s[4i + 1]) and + 8
-         * (s[4i + 2], s[4i + 3]), keys 8 i + 2 tig + {0, 1} */
-        if (num_keys < kKeys) {
-#pragma unroll
-            for (int i = 0; i < 8; ++i)
-#pragma unroll
-                for (int e = 0; e < 4; ++e)
-                    if (i * 8 + 2 * tig + (e & 1) >= num_keys)
-                        s[4 * i + e] = -INFINITY;
-        }
-        float mx0 = -INFINITY, mx1 = -INFINITY;
-#pragma unroll
-        for (int i = 0; i < 8; ++i) {
-            mx0 = fmaxf(mx0, fmaxf(s[4 * i], s[4 * i + 1]));
-            mx1 = fmaxf(mx1, fmaxf(s[4 * i + 2], s[4 * i + 3]));
-        }
-        mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 1));
-        mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 1));
-        mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 2));
-        mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 2));
-        /* key t * 64 is valid: both maxima are finite; scale_log2 > 0 commutes with max */
-        const float m0 = fmaxf(row_max0, mx0 * scale_log2);
-        const float m1 = fmaxf(row_max1, mx1 * scale_log2);
-        float sum0 = 0.0f, sum1 = 0.0f;
-#pragma unroll
-        for (int i = 0; i < 8; ++i) {
-            s[4 * i] = ragged_attention_mma_exp2(fmaf(s[4 * i], scale_log2, -m0));
-            s[4 * i + 1] = ragged_attention_mma_exp2(fmaf(s[4 * i + 1], scale_log2, -m0));
-            s[4 * i + 2] = ragged_attention_mma_exp2(fmaf(s[4 * i + 2], scale_log2, -m1));
-            s[4 * i + 3] = ragged_attention_mma_exp2(fmaf(s[4 * i + 3], scale_log2, -m1));
-            sum0 += s[4 * i] + s[4 * i + 1];
-            sum1 += s[4 * i + 2] + s[4 * i + 3];
-        }
-        if (t == 0) {
-            row_sum0 = sum0;
-            row_sum1 = sum1;
-        } else {
-            const float alpha0 = ragged_attention_mma_exp2(row_max0 - m0);
-            const float alpha1 = ragged_attention_mma_exp2(row_max1 - m1);
-            row_sum0 = fmaf(row_sum0, alpha0, sum0);
-            row_sum1 = fmaf(row_sum1, alpha1, sum1);
-#pragma unroll
-            for (int i = 0; i < 8; ++i) {
-                o[4 * i] *= alpha0;
-                o[4 * i + 1] *= alpha0;
-                o[4 * i + 2] *= alpha1;
-                o[4 * i + 3] *= alpha1;
-            }
-        }
-        row_max0 = m0;
-        row_max1 = m1;
-
-        /* O += P V: k-step j is keys [16 j, 16 j + 16), the C fragments of key blocks 2 j and
-         * 2 j + 1 packed as the A fragment; V rows 16 j on (2048 bytes on). Key blocks past
-         * num_keys hold P = 0 and zero-filled V: no need to skip them. */
-        uint32_t p[4][4];
-#pragma unroll
-        for (int j = 0; j < 4; ++j) {
-            p[j][0] = ops::pack(s[8 * j], s[8 * j + 1]);
-            p[j][1] = ops::pack(s[8 * j + 2], s[8 * j + 3]);
-            p[j][2] = ops::pack(s[8 * j + 4], s[8 * j + 5]);
-            p[j][3] = ops::pack(s[8 * j + 6], s[8 * j + 7]);
-        }
-        const uint64_t desc_v = ragged_attention_wgmma_desc(s_v, kTile, 1024);
         ragged_attention_wgmma_fence_regs(o);
         ragged_attention_wgmma_fence();
-#pragma unroll
-        for (int j = 0; j < 4; ++j)
-            ragged_attention_wgmma_rs<Elem>(o, p[j], desc_v + (uint64_t)((2048 * j) >> 4));
-        ragged_attention_wgmma_commit();
-        ragged_attention_wgmma_wait_all();
+        issue_s();
+        issue_pv();
+        ragged_attention_wgmma_wait<1>(); /* S_j; P V may still run */
+        ragged_attention_wgmma_fence_regs(s);
+        ragged_attention_wgmma_softmax(s, min(kKeys, len - j * kKeys), scale_log2, false,
+                                       row_max, row_sum, alpha);
+        ragged_attention_wgmma_wait<0>();
         ragged_attention_wgmma_fence_regs(o);
+#pragma unroll
+        for (int i = 0; i < 32; ++i)
+            o[i] *= alpha[(i >> 1) & 1];
     }
+    begin_step(num_tiles);
+    pack_p();
+    ragged_attention_wgmma_fence_regs(o);
+    ragged_attention_wgmma_fence();
+    issue_pv();
+    ragged_attention_wgmma_wait<0>();
+    ragged_attention_wgmma_fence_regs(o);
     ragged_attention_mma_cp_async_wait<0>(); /* only empty groups can be left */
 
-    row_sum0 += __shfl_xor_sync(0xffffffffu, row_sum0, 1);
-    row_sum1 += __shfl_xor_sync(0xffffffffu, row_sum1, 1);
-    row_sum0 += __shfl_xor_sync(0xffffffffu, row_sum0, 2);
-    row_sum1 += __shfl_xor_sync(0xffffffffu, row_sum1, 2);
-    const float inv0 = __fdividef(1.0f, row_sum0);
-    const float inv1 = __fdividef(1.0f, row_sum1);
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+        row_sum[r] += __shfl_xor_sync(0xffffffffu, row_sum[r], 1);
+        row_sum[r] += __shfl_xor_sync(0xffffffffu, row_sum[r], 2);
+        row_sum[r] = __fdividef(1.0f, row_sum[r]);
+    }
     const int r0 = q0 + warp * 16 + group; /* this thread's rows r0 and r0 + 8 */
     Elem *out = static_cast<Elem *>(a.out) + (int64_t)h * a.out_stride_head;
 #pragma unroll
@@ -318,11 +368,11 @@ static __device__ __forceinline__ void ragged_attention_wgmma_tile(uint32_t smem
         const int col = 8 * i + 2 * tig;
         if (r0 < len)
             *reinterpret_cast<uint32_t *>(out + ((int64_t)start + r0) * a.out_stride_token + col) =
-                ops::pack(o[4 * i] * inv0, o[4 * i + 1] * inv0);
+                ops::pack(o[4 * i] * row_sum[0], o[4 * i + 1] * row_sum[0]);
         if (r0 + 8 < len)
             *reinterpret_cast<uint32_t *>(out + ((int64_t)start + r0 + 8) * a.out_stride_token +
                                           col) =
-                ops::pack(o[4 * i + 2] * inv1, o[4 * i + 3] * inv1);
+                ops::pack(o[4 * i + 2] * row_sum[1], o[4 * i + 3] * row_sum[1]);
     }
 }
 #endif /* RAGGED_ATTENTION_WGMMA_DEVICE */
@@ -382,11 +432,12 @@ static bool ragged_attention_wgmma_supports(const ragvit_attention_args *a,
 #endif
 }
 
-/* Launches (no allocation, no host sync): stages as the mma.sync plans choose them (up to 4
- * K/V tiles in flight when the grid is one wave, else 2), grid capped like theirs. */
-static ragvit_status ragged_attention_wgmma_launch(const ragvit_attention_args *a,
-                                                   const ragvit_device_info *dev,
-                                                   cudaStream_t stream) {
+/* Launches (no allocation, no host sync) with num_stages K and V slots each (0: the launcher's
+ * choice: enough to prefetch every key tile, up to 5, when the grid is one wave, else 2), grid
+ * capped like the mma.sync plans'. A forced count is clamped to what fits. */
+static ragvit_status ragged_attention_wgmma_launch_stages(const ragvit_attention_args *a,
+                                                          const ragvit_device_info *dev,
+                                                          int num_stages, cudaStream_t stream) {
     int64_t max_len = a->max_seqlen > 0 ? a->max_seqlen : a->total_tokens;
     if (max_len > INT32_MAX)
         max_len = INT32_MAX;
@@ -398,11 +449,16 @@ static ragvit_status ragged_attention_wgmma_launch(const ragvit_attention_args *
     const int64_t key_tiles =
         (max_len + RAGGED_ATTENTION_WGMMA_KEYS - 1) / RAGGED_ATTENTION_WGMMA_KEYS;
     int64_t grid_x = (max_len + rows - 1) / rows;
-    int num_stages = 2;
-    if (grid_x * heads * seqs <= sm_count)
-        num_stages = (int)(key_tiles < RAGGED_ATTENTION_WGMMA_MAX_STAGES
-                               ? (key_tiles > 2 ? key_tiles : 2)
-                               : RAGGED_ATTENTION_WGMMA_MAX_STAGES);
+    if (num_stages <= 0) /* stages s hold key tiles 0 .. s - 1 and V tiles 0 .. s - 2 */
+        num_stages = grid_x * heads * seqs <= sm_count
+                         ? (int)(key_tiles + 1 < RAGGED_ATTENTION_WGMMA_MAX_STAGES
+                                     ? key_tiles + 1
+                                     : RAGGED_ATTENTION_WGMMA_MAX_STAGES)
+                         : 2;
+    if (num_stages > RAGGED_ATTENTION_WGMMA_MAX_STAGES)
+        num_stages = RAGGED_ATTENTION_WGMMA_MAX_STAGES;
+    if (num_stages < 2)
+        num_stages = 2;
     while (num_stages > 2 &&
            ragged_attention_wgmma_smem_bytes(num_stages) > dev->smem_per_block_optin)
         --num_stages;
@@ -428,7 +484,14 @@ static ragvit_status ragged_attention_wgmma_launch(const ragvit_attention_args *
     return RAGVIT_STATUS_OK;
 }
 
-/* One-time per-device setup: opt in to the 4-stage plan's shared memory. */
+/* The launcher's own plan (what ragged_attention_mma_launch runs). */
+static ragvit_status ragged_attention_wgmma_launch(const ragvit_attention_args *a,
+                                                   const ragvit_device_info *dev,
+                                                   cudaStream_t stream) {
+    return ragged_attention_wgmma_launch_stages(a, dev, 0, stream);
+}
+
+/* One-time per-device setup: opt in to the largest plan's shared memory. */
 static ragvit_status ragged_attention_wgmma_init(const ragvit_device_info *dev) {
 #ifdef RAGVIT_HAS_SM90A
     if (dev->cc_major != 9 || dev->cc_minor != 0)
