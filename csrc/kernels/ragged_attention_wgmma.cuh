@@ -6,13 +6,15 @@
  * K/V tiles sit in shared memory as rows of 128 bytes (one row = one token's 64 elements)
  * in the 128-byte swizzle wgmma reads: 16-byte chunk c of row r at chunk c ^ (r % 8), each
  * tile 1024-byte aligned, filled by 16-byte cp.async (rows past the sequence zero-filled)
- * through rings of 2-5 K slots and as many V slots, V one tile behind K. S = Q K^T: 4
- * wgmma.mma_async m64n64k16 with both operands from shared memory (K-major); O += P V: 4
- * m64n64k16 with P in registers (the S accumulators rounded to the input type: their layout
- * is the A-register layout) and V from shared memory transposed (MN-major), fp32
- * accumulators throughout. Each step issues Q K^T of key tile j and P V of tile j - 1 back
- * to back and does tile j's softmax while P V runs. Online softmax in base 2 with
- * scale * log2(e) folded into the exponent, as the mma.sync kernel.
+ * through a ring of 2-5 (K, V) stages. S = Q K^T: 4 wgmma.mma_async m64nNk16 with both
+ * operands from shared memory (K-major); O += P V: up to 4 m64n64k16 with P in registers
+ * (the S accumulators rounded to the input type: their layout is the A-register layout) and
+ * V from shared memory transposed (MN-major), fp32 accumulators throughout. N = 64 except
+ * on a sequence's last, partial key tile, where N (16 or 32, else 64) and the P V steps
+ * shrink to its keys in multiples of 16 (at 197 tokens that tile has 5 keys). Online softmax in base 2 with
+ * scale * log2(e) folded into the exponent, as the mma.sync kernel. Issuing Q K^T of the
+ * next tile with P V (FlashAttention-3's overlap) measured 2-4% slower here: 4 blocks an SM
+ * already overlap one another's softmax.
  * Covered by dev/test_attention_mma.cu (its launcher plans) and tests/test_ops.py through
  * the dispatcher. Not compiled for other targets (the kernel body is sm_90a-only). */
 #ifndef RAGVIT_RAGGED_ATTENTION_WGMMA_CUH
@@ -26,9 +28,12 @@
 #define RAGGED_ATTENTION_WGMMA_ROWS 64      /* query rows per block (one warpgroup) */
 #define RAGGED_ATTENTION_WGMMA_KEYS 64      /* keys per K/V tile */
 #define RAGGED_ATTENTION_WGMMA_TILE 8192    /* bytes of one 64 x 64 16-bit tile */
-#define RAGGED_ATTENTION_WGMMA_MAX_STAGES 5 /* slots of each of the K and V rings */
+#define RAGGED_ATTENTION_WGMMA_MAX_STAGES 5 /* (K, V) tile pairs in the ring */
+#ifndef RAGGED_ATTENTION_WGMMA_MIN_BLOCKS
+#define RAGGED_ATTENTION_WGMMA_MIN_BLOCKS 4 /* blocks an SM (__launch_bounds__) */
+#endif
 
-/* Shared memory of a plan: alignment slack, Q, num_stages K slots, num_stages V slots. */
+/* Shared memory of a plan: alignment slack, Q, then num_stages (K, V) tile pairs. */
 static int ragged_attention_wgmma_smem_bytes(int num_stages) {
     return 1024 + RAGGED_ATTENTION_WGMMA_TILE * (1 + 2 * num_stages);
 }
@@ -67,21 +72,43 @@ static __device__ __forceinline__ void ragged_attention_wgmma_fence_proxy() {
 }
 
 /* Keeps the compiler from moving accumulator accesses across an asynchronous wgmma. */
-static __device__ __forceinline__ void ragged_attention_wgmma_fence_regs(float (&d)[32]) {
+template <int M>
+static __device__ __forceinline__ void ragged_attention_wgmma_fence_regs(float (&d)[M]) {
 #pragma unroll
-    for (int i = 0; i < 32; ++i)
+    for (int i = 0; i < M; ++i)
         asm volatile("" : "+f"(d[i])::"memory");
 }
 
-#define RAGGED_ATTENTION_WGMMA_D                                                               \
-    "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, "  \
-    "%19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}"
-#define RAGGED_ATTENTION_WGMMA_OUT(d)                                                          \
-    "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]),       \
-        "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]),            \
-        "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]),         \
-        "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]),         \
-        "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]),         \
+/* Accumulator operand lists of m64nNk16, N / 2 fp32 registers a thread (N = 16 .. 64). */
+#define RAGGED_ATTENTION_WGMMA_D16                                                              \
+    "{%0, %1, %2, %3, %4, %5, %6, %7}"
+#define RAGGED_ATTENTION_WGMMA_D32                                                              \
+    "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, " "%12, %13, %14, %15}"
+#define RAGGED_ATTENTION_WGMMA_D48                                                              \
+    "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, "                                       \
+        "%12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23}"
+#define RAGGED_ATTENTION_WGMMA_D                                                                \
+    "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, "                                       \
+        "%12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, "                          \
+        "%24, %25, %26, %27, %28, %29, %30, %31}"
+#define RAGGED_ATTENTION_WGMMA_OUT8(d)                                                          \
+    "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]),         \
+        "+f"(d[7])
+#define RAGGED_ATTENTION_WGMMA_OUT16(d)                                                         \
+    "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]),         \
+        "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]),              \
+        "+f"(d[13]), "+f"(d[14]), "+f"(d[15])
+#define RAGGED_ATTENTION_WGMMA_OUT24(d)                                                         \
+    "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]),         \
+        "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]),              \
+        "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]),           \
+        "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23])
+#define RAGGED_ATTENTION_WGMMA_OUT(d)                                                           \
+    "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]),         \
+        "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]),              \
+        "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]),           \
+        "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]),           \
+        "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]),           \
         "+f"(d[31])
 
 /* fp16 or bf16 operands (the instruction's .atype/.btype). */
@@ -94,29 +121,49 @@ struct ragged_attention_wgmma_is_half<__half> {
     static constexpr bool value = true;
 };
 
-/* scale-d is a predicate: 1 accumulates (d += A B), 0 overwrites (d = A B). */
-#define RAGGED_ATTENTION_WGMMA_PRED "{\n.reg .pred p;\nsetp.ne.b32 p, %32, 0;\n"
+/* scale-d is a predicate (from operand %idx): 1 accumulates (d += A B), 0 overwrites. */
+#define RAGGED_ATTENTION_WGMMA_PRED(idx) "{\n.reg .pred p;\nsetp.ne.b32 p, %" idx ", 0;\n"
 
-/* d (64 x 64, fp32) = A (64 x 16, shared, K-major) * B (16 x 64, shared, K-major), plus d
- * when accumulate != 0. */
-template <typename Elem>
-static __device__ __forceinline__ void ragged_attention_wgmma_ss(float (&d)[32], uint64_t a,
-                                                                uint64_t b, int accumulate) {
-    if constexpr (ragged_attention_wgmma_is_half<Elem>::value)
-        asm volatile(RAGGED_ATTENTION_WGMMA_PRED
-                     "wgmma.mma_async.sync.aligned.m64n64k16.f32.f16.f16 "
-                     RAGGED_ATTENTION_WGMMA_D
-                     ", %33, %34, p, 1, 1, 0, 0;\n}\n"
-                     : RAGGED_ATTENTION_WGMMA_OUT(d)
-                     : "r"(accumulate), "l"(a), "l"(b));
+/* d (64 x N, fp32: N / 2 registers in the layout of the first N columns of a 64 x 64 tile)
+ * = A (64 x 16, shared, K-major) * B (16 x N, shared, K-major), plus d when accumulate != 0.
+ * p, a, b: the operand numbers after d's. */
+#define RAGGED_ATTENTION_WGMMA_SS(shape, type, dlist, outs, p, a, b)                          \
+    asm volatile(RAGGED_ATTENTION_WGMMA_PRED(p) "wgmma.mma_async.sync.aligned." shape         \
+                 ".f32." type "." type " " dlist ", %" a ", %" b ", p, 1, 1, 0, 0;\n}\n"     \
+                 : outs                                                                        \
+                 : "r"(accumulate), "l"(a_desc), "l"(b_desc))
+template <typename Elem, int N>
+static __device__ __forceinline__ void ragged_attention_wgmma_ss(float (&d)[N / 2],
+                                                                uint64_t a_desc,
+                                                                uint64_t b_desc, int accumulate) {
+    static_assert(N == 16 || N == 32 || N == 48 || N == 64, "N: 16, 32, 48 or 64 keys");
+    constexpr bool is_half = ragged_attention_wgmma_is_half<Elem>::value;
+    if constexpr (N == 16 && is_half)
+        RAGGED_ATTENTION_WGMMA_SS("m64n16k16", "f16", RAGGED_ATTENTION_WGMMA_D16,
+                                  RAGGED_ATTENTION_WGMMA_OUT8(d), "8", "9", "10");
+    else if constexpr (N == 16)
+        RAGGED_ATTENTION_WGMMA_SS("m64n16k16", "bf16", RAGGED_ATTENTION_WGMMA_D16,
+                                  RAGGED_ATTENTION_WGMMA_OUT8(d), "8", "9", "10");
+    else if constexpr (N == 32 && is_half)
+        RAGGED_ATTENTION_WGMMA_SS("m64n32k16", "f16", RAGGED_ATTENTION_WGMMA_D32,
+                                  RAGGED_ATTENTION_WGMMA_OUT16(d), "16", "17", "18");
+    else if constexpr (N == 32)
+        RAGGED_ATTENTION_WGMMA_SS("m64n32k16", "bf16", RAGGED_ATTENTION_WGMMA_D32,
+                                  RAGGED_ATTENTION_WGMMA_OUT16(d), "16", "17", "18");
+    else if constexpr (N == 48 && is_half)
+        RAGGED_ATTENTION_WGMMA_SS("m64n48k16", "f16", RAGGED_ATTENTION_WGMMA_D48,
+                                  RAGGED_ATTENTION_WGMMA_OUT24(d), "24", "25", "26");
+    else if constexpr (N == 48)
+        RAGGED_ATTENTION_WGMMA_SS("m64n48k16", "bf16", RAGGED_ATTENTION_WGMMA_D48,
+                                  RAGGED_ATTENTION_WGMMA_OUT24(d), "24", "25", "26");
+    else if constexpr (is_half)
+        RAGGED_ATTENTION_WGMMA_SS("m64n64k16", "f16", RAGGED_ATTENTION_WGMMA_D,
+                                  RAGGED_ATTENTION_WGMMA_OUT(d), "32", "33", "34");
     else
-        asm volatile(RAGGED_ATTENTION_WGMMA_PRED
-                     "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 "
-                     RAGGED_ATTENTION_WGMMA_D
-                     ", %33, %34, p, 1, 1, 0, 0;\n}\n"
-                     : RAGGED_ATTENTION_WGMMA_OUT(d)
-                     : "r"(accumulate), "l"(a), "l"(b));
+        RAGGED_ATTENTION_WGMMA_SS("m64n64k16", "bf16", RAGGED_ATTENTION_WGMMA_D,
+                                  RAGGED_ATTENTION_WGMMA_OUT(d), "32", "33", "34");
 }
+#undef RAGGED_ATTENTION_WGMMA_SS
 
 /* d (64 x 64, fp32) += A (64 x 16, registers: this warp's 16 rows as mma.m16n8k16's A
  * fragment) * B (16 x 64, shared, MN-major: imm-trans-b = 1). */
@@ -125,14 +172,14 @@ static __device__ __forceinline__ void ragged_attention_wgmma_rs(float (&d)[32],
                                                                 const uint32_t (&a)[4],
                                                                 uint64_t b) {
     if constexpr (ragged_attention_wgmma_is_half<Elem>::value)
-        asm volatile(RAGGED_ATTENTION_WGMMA_PRED
+        asm volatile(RAGGED_ATTENTION_WGMMA_PRED("32")
                      "wgmma.mma_async.sync.aligned.m64n64k16.f32.f16.f16 "
                      RAGGED_ATTENTION_WGMMA_D
                      ", {%33, %34, %35, %36}, %37, p, 1, 1, 1;\n}\n"
                      : RAGGED_ATTENTION_WGMMA_OUT(d)
                      : "r"(1), "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b));
     else
-        asm volatile(RAGGED_ATTENTION_WGMMA_PRED
+        asm volatile(RAGGED_ATTENTION_WGMMA_PRED("32")
                      "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 "
                      RAGGED_ATTENTION_WGMMA_D
                      ", {%33, %34, %35, %36}, %37, p, 1, 1, 1;\n}\n"
@@ -154,30 +201,6 @@ static __device__ __forceinline__ void ragged_attention_wgmma_load_tile(uint32_t
         const bool is_valid = r < valid_rows;
         const Elem *g = src + (is_valid ? (int64_t)r * stride : (int64_t)0) + col * 8;
         ragged_attention_mma_cp_async16(dst + r * 128 + ((col ^ (r & 7)) << 4), g, is_valid);
-    }
-}
-
-/* Ring group g of a sequence with num_tiles key tiles: K tile g + 1 into K slot
- * (g + 1) % num_stages and V tile g into V slot g % num_stages (tiles past the sequence are
- * skipped; the caller commits, so empty groups keep the count uniform). V lags K by one tile
- * because P V of tile g runs one step after Q K^T of tile g. */
-template <typename Elem>
-static __device__ __forceinline__ void ragged_attention_wgmma_load_group(
-    uint32_t s_k0, uint32_t s_v0, int num_stages, int g, int num_tiles, const Elem *k_seq,
-    const Elem *v_seq, const ragvit_attention_args &a, int len) {
-    constexpr int kKeys = RAGGED_ATTENTION_WGMMA_KEYS;
-    constexpr uint32_t kTile = RAGGED_ATTENTION_WGMMA_TILE;
-    if (g + 1 < num_tiles) {
-        const int key0 = (g + 1) * kKeys;
-        ragged_attention_wgmma_load_tile<Elem>(s_k0 + kTile * ((g + 1) % num_stages),
-                                               k_seq + (int64_t)key0 * a.k_stride_token,
-                                               a.k_stride_token, len - key0);
-    }
-    if (g < num_tiles) {
-        const int key0 = g * kKeys;
-        ragged_attention_wgmma_load_tile<Elem>(s_v0 + kTile * (g % num_stages),
-                                               v_seq + (int64_t)key0 * a.v_stride_token,
-                                               a.v_stride_token, len - key0);
     }
 }
 
@@ -227,11 +250,49 @@ static __device__ __forceinline__ void ragged_attention_wgmma_softmax(
         row_sum[r] = is_first ? sum[r] : fmaf(row_sum[r], alpha[r], sum[r]);
 }
 
+/* S (s[0 .. N / 2), -inf after) = Q K^T over the first N keys of a K tile, then waits. N < 64
+ * accumulates in registers of its own (sharing s's would make ptxas serialize every wgmma). */
+template <typename Elem, int N>
+static __device__ __forceinline__ void ragged_attention_wgmma_scores(float (&s)[32],
+                                                                    uint64_t desc_q,
+                                                                    uint64_t desc_k) {
+    float d[N / 2];
+#pragma unroll
+    for (int i = 0; i < N / 2; ++i)
+        d[i] = 0.0f;
+    ragged_attention_wgmma_fence_regs(d);
+    ragged_attention_wgmma_fence();
+#pragma unroll
+    for (int kk = 0; kk < 4; ++kk) /* columns [16 kk, 16 kk + 16) of Q and K: 32 bytes on */
+        ragged_attention_wgmma_ss<Elem, N>(d, desc_q + 2 * kk, desc_k + 2 * kk, kk);
+    ragged_attention_wgmma_commit();
+    ragged_attention_wgmma_wait<0>();
+    ragged_attention_wgmma_fence_regs(d);
+#pragma unroll
+    for (int i = 0; i < 32; ++i) /* columns past N: masked (and s is dead during the wgmma) */
+        s[i] = i < N / 2 ? d[i] : -INFINITY;
+}
+
+/* O += P V over the first 16 K16 keys of a V tile (MN-major: key rows 16 jj on, 2048 bytes
+ * a step), then waits for it. */
+template <typename Elem, int K16>
+static __device__ __forceinline__ void ragged_attention_wgmma_pv(float (&o)[32],
+                                                                const uint32_t (&p)[4][4],
+                                                                uint64_t desc_v) {
+    ragged_attention_wgmma_fence_regs(o);
+    ragged_attention_wgmma_fence();
+#pragma unroll
+    for (int jj = 0; jj < K16; ++jj)
+        ragged_attention_wgmma_rs<Elem>(o, p[jj], desc_v + (uint64_t)((2048 * jj) >> 4));
+    ragged_attention_wgmma_commit();
+    ragged_attention_wgmma_wait<0>();
+    ragged_attention_wgmma_fence_regs(o);
+}
+
 /* One 64-row query tile of head h of the sequence starting at token `start` (the block is
  * one warpgroup; every branch is block-uniform). smem: 1024-byte aligned shared address:
- * Q, then num_stages K slots, then num_stages V slots. Step j (0 .. num_tiles) issues
- * S = Q K_j^T (j < num_tiles) and O += P_{j-1} V_{j-1} (j >= 1) back to back, then does the
- * softmax of S_j while P V runs (FlashAttention-3's intra-warpgroup overlap). */
+ * Q, then num_stages (K, V) slot pairs. A key tile of n < 64 keys (the sequence's last)
+ * runs Q K^T with N = 16 or 32 where n fits and P V over 16 ceil(n / 16) keys. */
 template <typename Elem>
 static __device__ __forceinline__ void ragged_attention_wgmma_tile(uint32_t smem, int num_stages,
                                                                   const ragvit_attention_args &a,
@@ -244,24 +305,32 @@ static __device__ __forceinline__ void ragged_attention_wgmma_tile(uint32_t smem
     const int lane = threadIdx.x & 31;
     const int group = lane >> 2, tig = lane & 3;
     const int num_tiles = (len + kKeys - 1) / kKeys;
-    const uint32_t s_q = smem, s_k0 = smem + kTile, s_v0 = smem + kTile * (1 + num_stages);
+    const uint32_t s_q = smem;
     const Elem *k_seq = static_cast<const Elem *>(a.k) + (int64_t)h * a.k_stride_head +
                         (int64_t)start * a.k_stride_token;
     const Elem *v_seq = static_cast<const Elem *>(a.v) + (int64_t)h * a.v_stride_head +
                         (int64_t)start * a.v_stride_token;
+    /* key tile `tile` into ring stage `stage` (K slot, then V slot) */
+    auto load_kv = [&](int stage, int tile) {
+        const uint32_t s_k = smem + kTile * (1 + 2 * stage);
+        const int key0 = tile * kKeys;
+        ragged_attention_wgmma_load_tile<Elem>(s_k, k_seq + (int64_t)key0 * a.k_stride_token,
+                                               a.k_stride_token, len - key0);
+        ragged_attention_wgmma_load_tile<Elem>(s_k + kTile,
+                                               v_seq + (int64_t)key0 * a.v_stride_token,
+                                               a.v_stride_token, len - key0);
+    };
 
     __syncthreads(); /* this block's previous tile may still read shared memory */
-    ragged_attention_wgmma_load_tile<Elem>( /* group -1: Q and K_0 */
+    ragged_attention_wgmma_load_tile<Elem>(
         s_q,
         static_cast<const Elem *>(a.q) + ((int64_t)start + q0) * a.q_stride_token +
             (int64_t)h * a.q_stride_head,
         a.q_stride_token, min(RAGGED_ATTENTION_WGMMA_ROWS, len - q0));
-    ragged_attention_wgmma_load_tile<Elem>(s_k0, k_seq, a.k_stride_token, len);
-    ragged_attention_mma_cp_async_commit();
-    for (int g = 0; g <= num_stages - 2; ++g) {
-        ragged_attention_wgmma_load_group<Elem>(s_k0, s_v0, num_stages, g, num_tiles, k_seq,
-                                                v_seq, a, len);
-        ragged_attention_mma_cp_async_commit();
+    for (int st = 0; st < num_stages - 1; ++st) {
+        if (st < num_tiles)
+            load_kv(st, st);
+        ragged_attention_mma_cp_async_commit(); /* group st: key tile st (+ Q), maybe empty */
     }
 
     float o[32], s[32];
@@ -273,31 +342,37 @@ static __device__ __forceinline__ void ragged_attention_wgmma_tile(uint32_t smem
     float row_max[2] = {-INFINITY, -INFINITY}, row_sum[2] = {0.0f, 0.0f}, alpha[2];
     uint32_t p[4][4];
     const uint64_t desc_q = ragged_attention_wgmma_desc(s_q, 16, 1024);
-    int k_slot = 0, v_slot = 0;
-    /* Step j's start: group j - 1 (K_j, V_{j-1}) landed and every thread is done with step
-     * j - 1's wgmmas, so group j + num_stages - 2 may refill the slots K_{j-1}, V_{j-2} left. */
-    auto begin_step = [&](int j) {
-        ragged_attention_mma_cp_async_wait_pending(j == 0 ? num_stages - 1 : num_stages - 2);
+    int stage = 0;
+    for (int t = 0; t < num_tiles; ++t) {
+        const int num_keys = min(kKeys, len - t * kKeys);
+        ragged_attention_mma_cp_async_wait_pending(num_stages - 2); /* tile t landed */
         ragged_attention_wgmma_fence_proxy();
-        __syncthreads();
-        if (j >= 1) {
-            ragged_attention_wgmma_load_group<Elem>(s_k0, s_v0, num_stages, j + num_stages - 2,
-                                                    num_tiles, k_seq, v_seq, a, len);
-            ragged_attention_mma_cp_async_commit();
+        __syncthreads(); /* every thread's copies; tile t - 1 fully consumed */
+        if (t + num_stages - 1 < num_tiles)
+            load_kv(stage == 0 ? num_stages - 1 : stage - 1, t + num_stages - 1);
+        ragged_attention_mma_cp_async_commit();
+        const uint32_t s_k = smem + kTile * (1 + 2 * stage);
+        stage = stage + 1 == num_stages ? 0 : stage + 1;
+
+        const int key_steps = (num_keys + 15) >> 4; /* 16-key steps with a valid key */
+        const uint64_t desc_k = ragged_attention_wgmma_desc(s_k, 16, 1024);
+        /* ptxas serializes every wgmma (C7511) with an N = 48 arm, and also when cases 3
+         * and 4 share one N = 64 arm; this shape keeps them asynchronous */
+        switch (key_steps) {
+        case 1: ragged_attention_wgmma_scores<Elem, 16>(s, desc_q, desc_k); break;
+        case 2: ragged_attention_wgmma_scores<Elem, 32>(s, desc_q, desc_k); break;
+        case 3: ragged_attention_wgmma_scores<Elem, 64>(s, desc_q, desc_k); break;
+        default: ragged_attention_wgmma_scores<Elem, 64>(s, desc_q, desc_k); break;
         }
-    };
-    /* S = Q K_j^T; k-step kk reads columns [16 kk, 16 kk + 16) of Q and K (32 bytes on). */
-    auto issue_s = [&]() {
-        const uint64_t desc_k = ragged_attention_wgmma_desc(s_k0 + kTile * k_slot, 16, 1024);
+        /* columns past num_keys (stale registers past N) are masked to P = 0 */
+        ragged_attention_wgmma_softmax(s, num_keys, scale_log2, t == 0, row_max, row_sum, alpha);
+        if (t > 0) {
 #pragma unroll
-        for (int kk = 0; kk < 4; ++kk)
-            ragged_attention_wgmma_ss<Elem>(s, desc_q + 2 * kk, desc_k + 2 * kk, kk);
-        ragged_attention_wgmma_commit();
-        k_slot = k_slot + 1 == num_stages ? 0 : k_slot + 1;
-    };
-    /* P (in s) as the A fragments of P V: k-step jj is keys [16 jj, 16 jj + 16), the C
-     * fragments of key blocks 2 jj and 2 jj + 1. */
-    auto pack_p = [&]() {
+            for (int i = 0; i < 32; ++i)
+                o[i] *= alpha[(i >> 1) & 1];
+        }
+        /* P as the A fragments of P V: k-step jj is keys [16 jj, 16 jj + 16), the C
+         * fragments of key blocks 2 jj and 2 jj + 1; V rows past the sequence are zero */
 #pragma unroll
         for (int jj = 0; jj < 4; ++jj) {
             p[jj][0] = ops::pack(s[8 * jj], s[8 * jj + 1]);
@@ -305,54 +380,14 @@ static __device__ __forceinline__ void ragged_attention_wgmma_tile(uint32_t smem
             p[jj][2] = ops::pack(s[8 * jj + 4], s[8 * jj + 5]);
             p[jj][3] = ops::pack(s[8 * jj + 6], s[8 * jj + 7]);
         }
-    };
-    /* O += P V; V MN-major, rows 16 jj on (2048 bytes); keys past the sequence have P = 0
-     * and zero-filled V rows. */
-    auto issue_pv = [&]() {
-        const uint64_t desc_v = ragged_attention_wgmma_desc(s_v0 + kTile * v_slot, kTile, 1024);
-#pragma unroll
-        for (int jj = 0; jj < 4; ++jj)
-            ragged_attention_wgmma_rs<Elem>(o, p[jj], desc_v + (uint64_t)((2048 * jj) >> 4));
-        ragged_attention_wgmma_commit();
-        v_slot = v_slot + 1 == num_stages ? 0 : v_slot + 1;
-    };
-
-    /* step 0: S_0 alone. Steps 1 .. num_tiles - 1: S_j and P_{j-1} V_{j-1} back to back,
-     * S_j's softmax while P V runs. Step num_tiles: the last P V. Straight-line wgmma
-     * groups in each, so ptxas keeps them asynchronous. */
-    begin_step(0);
-    ragged_attention_wgmma_fence_regs(s);
-    ragged_attention_wgmma_fence();
-    issue_s();
-    ragged_attention_wgmma_wait<0>();
-    ragged_attention_wgmma_fence_regs(s);
-    ragged_attention_wgmma_softmax(s, min(kKeys, len), scale_log2, true, row_max, row_sum,
-                                   alpha);
-    for (int j = 1; j < num_tiles; ++j) {
-        begin_step(j);
-        pack_p();
-        ragged_attention_wgmma_fence_regs(s);
-        ragged_attention_wgmma_fence_regs(o);
-        ragged_attention_wgmma_fence();
-        issue_s();
-        issue_pv();
-        ragged_attention_wgmma_wait<1>(); /* S_j; P V may still run */
-        ragged_attention_wgmma_fence_regs(s);
-        ragged_attention_wgmma_softmax(s, min(kKeys, len - j * kKeys), scale_log2, false,
-                                       row_max, row_sum, alpha);
-        ragged_attention_wgmma_wait<0>();
-        ragged_attention_wgmma_fence_regs(o);
-#pragma unroll
-        for (int i = 0; i < 32; ++i)
-            o[i] *= alpha[(i >> 1) & 1];
+        const uint64_t desc_v = ragged_attention_wgmma_desc(s_k + kTile, kTile, 1024);
+        switch (key_steps) {
+        case 1: ragged_attention_wgmma_pv<Elem, 1>(o, p, desc_v); break;
+        case 2: ragged_attention_wgmma_pv<Elem, 2>(o, p, desc_v); break;
+        case 3: ragged_attention_wgmma_pv<Elem, 3>(o, p, desc_v); break;
+        default: ragged_attention_wgmma_pv<Elem, 4>(o, p, desc_v); break;
+        }
     }
-    begin_step(num_tiles);
-    pack_p();
-    ragged_attention_wgmma_fence_regs(o);
-    ragged_attention_wgmma_fence();
-    issue_pv();
-    ragged_attention_wgmma_wait<0>();
-    ragged_attention_wgmma_fence_regs(o);
     ragged_attention_mma_cp_async_wait<0>(); /* only empty groups can be left */
 
 #pragma unroll
@@ -381,7 +416,7 @@ static __device__ __forceinline__ void ragged_attention_wgmma_tile(uint32_t smem
  * ...; a sequence with bad bounds or longer than max_len is skipped and flagged, as in the
  * mma.sync kernel. 4 blocks an SM (<= 128 registers). */
 template <typename Elem>
-static __global__ void __launch_bounds__(128, 4)
+static __global__ void __launch_bounds__(128, RAGGED_ATTENTION_WGMMA_MIN_BLOCKS)
     ragged_attention_wgmma_kernel(const __grid_constant__ ragvit_attention_args a, int max_len,
                                   int num_stages) {
 #ifdef RAGGED_ATTENTION_WGMMA_DEVICE
@@ -449,7 +484,7 @@ static ragvit_status ragged_attention_wgmma_launch_stages(const ragvit_attention
     const int64_t key_tiles =
         (max_len + RAGGED_ATTENTION_WGMMA_KEYS - 1) / RAGGED_ATTENTION_WGMMA_KEYS;
     int64_t grid_x = (max_len + rows - 1) / rows;
-    if (num_stages <= 0) /* stages s hold key tiles 0 .. s - 1 and V tiles 0 .. s - 2 */
+    if (num_stages <= 0) /* s stages prefetch key tiles 0 .. s - 2 before the first step */
         num_stages = grid_x * heads * seqs <= sm_count
                          ? (int)(key_tiles + 1 < RAGGED_ATTENTION_WGMMA_MAX_STAGES
                                      ? key_tiles + 1
