@@ -6,15 +6,14 @@
  * K/V tiles sit in shared memory as rows of 128 bytes (one row = one token's 64 elements)
  * in the 128-byte swizzle wgmma reads: 16-byte chunk c of row r at chunk c ^ (r % 8), each
  * tile 1024-byte aligned, filled by 16-byte cp.async (rows past the sequence zero-filled)
- * through a ring of 2-5 (K, V) stages. S = Q K^T: 4 wgmma.mma_async m64nNk16 with both
- * operands from shared memory (K-major); O += P V: up to 4 m64n64k16 with P in registers
+ * through a ring of 2-5 (K, V) stages. S = Q K^T: 4 wgmma.mma_async m64n64k16 with both
+ * operands from shared memory (K-major); O += P V: 4 m64n64k16 with P in registers
  * (the S accumulators rounded to the input type: their layout is the A-register layout) and
- * V from shared memory transposed (MN-major), fp32 accumulators throughout. N = 64 except
- * on a sequence's last, partial key tile, where N (16 or 32, else 64) and the P V steps
- * shrink to its keys in multiples of 16 (at 197 tokens that tile has 5 keys). Online softmax in base 2 with
- * scale * log2(e) folded into the exponent, as the mma.sync kernel. Issuing Q K^T of the
- * next tile with P V (FlashAttention-3's overlap) measured 2-4% slower here: 4 blocks an SM
- * already overlap one another's softmax.
+ * V from shared memory transposed (MN-major), fp32 accumulators throughout. Online softmax
+ * in base 2 with scale * log2(e) folded into the exponent, as the mma.sync kernel. Measured
+ * on an H200 and dropped: issuing Q K^T of the next tile with P V (FlashAttention-3's
+ * overlap, 2-4% slower: 5 blocks an SM already overlap one another's softmax) and shrinking
+ * the last partial key tile's N and P V steps (2-4% slower: not tensor-bound).
  * Covered by dev/test_attention_mma.cu (its launcher plans) and tests/test_ops.py through
  * the dispatcher. Not compiled for other targets (the kernel body is sm_90a-only). */
 #ifndef RAGVIT_RAGGED_ATTENTION_WGMMA_CUH
@@ -29,9 +28,7 @@
 #define RAGGED_ATTENTION_WGMMA_KEYS 64      /* keys per K/V tile */
 #define RAGGED_ATTENTION_WGMMA_TILE 8192    /* bytes of one 64 x 64 16-bit tile */
 #define RAGGED_ATTENTION_WGMMA_MAX_STAGES 5 /* (K, V) tile pairs in the ring */
-#ifndef RAGGED_ATTENTION_WGMMA_MIN_BLOCKS
-#define RAGGED_ATTENTION_WGMMA_MIN_BLOCKS 4 /* blocks an SM (__launch_bounds__) */
-#endif
+#define RAGGED_ATTENTION_WGMMA_MIN_BLOCKS 5 /* blocks an SM (<= 96 registers): 2-4% over 4 */
 
 /* Shared memory of a plan: alignment slack, Q, then num_stages (K, V) tile pairs. */
 static int ragged_attention_wgmma_smem_bytes(int num_stages) {
@@ -72,43 +69,21 @@ static __device__ __forceinline__ void ragged_attention_wgmma_fence_proxy() {
 }
 
 /* Keeps the compiler from moving accumulator accesses across an asynchronous wgmma. */
-template <int M>
-static __device__ __forceinline__ void ragged_attention_wgmma_fence_regs(float (&d)[M]) {
+static __device__ __forceinline__ void ragged_attention_wgmma_fence_regs(float (&d)[32]) {
 #pragma unroll
-    for (int i = 0; i < M; ++i)
+    for (int i = 0; i < 32; ++i)
         asm volatile("" : "+f"(d[i])::"memory");
 }
 
-/* Accumulator operand lists of m64nNk16, N / 2 fp32 registers a thread (N = 16 .. 64). */
-#define RAGGED_ATTENTION_WGMMA_D16                                                              \
-    "{%0, %1, %2, %3, %4, %5, %6, %7}"
-#define RAGGED_ATTENTION_WGMMA_D32                                                              \
-    "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, " "%12, %13, %14, %15}"
-#define RAGGED_ATTENTION_WGMMA_D48                                                              \
-    "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, "                                       \
-        "%12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23}"
-#define RAGGED_ATTENTION_WGMMA_D                                                                \
-    "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, "                                       \
-        "%12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, "                          \
-        "%24, %25, %26, %27, %28, %29, %30, %31}"
-#define RAGGED_ATTENTION_WGMMA_OUT8(d)                                                          \
-    "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]),         \
-        "+f"(d[7])
-#define RAGGED_ATTENTION_WGMMA_OUT16(d)                                                         \
-    "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]),         \
-        "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]),              \
-        "+f"(d[13]), "+f"(d[14]), "+f"(d[15])
-#define RAGGED_ATTENTION_WGMMA_OUT24(d)                                                         \
-    "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]),         \
-        "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]),              \
-        "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]),           \
-        "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23])
-#define RAGGED_ATTENTION_WGMMA_OUT(d)                                                           \
-    "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]),         \
-        "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]),              \
-        "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]),           \
-        "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]),           \
-        "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]),           \
+#define RAGGED_ATTENTION_WGMMA_D                                                               \
+    "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, "  \
+    "%19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}"
+#define RAGGED_ATTENTION_WGMMA_OUT(d)                                                          \
+    "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]),       \
+        "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]),            \
+        "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]),         \
+        "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]),         \
+        "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]),         \
         "+f"(d[31])
 
 /* fp16 or bf16 operands (the instruction's .atype/.btype). */
@@ -121,49 +96,29 @@ struct ragged_attention_wgmma_is_half<__half> {
     static constexpr bool value = true;
 };
 
-/* scale-d is a predicate (from operand %idx): 1 accumulates (d += A B), 0 overwrites. */
-#define RAGGED_ATTENTION_WGMMA_PRED(idx) "{\n.reg .pred p;\nsetp.ne.b32 p, %" idx ", 0;\n"
+/* scale-d is a predicate (operand %32): 1 accumulates (d += A B), 0 overwrites (d = A B). */
+#define RAGGED_ATTENTION_WGMMA_PRED "{\n.reg .pred p;\nsetp.ne.b32 p, %32, 0;\n"
 
-/* d (64 x N, fp32: N / 2 registers in the layout of the first N columns of a 64 x 64 tile)
- * = A (64 x 16, shared, K-major) * B (16 x N, shared, K-major), plus d when accumulate != 0.
- * p, a, b: the operand numbers after d's. */
-#define RAGGED_ATTENTION_WGMMA_SS(shape, type, dlist, outs, p, a, b)                          \
-    asm volatile(RAGGED_ATTENTION_WGMMA_PRED(p) "wgmma.mma_async.sync.aligned." shape         \
-                 ".f32." type "." type " " dlist ", %" a ", %" b ", p, 1, 1, 0, 0;\n}\n"     \
-                 : outs                                                                        \
-                 : "r"(accumulate), "l"(a_desc), "l"(b_desc))
-template <typename Elem, int N>
-static __device__ __forceinline__ void ragged_attention_wgmma_ss(float (&d)[N / 2],
-                                                                uint64_t a_desc,
-                                                                uint64_t b_desc, int accumulate) {
-    static_assert(N == 16 || N == 32 || N == 48 || N == 64, "N: 16, 32, 48 or 64 keys");
-    constexpr bool is_half = ragged_attention_wgmma_is_half<Elem>::value;
-    if constexpr (N == 16 && is_half)
-        RAGGED_ATTENTION_WGMMA_SS("m64n16k16", "f16", RAGGED_ATTENTION_WGMMA_D16,
-                                  RAGGED_ATTENTION_WGMMA_OUT8(d), "8", "9", "10");
-    else if constexpr (N == 16)
-        RAGGED_ATTENTION_WGMMA_SS("m64n16k16", "bf16", RAGGED_ATTENTION_WGMMA_D16,
-                                  RAGGED_ATTENTION_WGMMA_OUT8(d), "8", "9", "10");
-    else if constexpr (N == 32 && is_half)
-        RAGGED_ATTENTION_WGMMA_SS("m64n32k16", "f16", RAGGED_ATTENTION_WGMMA_D32,
-                                  RAGGED_ATTENTION_WGMMA_OUT16(d), "16", "17", "18");
-    else if constexpr (N == 32)
-        RAGGED_ATTENTION_WGMMA_SS("m64n32k16", "bf16", RAGGED_ATTENTION_WGMMA_D32,
-                                  RAGGED_ATTENTION_WGMMA_OUT16(d), "16", "17", "18");
-    else if constexpr (N == 48 && is_half)
-        RAGGED_ATTENTION_WGMMA_SS("m64n48k16", "f16", RAGGED_ATTENTION_WGMMA_D48,
-                                  RAGGED_ATTENTION_WGMMA_OUT24(d), "24", "25", "26");
-    else if constexpr (N == 48)
-        RAGGED_ATTENTION_WGMMA_SS("m64n48k16", "bf16", RAGGED_ATTENTION_WGMMA_D48,
-                                  RAGGED_ATTENTION_WGMMA_OUT24(d), "24", "25", "26");
-    else if constexpr (is_half)
-        RAGGED_ATTENTION_WGMMA_SS("m64n64k16", "f16", RAGGED_ATTENTION_WGMMA_D,
-                                  RAGGED_ATTENTION_WGMMA_OUT(d), "32", "33", "34");
+/* d (64 x 64, fp32) = A (64 x 16, shared, K-major) * B (16 x 64, shared, K-major), plus d
+ * when accumulate != 0. */
+template <typename Elem>
+static __device__ __forceinline__ void ragged_attention_wgmma_ss(float (&d)[32], uint64_t a,
+                                                                uint64_t b, int accumulate) {
+    if constexpr (ragged_attention_wgmma_is_half<Elem>::value)
+        asm volatile(RAGGED_ATTENTION_WGMMA_PRED
+                     "wgmma.mma_async.sync.aligned.m64n64k16.f32.f16.f16 "
+                     RAGGED_ATTENTION_WGMMA_D
+                     ", %33, %34, p, 1, 1, 0, 0;\n}\n"
+                     : RAGGED_ATTENTION_WGMMA_OUT(d)
+                     : "r"(accumulate), "l"(a), "l"(b));
     else
-        RAGGED_ATTENTION_WGMMA_SS("m64n64k16", "bf16", RAGGED_ATTENTION_WGMMA_D,
-                                  RAGGED_ATTENTION_WGMMA_OUT(d), "32", "33", "34");
+        asm volatile(RAGGED_ATTENTION_WGMMA_PRED
+                     "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 "
+                     RAGGED_ATTENTION_WGMMA_D
+                     ", %33, %34, p, 1, 1, 0, 0;\n}\n"
+                     : RAGGED_ATTENTION_WGMMA_OUT(d)
+                     : "r"(accumulate), "l"(a), "l"(b));
 }
-#undef RAGGED_ATTENTION_WGMMA_SS
 
 /* d (64 x 64, fp32) += A (64 x 16, registers: this warp's 16 rows as mma.m16n8k16's A
  * fragment) * B (16 x 64, shared, MN-major: imm-trans-b = 1). */
@@ -172,14 +127,14 @@ static __device__ __forceinline__ void ragged_attention_wgmma_rs(float (&d)[32],
                                                                 const uint32_t (&a)[4],
                                                                 uint64_t b) {
     if constexpr (ragged_attention_wgmma_is_half<Elem>::value)
-        asm volatile(RAGGED_ATTENTION_WGMMA_PRED("32")
+        asm volatile(RAGGED_ATTENTION_WGMMA_PRED
                      "wgmma.mma_async.sync.aligned.m64n64k16.f32.f16.f16 "
                      RAGGED_ATTENTION_WGMMA_D
                      ", {%33, %34, %35, %36}, %37, p, 1, 1, 1;\n}\n"
                      : RAGGED_ATTENTION_WGMMA_OUT(d)
                      : "r"(1), "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b));
     else
-        asm volatile(RAGGED_ATTENTION_WGMMA_PRED("32")
+        asm volatile(RAGGED_ATTENTION_WGMMA_PRED
                      "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 "
                      RAGGED_ATTENTION_WGMMA_D
                      ", {%33, %34, %35, %36}, %37, p, 1, 1, 1;\n}\n"
@@ -250,39 +205,31 @@ static __device__ __forceinline__ void ragged_attention_wgmma_softmax(
         row_sum[r] = is_first ? sum[r] : fmaf(row_sum[r], alpha[r], sum[r]);
 }
 
-/* S (s[0 .. N / 2), -inf after) = Q K^T over the first N keys of a K tile, then waits. N < 64
- * accumulates in registers of its own (sharing s's would make ptxas serialize every wgmma). */
-template <typename Elem, int N>
+/* S = Q K^T over a 64-key K tile, then waits for it. */
+template <typename Elem>
 static __device__ __forceinline__ void ragged_attention_wgmma_scores(float (&s)[32],
                                                                     uint64_t desc_q,
                                                                     uint64_t desc_k) {
-    float d[N / 2];
-#pragma unroll
-    for (int i = 0; i < N / 2; ++i)
-        d[i] = 0.0f;
-    ragged_attention_wgmma_fence_regs(d);
+    ragged_attention_wgmma_fence_regs(s);
     ragged_attention_wgmma_fence();
 #pragma unroll
     for (int kk = 0; kk < 4; ++kk) /* columns [16 kk, 16 kk + 16) of Q and K: 32 bytes on */
-        ragged_attention_wgmma_ss<Elem, N>(d, desc_q + 2 * kk, desc_k + 2 * kk, kk);
+        ragged_attention_wgmma_ss<Elem>(s, desc_q + 2 * kk, desc_k + 2 * kk, kk);
     ragged_attention_wgmma_commit();
     ragged_attention_wgmma_wait<0>();
-    ragged_attention_wgmma_fence_regs(d);
-#pragma unroll
-    for (int i = 0; i < 32; ++i) /* columns past N: masked (and s is dead during the wgmma) */
-        s[i] = i < N / 2 ? d[i] : -INFINITY;
+    ragged_attention_wgmma_fence_regs(s);
 }
 
-/* O += P V over the first 16 K16 keys of a V tile (MN-major: key rows 16 jj on, 2048 bytes
- * a step), then waits for it. */
-template <typename Elem, int K16>
+/* O += P V over a 64-key V tile (MN-major: key rows 16 jj on, 2048 bytes a step), then waits
+ * for it. */
+template <typename Elem>
 static __device__ __forceinline__ void ragged_attention_wgmma_pv(float (&o)[32],
                                                                 const uint32_t (&p)[4][4],
                                                                 uint64_t desc_v) {
     ragged_attention_wgmma_fence_regs(o);
     ragged_attention_wgmma_fence();
 #pragma unroll
-    for (int jj = 0; jj < K16; ++jj)
+    for (int jj = 0; jj < 4; ++jj)
         ragged_attention_wgmma_rs<Elem>(o, p[jj], desc_v + (uint64_t)((2048 * jj) >> 4));
     ragged_attention_wgmma_commit();
     ragged_attention_wgmma_wait<0>();
@@ -291,8 +238,7 @@ static __device__ __forceinline__ void ragged_attention_wgmma_pv(float (&o)[32],
 
 /* One 64-row query tile of head h of the sequence starting at token `start` (the block is
  * one warpgroup; every branch is block-uniform). smem: 1024-byte aligned shared address:
- * Q, then num_stages (K, V) slot pairs. A key tile of n < 64 keys (the sequence's last)
- * runs Q K^T with N = 16 or 32 where n fits and P V over 16 ceil(n / 16) keys. */
+ * Q, then num_stages (K, V) slot pairs. */
 template <typename Elem>
 static __device__ __forceinline__ void ragged_attention_wgmma_tile(uint32_t smem, int num_stages,
                                                                   const ragvit_attention_args &a,
@@ -354,17 +300,8 @@ static __device__ __forceinline__ void ragged_attention_wgmma_tile(uint32_t smem
         const uint32_t s_k = smem + kTile * (1 + 2 * stage);
         stage = stage + 1 == num_stages ? 0 : stage + 1;
 
-        const int key_steps = (num_keys + 15) >> 4; /* 16-key steps with a valid key */
         const uint64_t desc_k = ragged_attention_wgmma_desc(s_k, 16, 1024);
-        /* ptxas serializes every wgmma (C7511) with an N = 48 arm, and also when cases 3
-         * and 4 share one N = 64 arm; this shape keeps them asynchronous */
-        switch (key_steps) {
-        case 1: ragged_attention_wgmma_scores<Elem, 16>(s, desc_q, desc_k); break;
-        case 2: ragged_attention_wgmma_scores<Elem, 32>(s, desc_q, desc_k); break;
-        case 3: ragged_attention_wgmma_scores<Elem, 64>(s, desc_q, desc_k); break;
-        default: ragged_attention_wgmma_scores<Elem, 64>(s, desc_q, desc_k); break;
-        }
-        /* columns past num_keys (stale registers past N) are masked to P = 0 */
+        ragged_attention_wgmma_scores<Elem>(s, desc_q, desc_k);
         ragged_attention_wgmma_softmax(s, num_keys, scale_log2, t == 0, row_max, row_sum, alpha);
         if (t > 0) {
 #pragma unroll
@@ -381,20 +318,16 @@ static __device__ __forceinline__ void ragged_attention_wgmma_tile(uint32_t smem
             p[jj][3] = ops::pack(s[8 * jj + 6], s[8 * jj + 7]);
         }
         const uint64_t desc_v = ragged_attention_wgmma_desc(s_k + kTile, kTile, 1024);
-        switch (key_steps) {
-        case 1: ragged_attention_wgmma_pv<Elem, 1>(o, p, desc_v); break;
-        case 2: ragged_attention_wgmma_pv<Elem, 2>(o, p, desc_v); break;
-        case 3: ragged_attention_wgmma_pv<Elem, 3>(o, p, desc_v); break;
-        default: ragged_attention_wgmma_pv<Elem, 4>(o, p, desc_v); break;
-        }
+        ragged_attention_wgmma_pv<Elem>(o, p, desc_v);
     }
     ragged_attention_mma_cp_async_wait<0>(); /* only empty groups can be left */
 
+    float inv[2]; /* 1 / row sum over the quad that shares each row */
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
         row_sum[r] += __shfl_xor_sync(0xffffffffu, row_sum[r], 1);
         row_sum[r] += __shfl_xor_sync(0xffffffffu, row_sum[r], 2);
-        row_sum[r] = __fdividef(1.0f, row_sum[r]);
+        inv[r] = __fdividef(1.0f, row_sum[r]);
     }
     const int r0 = q0 + warp * 16 + group; /* this thread's rows r0 and r0 + 8 */
     Elem *out = static_cast<Elem *>(a.out) + (int64_t)h * a.out_stride_head;
@@ -403,18 +336,18 @@ static __device__ __forceinline__ void ragged_attention_wgmma_tile(uint32_t smem
         const int col = 8 * i + 2 * tig;
         if (r0 < len)
             *reinterpret_cast<uint32_t *>(out + ((int64_t)start + r0) * a.out_stride_token + col) =
-                ops::pack(o[4 * i] * row_sum[0], o[4 * i + 1] * row_sum[0]);
+                ops::pack(o[4 * i] * inv[0], o[4 * i + 1] * inv[0]);
         if (r0 + 8 < len)
             *reinterpret_cast<uint32_t *>(out + ((int64_t)start + r0 + 8) * a.out_stride_token +
                                           col) =
-                ops::pack(o[4 * i + 2] * row_sum[1], o[4 * i + 3] * row_sum[1]);
+                ops::pack(o[4 * i + 2] * inv[1], o[4 * i + 3] * inv[1]);
     }
 }
 #endif /* RAGGED_ATTENTION_WGMMA_DEVICE */
 
 /* Block (x, y, z): query tiles x, x + gridDim.x, ... of head y of sequences z, z + gridDim.z,
  * ...; a sequence with bad bounds or longer than max_len is skipped and flagged, as in the
- * mma.sync kernel. 4 blocks an SM (<= 128 registers). */
+ * mma.sync kernel. */
 template <typename Elem>
 static __global__ void __launch_bounds__(128, RAGGED_ATTENTION_WGMMA_MIN_BLOCKS)
     ragged_attention_wgmma_kernel(const __grid_constant__ ragvit_attention_args a, int max_len,
