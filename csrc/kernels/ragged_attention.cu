@@ -7,7 +7,8 @@
  * 32 keys staged as fp32 in shared memory, online softmax in base 2 (scale*log2 e is
  * folded in, so exp2f replaces expf). cls: grid = (S), 256 threads, a thread per key that
  * sums its probabilities over the heads in order (deterministic, no atomics).
- * fp16/bf16 with aligned rows go to the tensor-core kernel (ragged_attention_mma.cuh);
+ * fp16/bf16 with aligned rows go to the tensor-core kernel (ragged_attention_mma.cuh,
+ * which hands D = 64 without cls_attn or bias to the sm_90a wgmma kernel on Hopper);
  * the simple kernel serves fp32 and unaligned views.
  * Covered by tests/test_ops.py (attention cases), tests/test_attention_bias.py (bias=) and
  * the sanitizer run. */
