@@ -385,18 +385,9 @@ static ragvit_status ragged_attention_simple_launch_hdim(const ragvit_attention_
     const int64_t seqs = a->num_seqs < kMaxGridYZ ? a->num_seqs : kMaxGridYZ;
     const int64_t max_seqlen = a->max_seqlen > 0 ? a->max_seqlen : 1;
     int64_t tiles = (max_seqlen + kAttnRows - 1) / kAttnRows;
-    /* A loose max_seqlen (CUDA's default is T) must not launch millions of empty
-     * blocks: cap the grid near twice the real work (<= T/16 + S tiles per head)
-     * and let blocks loop over the remaining query tiles. */
     const int64_t sm_count = dev->sm_count > 0 ? dev->sm_count : 1;
-    int64_t budget = 2 * (a->total_tokens / kAttnRows + a->num_seqs) * heads;
-    if (budget < 64 * sm_count)
-        budget = 64 * sm_count;
-    if (tiles * heads * seqs > budget) {
-        tiles = budget / (heads * seqs);
-        if (tiles < 1)
-            tiles = 1;
-    }
+    tiles = ragged_attention_cap_grid_x(tiles, heads, seqs, a->total_tokens, a->num_seqs,
+                                        kAttnRows, sm_count);
     const dim3 grid((unsigned)tiles, (unsigned)heads, (unsigned)seqs);
     if (a->bias != nullptr)
         ragged_attention_simple_kernel<D, T, true><<<grid, kAttnThreads, 0, stream>>>(*a);

@@ -30,6 +30,26 @@
 #define RAGGED_ATTENTION_MMA_MAX_GRID_YZ 65535
 #define RAGGED_ATTENTION_MMA_LOG2E 1.4426950408889634f
 
+// ---- grid sizing (host) ----
+
+/* Query-tile blocks along x of a (grid_x, grid_y, grid_z) attention grid with `rows` query
+ * rows a block: a loose max_seqlen (CUDA's default is T) must not launch millions of empty
+ * blocks, so the grid is capped near twice the real work (T / rows + S query tiles per y,
+ * at least 64 blocks an SM) and blocks loop over the remaining query tiles. */
+static int64_t ragged_attention_cap_grid_x(int64_t grid_x, int64_t grid_y, int64_t grid_z,
+                                           int64_t total_tokens, int64_t num_seqs, int64_t rows,
+                                           int64_t sm_count) {
+    int64_t budget = 2 * (total_tokens / rows + num_seqs) * grid_y;
+    if (budget < 64 * sm_count)
+        budget = 64 * sm_count;
+    if (grid_x * grid_y * grid_z > budget) {
+        grid_x = budget / (grid_y * grid_z);
+        if (grid_x < 1)
+            grid_x = 1;
+    }
+    return grid_x;
+}
+
 // ---- device helpers ----
 
 static __device__ __forceinline__ uint32_t ragged_attention_mma_smem_addr(const void *p) {
@@ -741,17 +761,8 @@ static ragged_attention_mma_plan ragged_attention_mma_make_plan(const ragvit_att
     const int64_t grid_z =
         seqs < RAGGED_ATTENTION_MMA_MAX_GRID_YZ ? seqs : RAGGED_ATTENTION_MMA_MAX_GRID_YZ;
     int64_t grid_x = (max_len + 16 * num_warps - 1) / (16 * num_warps);
-    /* A loose max_seqlen (CUDA's default is T) must not launch millions of empty blocks:
-     * cap the grid near twice the real work (<= T / rows + S query tiles per head) and let
-     * blocks loop over the remaining query tiles. */
-    int64_t budget = 2 * (a->total_tokens / (16 * num_warps) + seqs) * grid_y;
-    if (budget < 64 * sm_count)
-        budget = 64 * sm_count;
-    if (grid_x * grid_y * grid_z > budget) {
-        grid_x = budget / (grid_y * grid_z);
-        if (grid_x < 1)
-            grid_x = 1;
-    }
+    grid_x = ragged_attention_cap_grid_x(grid_x, grid_y, grid_z, a->total_tokens, seqs,
+                                         16 * num_warps, sm_count);
 
     ragged_attention_mma_plan plan;
     plan.num_warps = num_warps;

@@ -432,14 +432,8 @@ static ragvit_status ragged_attention_wgmma_launch_stages(const ragvit_attention
         --num_stages;
     const int64_t grid_z =
         seqs < RAGGED_ATTENTION_MMA_MAX_GRID_YZ ? seqs : RAGGED_ATTENTION_MMA_MAX_GRID_YZ;
-    int64_t budget = 2 * (a->total_tokens / rows + seqs) * heads;
-    if (budget < 64 * sm_count)
-        budget = 64 * sm_count;
-    if (grid_x * heads * grid_z > budget) {
-        grid_x = budget / (heads * grid_z);
-        if (grid_x < 1)
-            grid_x = 1;
-    }
+    grid_x = ragged_attention_cap_grid_x(grid_x, heads, grid_z, a->total_tokens, seqs, rows,
+                                         sm_count);
     const dim3 grid((unsigned)grid_x, (unsigned)heads, (unsigned)grid_z);
     const size_t smem = (size_t)ragged_attention_wgmma_smem_bytes(num_stages);
     if (a->dtype == RAGVIT_DTYPE_BF16)
