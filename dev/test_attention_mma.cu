@@ -564,13 +564,20 @@ static int check_supports(void) {
     dev.cc_major = 9;
     dev.sm_count = 132;
     int failures = 0;
-    auto expect = [&](const char *what, const ragvit_attention_args &x,
-                      const ragvit_device_info &d, bool want) {
-        const bool got = ragged_attention_mma_supports(&x, &d);
+    /* one check of a supports predicate (name: how it prints) */
+    auto expect_of = [&](const char *name, bool (*supports)(const ragvit_attention_args *,
+                                                            const ragvit_device_info *),
+                         const char *what, const ragvit_attention_args &x,
+                         const ragvit_device_info &d, bool want) {
+        const bool got = supports(&x, &d);
         if (got != want) {
-            printf("FAIL supports(%s) = %d, want %d\n", what, (int)got, (int)want);
+            printf("FAIL %s(%s) = %d, want %d\n", name, what, (int)got, (int)want);
             ++failures;
         }
+    };
+    auto expect = [&](const char *what, const ragvit_attention_args &x,
+                      const ragvit_device_info &d, bool want) {
+        expect_of("supports", ragged_attention_mma_supports, what, x, d, want);
     };
     expect("aligned f16 D=64", a, dev, true);
     ragvit_attention_args x = a;
@@ -612,11 +619,7 @@ static int check_supports(void) {
 #ifndef RAGVIT_HAS_SM90A
         want = false; /* a build without sm_90a code never takes it */
 #endif
-        const bool got = ragged_attention_wgmma_supports(&x, &d);
-        if (got != want) {
-            printf("FAIL wgmma_supports(%s) = %d, want %d\n", what, got, want);
-            ++failures;
-        }
+        expect_of("wgmma_supports", ragged_attention_wgmma_supports, what, x, d, want);
     };
     expect_wgmma("D=64 on 9.0", a, big_dev, true);
     expect_wgmma("D=64 on 9.0 with 48 KB of shared memory", a, dev, false);
