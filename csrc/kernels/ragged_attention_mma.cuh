@@ -99,6 +99,7 @@ struct ragged_attention_mma_elem;
 
 template <>
 struct ragged_attention_mma_elem<__half> {
+    static constexpr bool is_half = true; /* the instructions' .f16 (else .bf16) type */
     static __device__ __forceinline__ uint32_t pack(float lo, float hi) {
         const __half2 h = __floats2half2_rn(lo, hi);
         uint32_t u;
@@ -121,6 +122,7 @@ struct ragged_attention_mma_elem<__half> {
 
 template <>
 struct ragged_attention_mma_elem<__nv_bfloat16> {
+    static constexpr bool is_half = false;
     static __device__ __forceinline__ uint32_t pack(float lo, float hi) {
         const __nv_bfloat162 h = __floats2bfloat162_rn(lo, hi);
         uint32_t u;

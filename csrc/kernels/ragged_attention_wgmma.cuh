@@ -57,10 +57,9 @@ static __device__ __forceinline__ void ragged_attention_wgmma_commit() {
     asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
 }
 
-/* Waits until at most N of this warpgroup's committed wgmma groups are still in flight. */
-template <int N>
-static __device__ __forceinline__ void ragged_attention_wgmma_wait() {
-    asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory");
+/* Waits until every wgmma group this warpgroup committed has completed. */
+static __device__ __forceinline__ void ragged_attention_wgmma_wait_all() {
+    asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
 }
 
 /* cp.async writes reach wgmma (the async proxy) only through this fence. */
@@ -86,16 +85,6 @@ static __device__ __forceinline__ void ragged_attention_wgmma_fence_regs(float (
         "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]),         \
         "+f"(d[31])
 
-/* fp16 or bf16 operands (the instruction's .atype/.btype). */
-template <typename Elem>
-struct ragged_attention_wgmma_is_half {
-    static constexpr bool value = false;
-};
-template <>
-struct ragged_attention_wgmma_is_half<__half> {
-    static constexpr bool value = true;
-};
-
 /* scale-d is a predicate (operand %32): 1 accumulates (d += A B), 0 overwrites (d = A B). */
 #define RAGGED_ATTENTION_WGMMA_PRED "{\n.reg .pred p;\nsetp.ne.b32 p, %32, 0;\n"
 
@@ -104,7 +93,7 @@ struct ragged_attention_wgmma_is_half<__half> {
 template <typename Elem>
 static __device__ __forceinline__ void ragged_attention_wgmma_ss(float (&d)[32], uint64_t a,
                                                                 uint64_t b, int accumulate) {
-    if constexpr (ragged_attention_wgmma_is_half<Elem>::value)
+    if constexpr (ragged_attention_mma_elem<Elem>::is_half) /* .atype/.btype */
         asm volatile(RAGGED_ATTENTION_WGMMA_PRED
                      "wgmma.mma_async.sync.aligned.m64n64k16.f32.f16.f16 "
                      RAGGED_ATTENTION_WGMMA_D
@@ -126,7 +115,7 @@ template <typename Elem>
 static __device__ __forceinline__ void ragged_attention_wgmma_rs(float (&d)[32],
                                                                 const uint32_t (&a)[4],
                                                                 uint64_t b) {
-    if constexpr (ragged_attention_wgmma_is_half<Elem>::value)
+    if constexpr (ragged_attention_mma_elem<Elem>::is_half) /* .atype/.btype */
         asm volatile(RAGGED_ATTENTION_WGMMA_PRED
                      "wgmma.mma_async.sync.aligned.m64n64k16.f32.f16.f16 "
                      RAGGED_ATTENTION_WGMMA_D
@@ -216,7 +205,7 @@ static __device__ __forceinline__ void ragged_attention_wgmma_scores(float (&s)[
     for (int kk = 0; kk < 4; ++kk) /* columns [16 kk, 16 kk + 16) of Q and K: 32 bytes on */
         ragged_attention_wgmma_ss<Elem>(s, desc_q + 2 * kk, desc_k + 2 * kk, kk);
     ragged_attention_wgmma_commit();
-    ragged_attention_wgmma_wait<0>();
+    ragged_attention_wgmma_wait_all();
     ragged_attention_wgmma_fence_regs(s);
 }
 
@@ -232,7 +221,7 @@ static __device__ __forceinline__ void ragged_attention_wgmma_pv(float (&o)[32],
     for (int jj = 0; jj < 4; ++jj)
         ragged_attention_wgmma_rs<Elem>(o, p[jj], desc_v + (uint64_t)((2048 * jj) >> 4));
     ragged_attention_wgmma_commit();
-    ragged_attention_wgmma_wait<0>();
+    ragged_attention_wgmma_wait_all();
     ragged_attention_wgmma_fence_regs(o);
 }
 
