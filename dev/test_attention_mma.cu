@@ -13,7 +13,8 @@
  *     dev/test_attention_mma.cu -o /tmp/test_attention_mma -lpthread && /tmp/test_attention_mma
  * Prints one line per case and "ALL PASS" (exit 0) or "FAIL: n case(s)" (exit 1). --quick runs
  * small cases only (for compute-sanitizer --tool racecheck/memcheck); --bench adds GPU timings
- * of DeiT shapes per launch plan. */
+ * of DeiT shapes per launch plan, --bench-only runs just those (no checks: for A/B runs and
+ * ncu), --shape NAME only the shapes whose name contains NAME (e.g. "deit-b B=256"). */
 #include <algorithm>
 #include <atomic>
 #include <cmath>
@@ -645,7 +646,7 @@ static int check_supports(void) {
 /* GPU time per launch (CUDA events around 200 back-to-back launches after warm-up) on
  * DeiT-like ragged batches: lengths uniform in +-20% around the mean, q/k/v views of one
  * (T, 3, H, D) buffer. Correctness is covered by the cases above, not re-checked here. */
-static void bench(void) {
+static void bench(const char *only) {
     struct shape {
         const char *name;
         int batch, mean_len, num_heads;
@@ -667,6 +668,8 @@ static void bench(void) {
     printf("bench (fp16, D=64, GPU us per launch, median of 5 x 200 launches; wNsM = forced "
            "warps/stages):\n");
     for (const shape &sh : shapes) {
+        if (only != nullptr && strstr(sh.name, only) == nullptr)
+            continue;
         std::mt19937 rng(99);
         const int spread = sh.batch == 1 ? 0 : sh.mean_len / 5; /* +-20% */
         std::uniform_int_distribution<int> len_dist(sh.mean_len - spread, sh.mean_len + spread);
@@ -786,14 +789,20 @@ static void bench(void) {
 }
 
 int main(int argc, char **argv) {
-    bool is_bench = false;
+    bool is_bench = false, is_bench_only = false;
+    const char *only = nullptr;
     for (int i = 1; i < argc; ++i) {
         if (strcmp(argv[i], "--quick") == 0)
             g_is_quick = true;
         else if (strcmp(argv[i], "--bench") == 0)
             is_bench = true;
+        else if (strcmp(argv[i], "--bench-only") == 0)
+            is_bench = is_bench_only = true;
+        else if (strcmp(argv[i], "--shape") == 0 && i + 1 < argc)
+            only = argv[++i];
         else {
-            fprintf(stderr, "usage: %s [--quick] [--bench]\n", argv[0]);
+            fprintf(stderr, "usage: %s [--quick] [--bench | --bench-only] [--shape NAME]\n",
+                    argv[0]);
             return 2;
         }
     }
@@ -815,6 +824,10 @@ int main(int argc, char **argv) {
         return 1;
     }
 
+    if (is_bench_only) {
+        bench(only);
+        return 0;
+    }
     int failures = check_supports();
     const int dtypes[] = {RAGVIT_DTYPE_F16, RAGVIT_DTYPE_BF16};
     const std::vector<int> dims =
@@ -888,7 +901,7 @@ int main(int argc, char **argv) {
     }
 
     if (is_bench)
-        bench();
+        bench(only);
     if (failures == 0) {
         printf("ALL PASS\n");
         return 0;
