@@ -245,15 +245,38 @@ static __device__ __forceinline__ void ragged_attention_wgmma_tile(uint32_t smem
                         (int64_t)start * a.k_stride_token;
     const Elem *v_seq = static_cast<const Elem *>(a.v) + (int64_t)h * a.v_stride_head +
                         (int64_t)start * a.v_stride_token;
-    /* key tile `tile` into ring stage `stage` (K slot, then V slot) */
-    auto load_kv = [&](int stage, int tile) {
-        const uint32_t s_k = smem + kTile * (1 + 2 * stage);
-        const int key0 = tile * kKeys;
-        ragged_attention_wgmma_load_tile<Elem>(s_k, k_seq + (int64_t)key0 * a.k_stride_token,
-                                               a.k_stride_token, len - key0);
-        ragged_attention_wgmma_load_tile<Elem>(s_k + kTile,
-                                               v_seq + (int64_t)key0 * a.v_stride_token,
-                                               a.v_stride_token, len - key0);
+    /* This thread's 16-byte chunks of a K or V tile: column cc of rows cr + 16 i (i < 4), at
+     * shared offset off + 2048 i ((cr + 16 i) & 7 == cr & 7: one swizzle for all four). Key
+     * tiles load in order, so running pointers to row cr of the next tile replace the
+     * per-tile 64-bit index arithmetic (the loads' address math was a quarter of the loop's
+     * instructions). */
+    const int cr = threadIdx.x >> 3, cc = threadIdx.x & 7;
+    const uint32_t off = cr * 128 + ((cc ^ (cr & 7)) << 4);
+    const char *k_next = reinterpret_cast<const char *>(k_seq + cc * 8);
+    const char *v_next = reinterpret_cast<const char *>(v_seq + cc * 8);
+    const int64_t k_rows16 = 16 * a.k_stride_token * (int64_t)sizeof(Elem);
+    const int64_t v_rows16 = 16 * a.v_stride_token * (int64_t)sizeof(Elem);
+    k_next += (k_rows16 >> 4) * cr;
+    v_next += (v_rows16 >> 4) * cr;
+    int rows_left = len - cr; /* chunk i of the next tile holds a key iff 16 i < rows_left */
+    /* the next key tile into ring stage `stage` (K slot, then V slot); rows past the
+     * sequence are zero-filled, their address clamped to the sequence's first row */
+    auto load_kv = [&](int stage) {
+        const uint32_t s_k = smem + kTile * (1 + 2 * stage) + off;
+        const char *k = k_next, *v = v_next;
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+            const bool is_valid = 16 * i < rows_left;
+            ragged_attention_mma_cp_async16(s_k + 2048 * i, is_valid ? (const void *)k : k_seq,
+                                            is_valid);
+            ragged_attention_mma_cp_async16(s_k + kTile + 2048 * i,
+                                            is_valid ? (const void *)v : v_seq, is_valid);
+            k += k_rows16;
+            v += v_rows16;
+        }
+        k_next = k;
+        v_next = v;
+        rows_left -= kKeys;
     };
 
     __syncthreads(); /* this block's previous tile may still read shared memory */
@@ -264,7 +287,7 @@ static __device__ __forceinline__ void ragged_attention_wgmma_tile(uint32_t smem
         a.q_stride_token, min(RAGGED_ATTENTION_WGMMA_ROWS, len - q0));
     for (int st = 0; st < num_stages - 1; ++st) {
         if (st < num_tiles)
-            load_kv(st, st);
+            load_kv(st);
         ragged_attention_mma_cp_async_commit(); /* group st: key tile st (+ Q), maybe empty */
     }
 
@@ -284,7 +307,7 @@ static __device__ __forceinline__ void ragged_attention_wgmma_tile(uint32_t smem
         ragged_attention_wgmma_fence_proxy();
         __syncthreads(); /* every thread's copies; tile t - 1 fully consumed */
         if (t + num_stages - 1 < num_tiles)
-            load_kv(stage == 0 ? num_stages - 1 : stage - 1, t + num_stages - 1);
+            load_kv(stage == 0 ? num_stages - 1 : stage - 1); /* tile t + num_stages - 1 */
         ragged_attention_mma_cp_async_commit();
         const uint32_t s_k = smem + kTile * (1 + 2 * stage);
         stage = stage + 1 == num_stages ? 0 : stage + 1;
