@@ -10,6 +10,8 @@ inputs:
   timm_graph   the same, replayed as one CUDA graph (GPU only)
   reference    ragvit.reference.vit_forward_reference: the same pruning on padded tensors
                with key-padding masks and SDPA (what users write without ragvit)
+  paper_fa2    the paper's pipeline: its syncing packer (.item(), nonzero) and FA2 varlen
+               attention on torch's modules (GPU only; ThresholdL2 keep, one pruning point)
   fa2_packed   ragvit's packed pipeline with torch's FA2 varlen as attention (GPU only)
   ragvit       ragvit.patch(model, policy), eager
   ragvit_graph the same through ragvit.cuda_graph: replayed as one CUDA graph per batch size
@@ -40,7 +42,8 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 __all__ = [
     "CONFIGS", "MODELS", "PIPELINES", "BenchConfig", "ConfigError", "check", "environment",
     "fa2_attention", "flat_rows", "graphed", "load_model", "load_results", "main", "make_pipeline",
-    "make_policy", "patched", "render_table", "run", "time_ms", "timm_forward", "write_results",
+    "make_policy", "paper_forward", "patched", "render_table", "run", "time_ms", "timm_forward",
+    "write_results",
 ]
 
 # Aliases for the timm names (any other timm VisionTransformer name works as well).
@@ -50,8 +53,9 @@ MODELS = {
     "deit_b": "deit_base_patch16_224",
     "deit_b384": "deit_base_patch16_384",
 }
-PIPELINES = ("timm_eager", "timm_graph", "reference", "fa2_packed", "ragvit", "ragvit_graph")
-GPU_ONLY = ("timm_graph", "fa2_packed", "ragvit_graph")
+PIPELINES = ("timm_eager", "timm_graph", "reference", "paper_fa2", "fa2_packed", "ragvit",
+             "ragvit_graph")
+GPU_ONLY = ("timm_graph", "paper_fa2", "fa2_packed", "ragvit_graph")
 UNPRUNED = ("timm_eager", "timm_graph")
 DTYPES = ("fp32", "fp16", "bf16")
 # max |dlogit| allowed against the reference (fp16: the patch issue's GPU criterion).
@@ -162,6 +166,63 @@ def fa2_attention(q, k, v, cu_seqlens, max_seqlen=None, *, scale=None, out=None,
         scale=scale)[0]
 
 
+def paper_forward(model, x, policy, attention=None):
+    """The paper's pruned pipeline, as its code runs it: timm's blocks on the padded batch up
+    to the pruning point, then the paper's packer (counts, cumsum, ``.item()`` for the total
+    and for max_seqlen, ``nonzero``, ``index_select``: two host syncs, data-dependent shapes,
+    so no CUDA graph) and the remaining blocks on packed rows with torch's modules and FA2
+    varlen attention. The baseline of issue 6's batch-1 target; its decisions equal
+    ThresholdL2's (ties keep the earlier token).
+
+    Args:
+        model: a timm VisionTransformer with a class token, in eval.
+        x: (B, 3, H, W) images.
+        policy: ThresholdL2 with a fixed keep ratio and one pruning point.
+        attention: ragvit.attention's signature (default fa2_attention; tests pass a CPU one).
+
+    Returns:
+        (B, num_classes) logits.
+
+    Raises:
+        ValueError: another policy, or more than one pruning point.
+    """
+    import torch
+
+    from .pruning import ThresholdL2, kept_count
+
+    if not isinstance(policy, ThresholdL2) or policy.keep is None or len(policy.layers) != 1:
+        raise ValueError(f"paper_forward: the paper's pipeline prunes once with a fixed keep "
+                         f"ratio (ThresholdL2(keep=r, layers=(i,))), got {policy!r}")
+    attention = fa2_attention if attention is None else attention
+    layer, P = policy.layers[0], int(model.num_prefix_tokens)
+    h = model.norm_pre(model._pos_embed(model.patch_embed(x)))
+    for blk in model.blocks[:layer]:
+        h = blk(h)
+    B, N, C = h.shape
+    scores = torch.linalg.vector_norm(h[:, P:], dim=-1, dtype=torch.float32)
+    # stable descending sort: equal scores keep the earlier token, as topk_selection does
+    top = torch.sort(scores, dim=1, descending=True, stable=True).indices
+    top = top[:, :kept_count(policy.keep[0], N - P)] + P
+    keep = torch.zeros(B, N, dtype=torch.bool, device=h.device)
+    keep[:, :P] = True
+    keep.scatter_(1, top, True)
+    counts = keep.sum(1, dtype=torch.int32)
+    cu_seqlens = torch.nn.functional.pad(torch.cumsum(counts, 0, dtype=torch.int32), (1, 0))
+    total = int(cu_seqlens[-1].item())  # host sync 1
+    max_seqlen = int(counts.max().item())  # host sync 2
+    rows = h.reshape(B * N, C).index_select(0, keep.reshape(-1).nonzero().squeeze(1))[:total]
+    for blk in model.blocks[layer:]:
+        attn = blk.attn
+        qkv = attn.qkv(blk.norm1(rows)).view(total, 3, attn.num_heads, attn.head_dim)
+        q, k, v = qkv.unbind(1)
+        o = attention(q, k, v, cu_seqlens, max_seqlen, scale=attn.scale)
+        o = attn.proj_drop(attn.proj(o.reshape(total, attn.attn_dim)))
+        rows = rows + blk.drop_path1(blk.ls1(o))
+        rows = rows + blk.drop_path2(blk.ls2(blk.mlp(blk.norm2(rows))))
+    first = cu_seqlens[:-1].long()[:, None] + torch.arange(P, device=rows.device)
+    return model.forward_head(model.norm(rows[first]))
+
+
 @contextlib.contextmanager
 def patched(model, policy, attention=None):
     """ragvit.patch for the duration of a with block. With a replacement attention (the
@@ -221,6 +282,8 @@ def make_pipeline(name: str, model, policy, x):
     elif name == "fa2_packed":
         with patched(model, policy, attention=fa2_attention):
             yield lambda: model(x)
+    elif name == "paper_fa2":
+        yield lambda: paper_forward(model, x, policy)
     elif name == "ragvit":
         with patched(model, policy):
             yield lambda: model(x)
@@ -280,6 +343,8 @@ def check(model, x, policy, pipelines, dtype: str = "fp32") -> dict:
                 err[name] = _max_err(logits, dense)
             elif name == "reference":
                 err[name] = _max_err(ref, replayed)
+            elif name == "paper_fa2":  # decides on torch's blocks, as the reference does
+                err[name] = _max_err(logits, ref)
             else:
                 err[name] = _max_err(logits, replayed)
                 pruned_logits[name] = logits.clone()  # a graph's static output gets reused

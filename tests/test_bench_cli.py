@@ -323,3 +323,43 @@ def test_bench_patched_fused_ops():
     with bench.patched(model, None, attention=lambda *a, **k: None):
         assert vars(model)[timm_patch._STATE_ATTR].fused_ops is False
     assert not timm_patch.is_patched(model)
+
+
+@pytest.mark.parametrize("name", ["deit_tiny_patch16_224", "deit_tiny_distilled_patch16_224"])
+def test_paper_forward_matches_reference(name, gen, seed):
+    """ragvit.bench.paper_forward (the paper's pipeline, issue 6's batch-1 baseline) with
+    ragvit.attention standing in for FA2 (CPU): logits equal the padded-masked reference's
+    for the same ThresholdL2 decisions."""
+    import timm
+    import torch
+
+    import ragvit
+    from ragvit import bench, reference
+    from ragvit.pruning import ThresholdL2
+
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = timm.create_model(name, pretrained=False, img_size=64).eval()
+    x = torch.randn(3, 3, 64, 64, generator=gen)
+    policy = ThresholdL2(0.5, layers=(4,))
+    with torch.no_grad():
+        got = bench.paper_forward(model, x, policy, attention=ragvit.attention)
+        expected = reference.vit_forward_reference(model, x, policy)
+    assert got.shape == (3, model.num_classes)
+    assert float((got - expected).abs().max()) <= 1e-4
+
+
+def test_paper_forward_refuses_other_policies(gen):
+    import timm
+    import torch
+
+    from ragvit import bench
+    from ragvit.pruning import EViT, ThresholdL2
+
+    model = timm.create_model("deit_tiny_patch16_224", pretrained=False, img_size=64).eval()
+    x = torch.randn(1, 3, 64, 64, generator=gen)
+    for policy in (ThresholdL2(threshold=1.0), ThresholdL2(0.5, layers=(2, 5)),
+                   EViT(0.7, layers=(3,))):
+        with pytest.raises(ValueError, match="the paper's pipeline prunes once with a fixed "
+                                             "keep ratio"):
+            bench.paper_forward(model, x, policy)
