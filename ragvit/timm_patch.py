@@ -37,6 +37,10 @@ __all__ = ["UnsupportedModelError", "forward_with_decisions", "graph_capture", "
 
 _STATE_ATTR = "_ragvit_patch_state"
 _HEAD_DIMS = (32, 64, 80, 96, 128)
+# patch(dense_until_pruning=None): dense SDPA before the first pruning point above this many
+# tokens in the batch, ragvit's attention at or below it (H200, benchmarks/results: the
+# wgmma kernel wins at 1-16 images of 197 tokens, dense SDPA at 32+ images of 577).
+DENSE_SDPA_MIN_TOKENS = 4096
 
 
 class UnsupportedModelError(ValueError):
@@ -55,7 +59,7 @@ class _PatchState:
     num_prefix: int
     avg_pool: bool
     pool_skip: int
-    dense_until_pruning: bool = True
+    dense_until_pruning: bool | None = None
     fused_ops: bool | None = None  # None: on CUDA; True: on any device; False: never
     fused_embed: bool = False  # the patch embedding is a plain strided conv (_can_fuse_embed)
     fused_pos_embed: bool = False  # timm's own _pos_embed, static size (_can_fuse_pos_embed)
@@ -223,7 +227,8 @@ def _pos_embed(model, tokens: torch.Tensor) -> torch.Tensor:
 
 
 def patch(model, policy: PruningPolicy | None = None, *, capacity: bool = False,
-          attention=None, dense_until_pruning: bool = True, fused_ops: bool | None = None):
+          attention=None, dense_until_pruning: bool | None = None,
+          fused_ops: bool | None = None):
     """Makes a timm ViT/DeiT run on packed (optionally pruned) tokens, in place.
 
     Args:
@@ -237,11 +242,14 @@ def patch(model, policy: PruningPolicy | None = None, *, capacity: bool = False,
             point (no host sync; garbage rows past cu_seqlens[B] cost compute).
         attention: a replacement for ragvit.attention with its signature (benchmarks
             use it to run the same pipeline on other attention ops).
-        dense_until_pruning: with a policy, the blocks before its first pruning point
-            (every image still holds all N tokens, nothing is ragged yet) run attention
-            as timm does, dense SDPA on (B, H, N, D) views of the qkv output, the fastest
-            kernel for equal lengths; a block whose attention must also return CLS scores
-            (EViT, ATS) still calls `attention`. False sends every block through
+        dense_until_pruning: with a policy, how the blocks before its first pruning point
+            (every image still holds all N tokens, nothing is ragged yet) run attention.
+            True: as timm does, dense SDPA on (B, H, N, D) views of the qkv output; False:
+            through `attention`; None (the default): dense SDPA when the batch holds more
+            than DENSE_SDPA_MIN_TOKENS (4096) tokens, else `attention` (on the H200 ragvit's
+            kernel beats dense SDPA at up to 16 DeiT images of 197 tokens, +2-3% for the
+            whole pruned forward replayed as a graph, and trails it at 32+ images of 577).
+            A block whose attention must also return CLS scores (EViT, ATS) always calls
             `attention`. No effect without a policy (the lossless path is all ragvit).
         fused_ops: run each block's LayerNorms, its four linears (bias in the GEMM
             epilogue, the residual add fused too) and GELU through ragvit.layer_norm /
@@ -292,7 +300,7 @@ def patch(model, policy: PruningPolicy | None = None, *, capacity: bool = False,
         avg_pool=model.global_pool == "avg",
         pool_skip=0 if getattr(model, "pool_include_prefix", False) else int(
             model.num_prefix_tokens),
-        dense_until_pruning=bool(dense_until_pruning),
+        dense_until_pruning=None if dense_until_pruning is None else bool(dense_until_pruning),
         # None (on CUDA) stays None where the blocks allow the row ops, else off
         fused_ops=(None if fused_ops is None else True) if can_fuse else False,
         fused_embed=_can_fuse_embed(model),
@@ -483,6 +491,14 @@ def _fused_residual(scale, linear, h, rows):
     return rows.addcmul_(ops.linear(h, linear.weight, linear.bias), scale.gamma)
 
 
+def _dense_sdpa(state: _PatchState, num_tokens: int) -> bool:
+    """Whether the blocks before the first pruning point run dense SDPA (patch's
+    dense_until_pruning; None: above DENSE_SDPA_MIN_TOKENS tokens)."""
+    if state.dense_until_pruning is None:
+        return num_tokens > DENSE_SDPA_MIN_TOKENS
+    return state.dense_until_pruning
+
+
 def _use_fused(model, state: _PatchState, rows: torch.Tensor) -> bool:
     """The fused row ops apply: allowed (CUDA rows unless forced), rows of the blocks'
     weight dtype, autocast off."""
@@ -521,8 +537,8 @@ def _forward(model, state: _PatchState, x: torch.Tensor, record: bool = False):
         cls_attn = None
         if feeds and policy.needs_cls_attn:
             cls_attn = torch.empty(cur.rows.shape[0], dtype=torch.float32, device=h.device)
-        dense = (state.dense_until_pruning and policy is not None and stage == 0
-                 and cls_attn is None and cur.sizes is None)
+        dense = (policy is not None and stage == 0 and cls_attn is None and cur.sizes is None
+                 and _dense_sdpa(state, B * N))
         cur.rows, value_norm, keys = _attention_half(
             blk, cur, state.attention, cls_attn, feeds and policy.needs_value_norm,
             feeds and policy.needs_keys, dense, fused)
