@@ -30,7 +30,8 @@ Pipelines (ragvit.bench builds them; same process, same inputs):
                key-padding masks, SDPA (what users write without ragvit)
   paper_fa2    the paper's pipeline (ragvit.bench.paper_forward): timm's blocks, its packer
                with two host syncs (.item(), nonzero), then torch's modules and FA2 varlen
-               on the packed rows (graph suite; checked against the reference's own decisions)
+               on the packed rows (graph suite; checked against the reference replaying its own
+               decisions)
   fa2_packed   ragvit's packed pipeline with torch's FA2 varlen as attention; for EViT/ATS
                plus the head-mean CLS attention row in torch ops (FA2 does not return it);
                n/a for ToMe (FA2 varlen takes no per-key bias for proportional attention)

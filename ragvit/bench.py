@@ -166,7 +166,7 @@ def fa2_attention(q, k, v, cu_seqlens, max_seqlen=None, *, scale=None, out=None,
         scale=scale)[0]
 
 
-def paper_forward(model, x, policy, attention=None):
+def paper_forward(model, x, policy, attention=None, *, return_decisions: bool = False):
     """The paper's pruned pipeline, as its code runs it: timm's blocks on the padded batch up
     to the pruning point, then the paper's packer (counts, cumsum, ``.item()`` for the total
     and for max_seqlen, ``nonzero``, ``index_select``: two host syncs, data-dependent shapes,
@@ -179,9 +179,11 @@ def paper_forward(model, x, policy, attention=None):
         x: (B, 3, H, W) images.
         policy: ThresholdL2 with a fixed keep ratio and one pruning point.
         attention: ragvit.attention's signature (default fa2_attention; tests pass a CPU one).
+        return_decisions: also return its decision, [keep] with keep the (B, N) bool mask of
+            kept tokens (forward_with_decisions' format, for vit_forward_reference).
 
     Returns:
-        (B, num_classes) logits.
+        (B, num_classes) logits, or (logits, [keep]) with return_decisions.
 
     Raises:
         ValueError: another policy, or more than one pruning point.
@@ -220,7 +222,8 @@ def paper_forward(model, x, policy, attention=None):
         rows = rows + blk.drop_path1(blk.ls1(o))
         rows = rows + blk.drop_path2(blk.ls2(blk.mlp(blk.norm2(rows))))
     first = cu_seqlens[:-1].long()[:, None] + torch.arange(P, device=rows.device)
-    return model.forward_head(model.norm(rows[first]))
+    logits = model.forward_head(model.norm(rows[first]))
+    return (logits, [keep]) if return_decisions else logits
 
 
 @contextlib.contextmanager
@@ -335,6 +338,11 @@ def check(model, x, policy, pipelines, dtype: str = "fp32") -> dict:
     err, unavailable, pruned_logits = {}, {}, {}
     for name in pipelines:
         try:
+            if name == "paper_fa2":  # against the reference replaying its own decisions
+                logits, own = paper_forward(model, x, policy, return_decisions=True)
+                err[name] = _max_err(logits, reference.vit_forward_reference(
+                    model, x, policy, decisions=own))
+                continue
             with make_pipeline(name, model, policy, x) as fn:
                 logits = fn()
             if name in UNPRUNED:
@@ -343,8 +351,6 @@ def check(model, x, policy, pipelines, dtype: str = "fp32") -> dict:
                 err[name] = _max_err(logits, dense)
             elif name == "reference":
                 err[name] = _max_err(ref, replayed)
-            elif name == "paper_fa2":  # decides on torch's blocks, as the reference does
-                err[name] = _max_err(logits, ref)
             else:
                 err[name] = _max_err(logits, replayed)
                 pruned_logits[name] = logits.clone()  # a graph's static output gets reused

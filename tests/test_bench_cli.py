@@ -328,8 +328,8 @@ def test_bench_patched_fused_ops():
 @pytest.mark.parametrize("name", ["deit_tiny_patch16_224", "deit_tiny_distilled_patch16_224"])
 def test_paper_forward_matches_reference(name, gen, seed):
     """ragvit.bench.paper_forward (the paper's pipeline, issue 6's batch-1 baseline) with
-    ragvit.attention standing in for FA2 (CPU): logits equal the padded-masked reference's
-    for the same ThresholdL2 decisions."""
+    ragvit.attention standing in for FA2 (CPU): logits equal the padded-masked reference's,
+    and its returned decisions equal the reference's ThresholdL2 decisions."""
     import timm
     import torch
 
@@ -344,9 +344,17 @@ def test_paper_forward_matches_reference(name, gen, seed):
     policy = ThresholdL2(0.5, layers=(4,))
     with torch.no_grad():
         got = bench.paper_forward(model, x, policy, attention=ragvit.attention)
-        expected = reference.vit_forward_reference(model, x, policy)
+        expected, decided = reference.vit_forward_reference(model, x, policy,
+                                                            return_decisions=True)
+        again, own = bench.paper_forward(model, x, policy, attention=ragvit.attention,
+                                         return_decisions=True)
     assert got.shape == (3, model.num_classes)
     assert float((got - expected).abs().max()) <= 1e-4
+    assert torch.equal(again, got)
+    P = model.num_prefix_tokens  # CLS (and the distillation token)
+    assert len(own) == 1 and own[0].shape == (3, P + 16) and own[0].dtype == torch.bool
+    assert torch.equal(own[0], decided[0])
+    assert own[0].sum(1).tolist() == [P + 8] * 3  # the prefix + ceil(0.5 * 16) patches
 
 
 def test_paper_forward_refuses_other_policies(gen):
