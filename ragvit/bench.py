@@ -316,7 +316,8 @@ def check(model, x, policy, pipelines, dtype: str = "fp32") -> dict:
         {"err": {pipeline: float or None}, "unavailable": {pipeline: reason},
          "err_exact": {pipeline: float} and "err_reference_exact" (fp16/bf16 only),
          "decisions_agree", "top1_agree" (ragvit vs reference), "kept_fraction", "ok"}.
-        ok: every pipeline that ran is within TOLERANCE[dtype] of the reference, or, in
+        ok: every pipeline that ran (in fp16/bf16 the reference on its own decisions
+        excepted: near-ties may flip them) is within TOLERANCE[dtype] of the reference, or, in
         fp16/bf16, a pruned pipeline that is not is at least as close to the truth as the
         reference itself by flash-attention's rule: against the same forward in fp32 (an
         fp32 copy of the model, same decisions), err_exact <= 2 * err_reference_exact +
@@ -377,7 +378,10 @@ def check(model, x, policy, pipelines, dtype: str = "fp32") -> dict:
     # (random-init models have near-ties that rounding may legitimately flip).
     top2 = replayed.double().topk(2, dim=1).values
     near_tie = (top2[:, 0] - top2[:, 1]) <= 2 * tol
-    ok = (all(within(name, e) for name, e in err.items())
+    # "reference" is the reference on its own decisions against it replaying ragvit's: in
+    # fp16/bf16 a near-tie in the scores may flip a decision (reported: decisions_agree).
+    judged = {n: e for n, e in err.items() if dtype == "fp32" or n != "reference"}
+    ok = (all(within(name, e) for name, e in judged.items())
           and err.get("ragvit", 0.0) is not None and bool((agree | near_tie).all()))
     return {
         "err": err,

@@ -371,3 +371,32 @@ def test_paper_forward_refuses_other_policies(gen):
         with pytest.raises(ValueError, match="the paper's pipeline prunes once with a fixed "
                                              "keep ratio"):
             bench.paper_forward(model, x, policy)
+
+
+def test_check_reports_not_fails_reference_decision_flips_in_half(monkeypatch, gen):
+    """bench.check: the reference on its own decisions differing from it replaying ragvit's
+    (an fp16 near-tie flipping a choice; simulated by shifting its logits) fails the row in
+    fp32 and is only reported in fp16/bf16."""
+    import timm
+    import torch
+
+    from ragvit import bench, reference
+    from ragvit.pruning import ThresholdL2
+
+    model = timm.create_model("deit_tiny_patch16_224", pretrained=False, img_size=64).eval()
+    x = torch.randn(2, 3, 64, 64, generator=gen)
+    real = reference.vit_forward_reference
+
+    def flipped(*args, **kwargs):
+        out = real(*args, **kwargs)
+        if kwargs.get("return_decisions"):
+            return out[0] + 1.0, out[1]
+        return out
+
+    monkeypatch.setattr(reference, "vit_forward_reference", flipped)
+    policy = ThresholdL2(0.5, layers=(4,))
+    with torch.no_grad():
+        strict = bench.check(model, x, policy, ("reference", "ragvit"), "fp32")
+        half = bench.check(model, x, policy, ("reference", "ragvit"), "fp16")
+    assert strict["err"]["reference"] >= 0.99 and not strict["ok"]
+    assert half["err"]["reference"] >= 0.99 and half["ok"]
