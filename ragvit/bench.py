@@ -309,8 +309,10 @@ def _max_err(a, b) -> float:
 def check(model, x, policy, pipelines, dtype: str = "fp32") -> dict:
     """Every pipeline's max |dlogit| against the padded-masked reference, before timing.
 
-    Pruned pipelines compare with the reference replaying ragvit's decisions (so numerical
-    noise cannot flip a choice); unpruned ones with the unpruned reference.
+    Pruned pipelines compare with the reference replaying their decisions (so numerical
+    noise cannot flip a choice): ragvit's for ragvit and ragvit_graph, their own for
+    paper_fa2 and fa2_packed (torch's modules may rank a near-tie the other way in
+    fp16); unpruned ones with the unpruned reference.
 
     Returns:
         {"err": {pipeline: float or None}, "unavailable": {pipeline: reason},
@@ -339,8 +341,12 @@ def check(model, x, policy, pipelines, dtype: str = "fp32") -> dict:
     err, unavailable, pruned_logits = {}, {}, {}
     for name in pipelines:
         try:
-            if name == "paper_fa2":  # against the reference replaying its own decisions
-                logits, own = paper_forward(model, x, policy, return_decisions=True)
+            if name in ("paper_fa2", "fa2_packed"):  # own decisions, made by its own forward
+                if name == "paper_fa2":
+                    logits, own = paper_forward(model, x, policy, return_decisions=True)
+                else:
+                    with patched(model, policy, attention=fa2_attention):
+                        logits, own = timm_patch.forward_with_decisions(model, x)
                 err[name] = _max_err(logits, reference.vit_forward_reference(
                     model, x, policy, decisions=own))
                 continue

@@ -400,3 +400,25 @@ def test_check_reports_not_fails_reference_decision_flips_in_half(monkeypatch, g
         half = bench.check(model, x, policy, ("reference", "ragvit"), "fp16")
     assert strict["err"]["reference"] >= 0.99 and not strict["ok"]
     assert half["err"]["reference"] >= 0.99 and half["ok"]
+
+
+def test_check_judges_baselines_on_their_own_decisions(monkeypatch, gen):
+    """bench.check compares paper_fa2 and fa2_packed with the reference replaying their own
+    decisions (ragvit.attention standing in for FA2 on the CPU): both run and are within
+    fp32 tolerance."""
+    import timm
+    import torch
+
+    import ragvit
+    from ragvit import bench
+    from ragvit.pruning import ThresholdL2
+
+    monkeypatch.setattr(bench, "fa2_attention", lambda q, k, v, cu, m=None, *, scale=None,
+                        out=None, cls_attn=None: ragvit.attention(q, k, v, cu, m, scale=scale))
+    model = timm.create_model("deit_tiny_patch16_224", pretrained=False, img_size=64).eval()
+    x = torch.randn(2, 3, 64, 64, generator=gen)
+    policy = ThresholdL2(0.5, layers=(4,))
+    with torch.no_grad():
+        c = bench.check(model, x, policy, ("paper_fa2", "fa2_packed", "ragvit"), "fp32")
+    assert c["ok"] and not c["unavailable"], c
+    assert c["err"]["paper_fa2"] <= 1e-4 and c["err"]["fa2_packed"] <= 1e-4
