@@ -212,7 +212,7 @@ def paper_forward(model, x, policy, attention=None, *, return_decisions: bool = 
     cu_seqlens = torch.nn.functional.pad(torch.cumsum(counts, 0, dtype=torch.int32), (1, 0))
     total = int(cu_seqlens[-1].item())  # host sync 1
     max_seqlen = int(counts.max().item())  # host sync 2
-    rows = h.reshape(B * N, C).index_select(0, keep.reshape(-1).nonzero().squeeze(1))[:total]
+    rows = h.reshape(B * N, C).index_select(0, keep.reshape(-1).nonzero().squeeze(1))
     for blk in model.blocks[layer:]:
         attn = blk.attn
         qkv = attn.qkv(blk.norm1(rows)).view(total, 3, attn.num_heads, attn.head_dim)
