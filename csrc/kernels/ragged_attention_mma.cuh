@@ -50,6 +50,15 @@ static int64_t ragged_attention_cap_grid_x(int64_t grid_x, int64_t grid_y, int64
     return grid_x;
 }
 
+/* The grid's sequence-length bound: max_seqlen (default T) clamped to [1, INT32_MAX]. It
+ * only sizes the grid; a sequence longer than it is skipped and flagged by the kernels. */
+static int64_t ragged_attention_max_len(const ragvit_attention_args *a) {
+    int64_t max_len = a->max_seqlen > 0 ? a->max_seqlen : a->total_tokens;
+    if (max_len > INT32_MAX)
+        max_len = INT32_MAX;
+    return max_len < 1 ? 1 : max_len;
+}
+
 // ---- device helpers ----
 
 static __device__ __forceinline__ uint32_t ragged_attention_mma_smem_addr(const void *p) {
@@ -716,12 +725,7 @@ static int64_t ragged_attention_mma_smem_max(int head_dim) {
 static ragged_attention_mma_plan ragged_attention_mma_make_plan(const ragvit_attention_args *a,
                                                                 const ragvit_device_info *dev,
                                                                 int num_warps, int num_stages) {
-    /* max_seqlen only sizes the grid; a length above it is skipped and flagged */
-    int64_t max_len = a->max_seqlen > 0 ? a->max_seqlen : a->total_tokens;
-    if (max_len > INT32_MAX)
-        max_len = INT32_MAX;
-    if (max_len < 1)
-        max_len = 1;
+    const int64_t max_len = ragged_attention_max_len(a);
     const int64_t sm_count = dev != NULL && dev->sm_count > 0 ? dev->sm_count : 132;
     int64_t smem_limit =
         dev != NULL && dev->smem_per_block_optin > 0 ? dev->smem_per_block_optin : 48 * 1024;

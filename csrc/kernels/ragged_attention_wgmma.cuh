@@ -418,11 +418,7 @@ static bool ragged_attention_wgmma_supports(const ragvit_attention_args *a,
 static ragvit_status ragged_attention_wgmma_launch_stages(const ragvit_attention_args *a,
                                                           const ragvit_device_info *dev,
                                                           int num_stages, cudaStream_t stream) {
-    int64_t max_len = a->max_seqlen > 0 ? a->max_seqlen : a->total_tokens;
-    if (max_len > INT32_MAX)
-        max_len = INT32_MAX;
-    if (max_len < 1)
-        max_len = 1;
+    const int64_t max_len = ragged_attention_max_len(a);
     const int64_t rows = RAGGED_ATTENTION_WGMMA_ROWS;
     const int64_t sm_count = dev->sm_count > 0 ? dev->sm_count : 132;
     const int64_t seqs = a->num_seqs, heads = a->num_heads;
