@@ -63,7 +63,7 @@ import report  # noqa: E402
 import timing  # noqa: E402
 
 import ragvit  # noqa: E402
-from ragvit import bench, reference, timm_patch  # noqa: E402
+from ragvit import bench, timm_patch  # noqa: E402
 from ragvit.bench import patched, timm_forward  # noqa: E402
 from ragvit.pruning import ATS, EViT, ThresholdL2, ToMe  # noqa: E402
 
@@ -258,10 +258,7 @@ def check_fa2(model, x, policy, tol) -> tuple[float | None, str | None]:
         return None, why
     attention = fa2_attention_cls if policy.needs_cls_attn else bench.fa2_attention
     try:
-        with patched(model, policy, attention=attention):
-            got, decided = timm_patch.forward_with_decisions(model, x)
-        replayed = reference.vit_forward_reference(model, x, policy, decisions=decided)
-        return _max_err(got, replayed), None
+        return bench.own_decisions_err(model, x, policy, attention), None
     except Exception as e:  # noqa: BLE001 - a baseline that cannot run is reported
         return None, f"{type(e).__name__}: {e}"
 

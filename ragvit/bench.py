@@ -42,8 +42,8 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 __all__ = [
     "CONFIGS", "MODELS", "PIPELINES", "BenchConfig", "ConfigError", "check", "environment",
     "fa2_attention", "flat_rows", "graphed", "load_model", "load_results", "main", "make_pipeline",
-    "make_policy", "paper_forward", "patched", "render_table", "run", "time_ms", "timm_forward",
-    "write_results",
+    "make_policy", "own_decisions_err", "paper_forward", "patched", "render_table", "run",
+    "time_ms", "timm_forward", "write_results",
 ]
 
 # Aliases for the timm names (any other timm VisionTransformer name works as well).
@@ -306,6 +306,16 @@ def _max_err(a, b) -> float:
     return float((a.double() - b.double()).abs().max())
 
 
+def own_decisions_err(model, x, policy, attention) -> float:
+    """max |dlogit| of ragvit's packed pipeline with a replacement attention (an FA2
+    pipeline) against the reference replaying that pipeline's own decisions."""
+    from . import reference, timm_patch
+
+    with patched(model, policy, attention=attention):
+        logits, decided = timm_patch.forward_with_decisions(model, x)
+    return _max_err(logits, reference.vit_forward_reference(model, x, policy, decisions=decided))
+
+
 def check(model, x, policy, pipelines, dtype: str = "fp32") -> dict:
     """Every pipeline's max |dlogit| against the padded-masked reference, before timing.
 
@@ -341,12 +351,12 @@ def check(model, x, policy, pipelines, dtype: str = "fp32") -> dict:
     err, unavailable, pruned_logits = {}, {}, {}
     for name in pipelines:
         try:
-            if name in ("paper_fa2", "fa2_packed"):  # own decisions, made by its own forward
-                if name == "paper_fa2":
-                    logits, own = paper_forward(model, x, policy, return_decisions=True)
-                else:
-                    with patched(model, policy, attention=fa2_attention):
-                        logits, own = timm_patch.forward_with_decisions(model, x)
+            # the baselines against the reference replaying their own decisions
+            if name == "fa2_packed":
+                err[name] = own_decisions_err(model, x, policy, fa2_attention)
+                continue
+            if name == "paper_fa2":
+                logits, own = paper_forward(model, x, policy, return_decisions=True)
                 err[name] = _max_err(logits, reference.vit_forward_reference(
                     model, x, policy, decisions=own))
                 continue
