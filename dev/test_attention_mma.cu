@@ -645,12 +645,14 @@ static int check_supports(void) {
 }
 
 /* GPU time per launch (CUDA events around 200 back-to-back launches after warm-up) on
- * DeiT-like ragged batches: lengths uniform in +-20% around the mean, q/k/v views of one
- * (T, 3, H, D) buffer. Correctness is covered by the cases above, not re-checked here. */
+ * DeiT-like ragged batches: lengths uniform in +-20% around the mean (or all equal),
+ * q/k/v views of one (T, 3, H, D) buffer. Correctness is covered by the cases above, not
+ * re-checked here. */
 static void bench(const char *only, bool is_wgmma_only) {
     struct shape {
         const char *name;
         int batch, mean_len, num_heads;
+        bool is_fixed = false; /* every length mean_len (else +-20%) */
     };
     const shape shapes[] = {{"deit-s B=1 len 197", 1, 197, 6},
                             {"deit-s B=32 keep .5", 32, 99, 6},
@@ -660,7 +662,10 @@ static void bench(const char *only, bool is_wgmma_only) {
                             {"deit-b B=256 len 197", 256, 197, 12},
                             {"deit-s B=1 keep .5", 1, 99, 6},
                             {"deit-b B=1 len 577", 1, 577, 12},
-                            {"deit-b B=32 len 577", 32, 577, 12}};
+                            {"deit-b B=32 len 577", 32, 577, 12},
+                            {"deit-b B=256 all 192", 256, 192, 12, true},
+                            {"deit-b B=256 all 197", 256, 197, 12, true},
+                            {"deit-b B=32 all 577", 32, 577, 12, true}};
     const int D = 64;
     int device = 0;
     CHECK_CUDA(cudaGetDevice(&device));
@@ -672,7 +677,7 @@ static void bench(const char *only, bool is_wgmma_only) {
         if (only != nullptr && strstr(sh.name, only) == nullptr)
             continue;
         std::mt19937 rng(99);
-        const int spread = sh.batch == 1 ? 0 : sh.mean_len / 5; /* +-20% */
+        const int spread = sh.batch == 1 || sh.is_fixed ? 0 : sh.mean_len / 5; /* +-20% */
         std::uniform_int_distribution<int> len_dist(sh.mean_len - spread, sh.mean_len + spread);
         std::vector<int> cu(1, 0);
         int longest = 1;
