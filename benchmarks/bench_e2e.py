@@ -234,10 +234,6 @@ def pipeline(name, model, policy, x):
 # ---- correctness ----
 
 
-def _max_err(a, b) -> float:
-    return float((a.double() - b.double()).abs().max())
-
-
 def kept_fractions(model, policy, decided) -> tuple[float, float]:
     """(final, per_block): tokens after the last pruning point / N, and the mean over
     blocks of tokens per block / N (mid-block pruning counts half a block on each side)."""
@@ -309,7 +305,7 @@ def check_row(model, x, policy, pipelines, ctx) -> dict:
 def check_lossless(model, x) -> float:
     with patched(model, None):
         ours = model(x)
-    return _max_err(ours, timm_forward(model, x))
+    return bench.max_err(ours, timm_forward(model, x))
 
 
 # ---- one suite: check everything, then time what passed ----

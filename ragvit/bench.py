@@ -42,8 +42,8 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 __all__ = [
     "CONFIGS", "MODELS", "PIPELINES", "BenchConfig", "ConfigError", "check", "environment",
     "fa2_attention", "flat_rows", "graphed", "load_model", "load_results", "main", "make_pipeline",
-    "make_policy", "own_decisions_err", "paper_forward", "patched", "render_table", "run",
-    "time_ms", "timm_forward", "write_results",
+    "make_policy", "max_err", "own_decisions_err", "paper_forward", "patched", "render_table",
+    "run", "time_ms", "timm_forward", "write_results",
 ]
 
 # Aliases for the timm names (any other timm VisionTransformer name works as well).
@@ -302,7 +302,8 @@ def make_pipeline(name: str, model, policy, x):
         raise ValueError(f"unknown pipeline {name!r}; choose from {', '.join(PIPELINES)}")
 
 
-def _max_err(a, b) -> float:
+def max_err(a, b) -> float:
+    """max |a - b| over all elements, computed in float64 (a and b: tensors of one shape)."""
     return float((a.double() - b.double()).abs().max())
 
 
@@ -313,7 +314,7 @@ def own_decisions_err(model, x, policy, attention) -> float:
 
     with patched(model, policy, attention=attention):
         logits, decided = timm_patch.forward_with_decisions(model, x)
-    return _max_err(logits, reference.vit_forward_reference(model, x, policy, decisions=decided))
+    return max_err(logits, reference.vit_forward_reference(model, x, policy, decisions=decided))
 
 
 def check(model, x, policy, pipelines, dtype: str = "fp32") -> dict:
@@ -357,7 +358,7 @@ def check(model, x, policy, pipelines, dtype: str = "fp32") -> dict:
                 continue
             if name == "paper_fa2":
                 logits, own = paper_forward(model, x, policy, return_decisions=True)
-                err[name] = _max_err(logits, reference.vit_forward_reference(
+                err[name] = max_err(logits, reference.vit_forward_reference(
                     model, x, policy, decisions=own))
                 continue
             with make_pipeline(name, model, policy, x) as fn:
@@ -365,11 +366,11 @@ def check(model, x, policy, pipelines, dtype: str = "fp32") -> dict:
             if name in UNPRUNED:
                 if dense is None:
                     dense = reference.vit_forward_reference(model, x, None)
-                err[name] = _max_err(logits, dense)
+                err[name] = max_err(logits, dense)
             elif name == "reference":
-                err[name] = _max_err(ref, replayed)
+                err[name] = max_err(ref, replayed)
             else:
-                err[name] = _max_err(logits, replayed)
+                err[name] = max_err(logits, replayed)
                 pruned_logits[name] = logits.clone()  # a graph's static output gets reused
         except Exception as e:  # noqa: BLE001 - a baseline that cannot run is reported
             unavailable[name] = f"{type(e).__name__}: {e}"
@@ -381,8 +382,8 @@ def check(model, x, policy, pipelines, dtype: str = "fp32") -> dict:
         model32 = copy.deepcopy(model).float()
         exact = reference.vit_forward_reference(model32, x.float(), policy, decisions=decided)
         del model32
-        err_reference_exact = _max_err(replayed, exact)
-        err_exact = {name: _max_err(lg, exact) for name, lg in pruned_logits.items()}
+        err_reference_exact = max_err(replayed, exact)
+        err_exact = {name: max_err(lg, exact) for name, lg in pruned_logits.items()}
 
     def within(name, e):
         if e is None or e <= tol:
@@ -404,7 +405,7 @@ def check(model, x, policy, pipelines, dtype: str = "fp32") -> dict:
         "unavailable": unavailable,
         "err_exact": err_exact,
         "err_reference_exact": err_reference_exact,
-        "err_ragvit_vs_reference": _max_err(ours, replayed),
+        "err_ragvit_vs_reference": max_err(ours, replayed),
         "decisions_agree": all(bool((a == b).all())
                                for a, b in zip(decided, ref_decided, strict=True)),
         "top1_agree": float(agree.float().mean()),

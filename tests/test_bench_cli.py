@@ -309,6 +309,24 @@ def test_interleaved_ms_burst_times_the_last_of_each_run():
         timing.interleaved_ms({"a": make("a")}, device="cpu", burst=0)
 
 
+def test_max_err_is_float64_max_abs_difference(gen):
+    """ragvit.bench.max_err: max |a - b| in float64 (fp16 inputs are not subtracted in fp16;
+    one NaN makes it NaN, as a failed check must)."""
+    import torch
+
+    from ragvit import bench
+
+    a = torch.randn(3, 5, generator=gen)
+    b = a.clone()
+    b[1, 2] += 0.25
+    assert bench.max_err(a, b) == pytest.approx(0.25, abs=1e-6)
+    assert bench.max_err(a.half(), a.half()) == 0.0
+    big = torch.tensor([60000.0], dtype=torch.float16)
+    assert bench.max_err(big, -big) == 120000.0  # overflows fp16, not float64
+    b[0, 0] = float("nan")
+    assert torch.isnan(torch.tensor(bench.max_err(a, b)))
+
+
 def test_bench_patched_fused_ops():
     """ragvit.bench.patched: ragvit keeps patch's default fused_ops (None: the row ops on
     CUDA, timm's modules on the CPU); a replacement attention (the FA2 pipelines) gets
