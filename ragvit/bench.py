@@ -27,6 +27,7 @@ import argparse
 import contextlib
 import csv
 import dataclasses
+import glob
 import json
 import math
 import os
@@ -41,9 +42,9 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 __all__ = [
     "CONFIGS", "MODELS", "PIPELINES", "BenchConfig", "ConfigError", "check", "environment",
-    "fa2_attention", "flat_rows", "graphed", "load_model", "load_results", "main", "make_pipeline",
-    "make_policy", "max_err", "own_decisions_err", "paper_forward", "patched", "render_table",
-    "run", "time_ms", "timm_forward", "write_results",
+    "fa2_attention", "flat_rows", "graphed", "load_model", "load_result_folders", "load_results",
+    "main", "make_pipeline", "make_policy", "max_err", "own_decisions_err", "paper_forward",
+    "patched", "render_table", "run", "time_ms", "timm_forward", "write_results",
 ]
 
 # Aliases for the timm names (any other timm VisionTransformer name works as well).
@@ -644,6 +645,35 @@ def load_results(path: str) -> list[dict]:
                 "ms_p80": t["ms"]["p80"], "images_per_s": t["images_per_s"],
             })
     return out
+
+
+def load_result_folders(folders, log=print) -> list[dict]:
+    """load_results of every *.json in `folders` (in order; files by name), each row tagged
+    with "suite": "sweep" for `write_results` files, else its bench_e2e suite. A bench_e2e
+    suite comes from the first file that has it, so a fresh run's folder listed before the
+    committed results wins and no suite is counted twice; JSON that is neither is ignored.
+    `log` gets one line per file: loaded (with the suites taken) or skipped."""
+    rows, seen = [], set()
+    for folder in folders:
+        for path in sorted(glob.glob(os.path.join(str(folder), "*.json"))):
+            with open(path) as f:
+                head = json.load(f)
+            if "config" in head:
+                rows += [dict(r, suite="sweep") for r in load_results(path)]
+                log(f"loaded {path}")
+                continue
+            if not (head.get("rows") and any("timing" in r for r in head["rows"])):
+                continue
+            flat = load_results(path)  # one per (row, pipeline), in file order
+            suites = [r.get("suite", "paper") for r in head["rows"] for _ in r.get("timing", {})]
+            new = set(suites) - seen
+            if not new:
+                log(f"skipped {path} (its suites came from an earlier file)")
+                continue
+            rows += [dict(r, suite=s) for r, s in zip(flat, suites, strict=True) if s in new]
+            seen |= new
+            log(f"loaded {path} suites: {', '.join(sorted(new))}")
+    return rows
 
 
 def write_results(prefix: str, result: dict) -> list[str]:

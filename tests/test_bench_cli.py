@@ -104,6 +104,39 @@ def test_load_results_reads_bench_e2e_json(tmp_path):
     assert rows[1]["device"] == "NVIDIA H200" and rows[1]["max_dlogit"] == 1e-3
 
 
+def test_load_result_folders_takes_each_suite_once(tmp_path):
+    """ragvit.bench.load_result_folders: a bench_e2e suite comes from the first file that
+    has it (a fresh folder listed first wins over the committed results), sweeps always
+    load, other JSON is ignored; every file is logged as loaded or skipped."""
+    from ragvit import bench
+
+    timing = {"ms": {"median": 2.0, "p20": 1.9, "p80": 2.1}, "images_per_s": 500.0}
+
+    def e2e(suites, ips):
+        t = dict(timing, images_per_s=ips)
+        return {"env": {"gpu": "NVIDIA H200"}, "rows": [{
+            "model": "DeiT-S 224", "policy": "l2_keep50_b4", "batch": 1, "suite": s,
+            "check": {"kept_fraction_last_stage": 0.5, "err_ragvit_vs_reference": 1e-3},
+            "timing": {"timm_eager": t, "ragvit": t}} for s in suites]}
+
+    fresh, committed = tmp_path / "fresh", tmp_path / "committed"
+    fresh.mkdir()
+    committed.mkdir()
+    (fresh / "e2e_paper_h200.json").write_text(json.dumps(e2e(["paper"], 900.0)))
+    (committed / "e2e_h200.json").write_text(json.dumps(e2e(["paper", "graph"], 500.0)))
+    (committed / "e2e_zz_h200.json").write_text(json.dumps(e2e(["graph"], 100.0)))
+    (committed / "attention_h200.json").write_text(json.dumps({"env": {}, "rows": [{}]}))
+    lines = []
+    rows = bench.load_result_folders([fresh, committed], log=lines.append)
+    got = sorted((r["suite"], r["pipeline"], r["images_per_s"]) for r in rows)
+    assert got == [("graph", "ragvit", 500.0), ("graph", "timm_eager", 500.0),
+                   ("paper", "ragvit", 900.0), ("paper", "timm_eager", 900.0)]
+    assert lines == [f"loaded {fresh / 'e2e_paper_h200.json'} suites: paper",
+                     f"loaded {committed / 'e2e_h200.json'} suites: graph",
+                     f"skipped {committed / 'e2e_zz_h200.json'} (its suites came from an "
+                     "earlier file)"]
+
+
 def test_notebook_executes_in_tiny_mode(monkeypatch):
     try:
         import ipykernel  # noqa: F401
