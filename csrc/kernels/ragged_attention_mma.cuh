@@ -638,6 +638,26 @@ static __device__ __forceinline__ void ragged_attention_mma_cls(
     }
 }
 
+/* Sequence s's first token (start) and length (len) from cu_seqlens; false, and the error
+ * flag raised by thread 0 of block (0, 0, .), when its bounds are bad (start < 0, end <
+ * start, end past total_tokens) or its length exceeds max_len (the grid was sized from it):
+ * such a sequence is skipped, its output rows untouched. Uniform across the block. */
+static __device__ __forceinline__ bool ragged_attention_seq_bounds(const ragvit_attention_args &a,
+                                                                  int s, int h, int max_len,
+                                                                  int &start, int &len) {
+    start = __ldg(a.cu_seqlens + s);
+    const int end = __ldg(a.cu_seqlens + s + 1);
+    const bool is_bad = start < 0 || end < start || (int64_t)end > a.total_tokens;
+    if (is_bad || end - start > max_len) {
+        if (blockIdx.x == 0 && h == 0 && threadIdx.x == 0 && a.error_flag != NULL)
+            atomicOr(a.error_flag,
+                     is_bad ? RAGVIT_ERROR_BAD_CU_SEQLENS : RAGVIT_ERROR_SEQLEN_OVER_MAX);
+        return false;
+    }
+    len = end - start;
+    return true;
+}
+
 // ---- kernels ----
 
 /* Block (x, y, z): query tiles x, x + gridDim.x, ... of head y of sequences z, z + gridDim.z,
@@ -661,16 +681,9 @@ __launch_bounds__(RAGGED_ATTENTION_MMA_MAX_WARPS * 32, D <= 64 ? 4 : (D <= 96 ? 
     const Elem *k_all = static_cast<const Elem *>(a.k);
 
     for (int s = blockIdx.z; s < a.num_seqs; s += gridDim.z) {
-        const int start = __ldg(a.cu_seqlens + s);
-        const int end = __ldg(a.cu_seqlens + s + 1);
-        const bool is_bad = start < 0 || end < start || (int64_t)end > a.total_tokens;
-        if (is_bad || end - start > max_len) {
-            if (blockIdx.x == 0 && h == 0 && threadIdx.x == 0 && a.error_flag != NULL)
-                atomicOr(a.error_flag,
-                         is_bad ? RAGVIT_ERROR_BAD_CU_SEQLENS : RAGVIT_ERROR_SEQLEN_OVER_MAX);
+        int start, len;
+        if (!ragged_attention_seq_bounds(a, s, h, max_len, start, len))
             continue;
-        }
-        const int len = end - start;
         if (h == a.num_heads) {
             if (blockIdx.x == 0 && len > 0)
                 ragged_attention_mma_cls<Elem, D, has_bias>(
@@ -683,8 +696,8 @@ __launch_bounds__(RAGGED_ATTENTION_MMA_MAX_WARPS * 32, D <= 64 ? 4 : (D <= 96 ? 
             continue;
         }
         for (int q0 = blockIdx.x * rows; q0 < len; q0 += gridDim.x * rows)
-            ragged_attention_mma_tile<Elem, D, has_bias>(s_q, s_kv, num_stages, a, start, h, q0, len,
-                                               scale_log2);
+            ragged_attention_mma_tile<Elem, D, has_bias>(s_q, s_kv, num_stages, a, start, h, q0,
+                                                         len, scale_log2);
     }
 }
 

@@ -371,16 +371,9 @@ static __global__ void __launch_bounds__(128, RAGGED_ATTENTION_WGMMA_MIN_BLOCKS)
     const int h = blockIdx.y;
     const float scale_log2 = a.scale * RAGGED_ATTENTION_MMA_LOG2E;
     for (int s = blockIdx.z; s < a.num_seqs; s += gridDim.z) {
-        const int start = __ldg(a.cu_seqlens + s);
-        const int end = __ldg(a.cu_seqlens + s + 1);
-        const bool is_bad = start < 0 || end < start || (int64_t)end > a.total_tokens;
-        if (is_bad || end - start > max_len) {
-            if (blockIdx.x == 0 && h == 0 && threadIdx.x == 0 && a.error_flag != NULL)
-                atomicOr(a.error_flag,
-                         is_bad ? RAGVIT_ERROR_BAD_CU_SEQLENS : RAGVIT_ERROR_SEQLEN_OVER_MAX);
+        int start, len;
+        if (!ragged_attention_seq_bounds(a, s, h, max_len, start, len))
             continue;
-        }
-        const int len = end - start;
         for (int q0 = blockIdx.x * RAGGED_ATTENTION_WGMMA_ROWS; q0 < len;
              q0 += gridDim.x * RAGGED_ATTENTION_WGMMA_ROWS)
             ragged_attention_wgmma_tile<Elem>(smem, num_stages, a, start, h, q0, len, scale_log2);
