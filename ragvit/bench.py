@@ -308,14 +308,21 @@ def max_err(a, b) -> float:
     return float((a.double() - b.double()).abs().max())
 
 
+def _replay_err(model, x, policy, logits, decided) -> float:
+    """max |dlogit| of a pipeline's logits against the reference replaying its decisions."""
+    from . import reference
+
+    return max_err(logits, reference.vit_forward_reference(model, x, policy, decisions=decided))
+
+
 def own_decisions_err(model, x, policy, attention) -> float:
     """max |dlogit| of ragvit's packed pipeline with a replacement attention (an FA2
     pipeline) against the reference replaying that pipeline's own decisions."""
-    from . import reference, timm_patch
+    from . import timm_patch
 
     with patched(model, policy, attention=attention):
         logits, decided = timm_patch.forward_with_decisions(model, x)
-    return max_err(logits, reference.vit_forward_reference(model, x, policy, decisions=decided))
+    return _replay_err(model, x, policy, logits, decided)
 
 
 def check(model, x, policy, pipelines, dtype: str = "fp32") -> dict:
@@ -359,8 +366,7 @@ def check(model, x, policy, pipelines, dtype: str = "fp32") -> dict:
                 continue
             if name == "paper_fa2":
                 logits, own = paper_forward(model, x, policy, return_decisions=True)
-                err[name] = max_err(logits, reference.vit_forward_reference(
-                    model, x, policy, decisions=own))
+                err[name] = _replay_err(model, x, policy, logits, own)
                 continue
             with make_pipeline(name, model, policy, x) as fn:
                 logits = fn()
