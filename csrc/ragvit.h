@@ -76,6 +76,14 @@ typedef struct {
 #define RAGVIT_ERROR_BAD_INDEX 8u      /* scatter index outside [0, N) */
 #define RAGVIT_ERROR_SHORT_SEQ 16u     /* gather_prefix: a sequence shorter than k */
 
+/* Op families for ragvit_device_info.pdl_ops (sm_90+; RAGVIT_PDL overrides, see README). */
+#define RAGVIT_PDL_ATTENTION 1u
+#define RAGVIT_PDL_LAYER_NORM 2u
+#define RAGVIT_PDL_GELU 4u
+#define RAGVIT_PDL_PACK 8u     /* pack, repack, unpack */
+#define RAGVIT_PDL_SEGMENT 16u /* segment_mean, topk_index */
+#define RAGVIT_PDL_ALL 31u
+
 /* Per-device facts cached on first use (kernels fill it, the core keeps it). */
 typedef struct {
     int32_t is_initialized;
@@ -84,6 +92,7 @@ typedef struct {
     int32_t cc_major;
     int32_t cc_minor;
     int64_t smem_per_block_optin;
+    uint32_t pdl_ops; /* RAGVIT_PDL_* ops launched with programmatic dependent launch */
     unsigned int *error_flag; /* device pointer, one word, zeroed */
 } ragvit_device_info;
 

@@ -323,7 +323,7 @@ static run_result run_kernel(const test_case &c, const layout &l, const device_b
             is_auto ? ragged_attention_mma_launch(&a, &dev, 0)
             : shape.num_warps < 0
                 ? ragged_attention_wgmma_launch_stages(&a, &dev, shape.num_stages, 0)
-                : ragged_attention_mma_launch_plan(&a, &plan, 0);
+                : ragged_attention_mma_launch_plan(&a, &plan, &dev, 0);
         if (st != RAGVIT_STATUS_OK) {
             fprintf(stderr, "launch returned status %d\n", (int)st);
             exit(2);
@@ -758,7 +758,7 @@ static void bench(const char *only, bool is_wgmma_only) {
             return (double)reps[2];
         };
         auto time_plan = [&](const ragged_attention_mma_plan &plan) {
-            return time_launch([&] { return ragged_attention_mma_launch_plan(&a, &plan, 0); });
+            return time_launch([&] { return ragged_attention_mma_launch_plan(&a, &plan, &dev, 0); });
         };
         a.cls_attn = nullptr;
         const ragged_attention_mma_plan best = ragged_attention_mma_make_plan(&a, &dev, 0, 0);

@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import math
 import os
+import subprocess
+import sys
 import warnings
 
 import pytest
@@ -494,3 +496,43 @@ def test_gpu_capture_failure_is_an_error(gen, seed):
     torch.cuda.synchronize()
     assert torch.isfinite(out).all()
     assert g.cache_info().num_graphs == 0
+
+
+# A patched DeiT-S with EViT-style pruning (cls_attn, top-k, pack + fuse) run eager and
+# replayed as a graph, in a fresh process (RAGVIT_PDL is read when the device is first used).
+_PDL_SCRIPT = r"""
+import sys, torch, timm, ragvit
+from ragvit.graph import cuda_graph
+from ragvit.pruning import EViT, ThresholdL2
+torch.manual_seed(int(sys.argv[2]))
+outs = {}
+for name, policy in (("l2", ThresholdL2(0.5, layers=(4,))), ("evit", EViT(0.7, (3, 6, 9)))):
+    model = timm.create_model("deit_small_patch16_224", pretrained=False).cuda().half().eval()
+    ragvit.patch(model, policy)
+    g = cuda_graph(model)
+    with torch.inference_mode():
+        for step in range(2):
+            x = torch.randn(2, 3, 224, 224, device="cuda").half()
+            outs[f"{name}_eager_{step}"] = model(x).cpu()
+            outs[f"{name}_graph_{step}"] = g(x).cpu()
+torch.save(outs, sys.argv[1])
+"""
+
+
+@pytest.mark.gpu
+@requires_cuda
+def test_gpu_programmatic_dependent_launch_changes_no_bit(tmp_path, seed):
+    """Kernels launched with PDL (the default on sm_90+) wait for the kernel before them:
+    outputs equal plain launches (RAGVIT_PDL=0) bit for bit, eager and replayed."""
+    results = {}
+    for mask in ("0", "31"):
+        path = tmp_path / f"pdl{mask}.pt"
+        env = dict(os.environ, RAGVIT_PDL=mask)
+        done = subprocess.run([sys.executable, "-c", _PDL_SCRIPT, str(path), str(seed)],
+                              env=env, capture_output=True, text=True, timeout=300)
+        assert done.returncode == 0, done.stderr[-2000:]
+        results[mask] = torch.load(path)
+    assert results["0"].keys() == results["31"].keys()
+    for key, plain in results["0"].items():
+        assert torch.isfinite(plain).all(), key + seed_note(seed)
+        assert torch.equal(results["31"][key], plain), key + seed_note(seed)

@@ -1,8 +1,9 @@
 /* cuda_check.cuh — error plumbing shared by every kernel file: CUDA_TRY turns a
  * cudaError_t into a ragvit_status (message "<name>: <string> (<expr> @
  * <file>:<line>)" recorded by ragvit_cuda_fail), RAGVIT_TRY forwards a status,
- * and cuda_device_guard switches to a device for one launcher call.
- * Decision: a constructor cannot return a status, so the guard does nothing
+ * cuda_device_guard switches to a device for one launcher call, and cuda_launch
+ * launches a kernel with programmatic dependent launch (PDL) where the device has
+ * it. Decision: a constructor cannot return a status, so the guard does nothing
  * until enter() (used as RAGVIT_TRY(guard.enter(id))); its destructor restores
  * the caller's device on every return path, ignoring errors. */
 #ifndef RAGVIT_CUDA_CHECK_CUH
@@ -60,5 +61,39 @@ class cuda_device_guard {
   private:
     int previous_;
 };
+
+/* PDL contract. A kernel launched through cuda_launch may be scheduled while the
+ * kernel before it on the stream is still finishing, so it must call
+ * cuda_pdl_wait() first, before any global load or store: the wait returns once
+ * that kernel has completed and its writes are visible (it is a no-op when the
+ * launch was a plain one). Every block waits, including blocks that have nothing
+ * to do, so the stream order stays transitive. What PDL saves is the launch
+ * latency between kernels (block scheduling, parameter setup), most of a batch-1
+ * forward's time between kernels. */
+static __device__ __forceinline__ void cuda_pdl_wait() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
+
+/* kernel<<<grid, block, smem, stream>>>(args...), with the PDL attribute when op
+ * (a RAGVIT_PDL_* bit) is in dev->pdl_ops. Returns the launch's error. */
+template <typename... Params, typename... Args>
+static cudaError_t cuda_launch(const ragvit_device_info *dev, unsigned int op,
+                               void (*kernel)(Params...),
+                               dim3 grid, dim3 block, size_t smem, cudaStream_t stream,
+                               Args &&...args) {
+    cudaLaunchAttribute attr;
+    attr.id = cudaLaunchAttributeProgrammaticStreamSerialization;
+    attr.val.programmaticStreamSerializationAllowed = 1;
+    cudaLaunchConfig_t config = {};
+    config.gridDim = grid;
+    config.blockDim = block;
+    config.dynamicSmemBytes = smem;
+    config.stream = stream;
+    config.attrs = &attr;
+    config.numAttrs = (dev->pdl_ops & op) != 0 ? 1 : 0;
+    return cudaLaunchKernelEx(&config, kernel, static_cast<Args &&>(args)...);
+}
 
 #endif /* RAGVIT_CUDA_CHECK_CUH */

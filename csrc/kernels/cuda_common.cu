@@ -6,6 +6,7 @@
  * Decision: every function that touches a device sets it for the call and
  * restores the caller's, so no caller ever sees its current device change.
  * Covered by tests/test_interop.py and every CUDA case of tests/test_ops.py. */
+#include <stdlib.h>
 #include <string.h>
 
 #include "cuda_check.cuh"
@@ -55,6 +56,17 @@ extern "C" ragvit_status ragvit_cuda_device_count(int32_t *count) {
     return RAGVIT_STATUS_OK;
 }
 
+/* RAGVIT_PDL: unset, the default set; else a RAGVIT_PDL_* mask in decimal or 0x hex
+ * (0: plain launches everywhere), for A/B timing and debugging. */
+static unsigned int cuda_common_pdl_ops() {
+    const char *env = getenv("RAGVIT_PDL");
+    if (env == NULL || *env == '\0')
+        return RAGVIT_PDL_ALL;
+    char *end = NULL;
+    const unsigned long mask = strtoul(env, &end, 0);
+    return *end == '\0' ? (unsigned int)mask & RAGVIT_PDL_ALL : RAGVIT_PDL_ALL;
+}
+
 extern "C" ragvit_status ragvit_cuda_device_init(int32_t device_id, ragvit_device_info *info) {
     cuda_device_guard guard;
     RAGVIT_TRY(guard.enter(device_id));
@@ -73,6 +85,7 @@ extern "C" ragvit_status ragvit_cuda_device_init(int32_t device_id, ragvit_devic
     filled.cc_major = cc_major;
     filled.cc_minor = cc_minor;
     filled.smem_per_block_optin = smem_optin;
+    filled.pdl_ops = cc_major >= 9 ? cuda_common_pdl_ops() : 0;
 
     /* A __device__ word is zero when the module loads on each device: no
      * cudaMalloc/cudaMemset here, so a first call inside graph capture works. */

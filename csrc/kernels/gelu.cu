@@ -27,6 +27,7 @@ static __device__ __forceinline__ float gelu_exact(float v) {
  * both and the row/column split (a 64-bit division per chunk) is skipped. */
 template <typename T, int kVec, bool kIsFlat>
 static __global__ void __launch_bounds__(kGeluThreads) gelu_kernel(const ragvit_rowwise_args a) {
+    cuda_pdl_wait(); /* first: see cuda_check.cuh */
     struct alignas(kVec * sizeof(T)) chunk {
         T v[kVec];
     };
@@ -65,11 +66,14 @@ static ragvit_status gelu_launch(const ragvit_rowwise_args *a, const ragvit_devi
         blocks = cap; /* grid-stride beyond a few waves */
     const bool is_flat = a->x_stride == a->channels && a->out_stride == a->channels;
     if (is_vec && is_flat)
-        gelu_kernel<T, kVec, true><<<(unsigned)blocks, kGeluThreads, 0, stream>>>(*a);
+        CUDA_TRY(cuda_launch(dev, RAGVIT_PDL_GELU, gelu_kernel<T, kVec, true>, (unsigned)blocks,
+                             kGeluThreads, 0, stream, *a));
     else if (is_vec)
-        gelu_kernel<T, kVec, false><<<(unsigned)blocks, kGeluThreads, 0, stream>>>(*a);
+        CUDA_TRY(cuda_launch(dev, RAGVIT_PDL_GELU, gelu_kernel<T, kVec, false>, (unsigned)blocks,
+                             kGeluThreads, 0, stream, *a));
     else
-        gelu_kernel<T, 1, false><<<(unsigned)blocks, kGeluThreads, 0, stream>>>(*a);
+        CUDA_TRY(cuda_launch(dev, RAGVIT_PDL_GELU, gelu_kernel<T, 1, false>, (unsigned)blocks,
+                             kGeluThreads, 0, stream, *a));
     CUDA_TRY(cudaGetLastError());
     return RAGVIT_STATUS_OK;
 }

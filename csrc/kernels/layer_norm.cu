@@ -47,6 +47,7 @@ static __device__ __forceinline__ float layer_norm_affine(float v, float mean, f
 template <typename T, int kChunks>
 static __global__ void __launch_bounds__(kLayerNormWarps * 32)
     layer_norm_vec_kernel(const ragvit_rowwise_args a) {
+    cuda_pdl_wait(); /* first: see cuda_check.cuh */
     struct alignas(16) chunk {
         T v[8];
     };
@@ -138,6 +139,7 @@ static __global__ void __launch_bounds__(kLayerNormWarps * 32)
 template <typename T, int kPerLane>
 static __global__ void __launch_bounds__(kLayerNormWarps * 32)
     layer_norm_kernel(const ragvit_rowwise_args a) {
+    cuda_pdl_wait(); /* first: see cuda_check.cuh */
     const int lane = threadIdx.x % 32;
     const int64_t m = (int64_t)blockIdx.x * kLayerNormWarps + threadIdx.x / 32;
     if (m >= a.rows)
@@ -209,19 +211,26 @@ static ragvit_status layer_norm_launch(const ragvit_rowwise_args *a,
     const int64_t chunks = (a->channels / 8 + 31) / 32;
     const int64_t per_lane = (a->channels + 31) / 32;
     if (is_vec && chunks <= 1)
-        layer_norm_vec_kernel<T, 1><<<vec_grid, block, 0, stream>>>(*a);
+        CUDA_TRY(cuda_launch(dev, RAGVIT_PDL_LAYER_NORM, layer_norm_vec_kernel<T, 1>, vec_grid,
+                             block, 0, stream, *a));
     else if (is_vec && chunks <= 2)
-        layer_norm_vec_kernel<T, 2><<<vec_grid, block, 0, stream>>>(*a);
+        CUDA_TRY(cuda_launch(dev, RAGVIT_PDL_LAYER_NORM, layer_norm_vec_kernel<T, 2>, vec_grid,
+                             block, 0, stream, *a));
     else if (is_vec && chunks <= 3)
-        layer_norm_vec_kernel<T, 3><<<vec_grid, block, 0, stream>>>(*a);
+        CUDA_TRY(cuda_launch(dev, RAGVIT_PDL_LAYER_NORM, layer_norm_vec_kernel<T, 3>, vec_grid,
+                             block, 0, stream, *a));
     else if (is_vec)
-        layer_norm_vec_kernel<T, 4><<<vec_grid, block, 0, stream>>>(*a);
+        CUDA_TRY(cuda_launch(dev, RAGVIT_PDL_LAYER_NORM, layer_norm_vec_kernel<T, 4>, vec_grid,
+                             block, 0, stream, *a));
     else if (per_lane <= 8)
-        layer_norm_kernel<T, 8><<<grid, block, 0, stream>>>(*a);
+        CUDA_TRY(cuda_launch(dev, RAGVIT_PDL_LAYER_NORM, layer_norm_kernel<T, 8>, grid, block, 0,
+                             stream, *a));
     else if (per_lane <= kLayerNormMaxPerLane)
-        layer_norm_kernel<T, kLayerNormMaxPerLane><<<grid, block, 0, stream>>>(*a);
+        CUDA_TRY(cuda_launch(dev, RAGVIT_PDL_LAYER_NORM, layer_norm_kernel<T, kLayerNormMaxPerLane>,
+                             grid, block, 0, stream, *a));
     else
-        layer_norm_kernel<T, 0><<<grid, block, 0, stream>>>(*a);
+        CUDA_TRY(cuda_launch(dev, RAGVIT_PDL_LAYER_NORM, layer_norm_kernel<T, 0>, grid, block, 0,
+                             stream, *a));
     CUDA_TRY(cudaGetLastError());
     return RAGVIT_STATUS_OK;
 }

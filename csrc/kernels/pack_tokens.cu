@@ -222,6 +222,7 @@ static __device__ int64_t pack_tokens_count_before(const ragvit_pack_args &a, in
 
 static __global__ void __launch_bounds__(kCountThreads)
     pack_tokens_count_kernel(const ragvit_pack_args a) {
+    cuda_pdl_wait(); /* first: see cuda_check.cuh */
     __shared__ int count_s[kCountThreads];
     __shared__ int warp_s[32];
     const int tid = threadIdx.x;
@@ -282,6 +283,7 @@ template <typename V, bool kFuse, bool kIsFused>
 static __global__ void __launch_bounds__(kMoveThreads, kFuse ? 2 : 4)
     pack_tokens_chunk_kernel(const ragvit_pack_args a, int chunks, int vecs_per_row,
                              int cols_per_slice) {
+    cuda_pdl_wait(); /* first: see cuda_check.cuh */
     __shared__ int token_s[kMoveThreads]; /* source position of each kept token of the tile */
     __shared__ int warp_s[32];
     const int tid = threadIdx.x;
@@ -465,6 +467,7 @@ template <typename V>
 static __global__ void __launch_bounds__(kMoveThreads, 4)
     pack_tokens_unpack_kernel(const ragvit_unpack_args a, int es, int vecs_per_row,
                               int cols_per_slice, unsigned int fill_bits) {
+    cuda_pdl_wait(); /* first: see cuda_check.cuh */
     const int64_t b = blockIdx.x;
     const int tid = threadIdx.x;
     const bool is_first_slice = blockIdx.y == 0;
@@ -605,7 +608,8 @@ extern "C" ragvit_status ragvit_cuda_pack_count(const ragvit_pack_args *a,
     RAGVIT_TRY(pack_tokens_check_batch(a));
     cuda_device_guard guard;
     RAGVIT_TRY(guard.enter(dev->device_id));
-    pack_tokens_count_kernel<<<1, kCountThreads, 0, (cudaStream_t)stream>>>(*a);
+    CUDA_TRY(cuda_launch(dev, RAGVIT_PDL_PACK, pack_tokens_count_kernel, 1, kCountThreads, 0,
+                         (cudaStream_t)stream, *a));
     CUDA_TRY(cudaGetLastError());
     return RAGVIT_STATUS_OK;
 }
@@ -656,13 +660,17 @@ static ragvit_status pack_tokens_gather_launch(const ragvit_pack_args *a, int ve
     /* The fusing variants (repack with fuse_weights) get more registers each. */
     const bool is_fusing = a->is_fusing;
     if (is_fused && is_fusing)
-        pack_tokens_chunk_kernel<V, true, true><<<grid, kMoveThreads, 0, stream>>>(*a, chunks, v, cols);
+        CUDA_TRY(cuda_launch(dev, RAGVIT_PDL_PACK, pack_tokens_chunk_kernel<V, true, true>, grid,
+                             kMoveThreads, 0, stream, *a, chunks, v, cols));
     else if (is_fused)
-        pack_tokens_chunk_kernel<V, false, true><<<grid, kMoveThreads, 0, stream>>>(*a, chunks, v, cols);
+        CUDA_TRY(cuda_launch(dev, RAGVIT_PDL_PACK, pack_tokens_chunk_kernel<V, false, true>, grid,
+                             kMoveThreads, 0, stream, *a, chunks, v, cols));
     else if (is_fusing)
-        pack_tokens_chunk_kernel<V, true, false><<<grid, kMoveThreads, 0, stream>>>(*a, chunks, v, cols);
+        CUDA_TRY(cuda_launch(dev, RAGVIT_PDL_PACK, pack_tokens_chunk_kernel<V, true, false>, grid,
+                             kMoveThreads, 0, stream, *a, chunks, v, cols));
     else
-        pack_tokens_chunk_kernel<V, false, false><<<grid, kMoveThreads, 0, stream>>>(*a, chunks, v, cols);
+        CUDA_TRY(cuda_launch(dev, RAGVIT_PDL_PACK, pack_tokens_chunk_kernel<V, false, false>, grid,
+                             kMoveThreads, 0, stream, *a, chunks, v, cols));
     CUDA_TRY(cudaGetLastError());
     return RAGVIT_STATUS_OK;
 }
@@ -729,8 +737,8 @@ static ragvit_status pack_tokens_unpack_launch(const ragvit_unpack_args *a, int 
     int slices = 1, cols = 0;
     pack_tokens_slices(vecs, a->batch, dev, &slices, &cols);
     const dim3 grid((unsigned)a->batch, (unsigned)slices);
-    pack_tokens_unpack_kernel<V>
-        <<<grid, kMoveThreads, 0, stream>>>(*a, es, (int)vecs, cols, fill_bits);
+    CUDA_TRY(cuda_launch(dev, RAGVIT_PDL_PACK, pack_tokens_unpack_kernel<V>, grid, kMoveThreads, 0,
+                         stream, *a, es, (int)vecs, cols, fill_bits));
     CUDA_TRY(cudaGetLastError());
     return RAGVIT_STATUS_OK;
 }

@@ -164,6 +164,7 @@ static __device__ __forceinline__ void ragged_attention_merge(float &m, float &l
 template <int D, typename T, bool has_bias>
 static __global__ void __launch_bounds__(kAttnThreads, 4)
     ragged_attention_simple_kernel(const ragvit_attention_args a) {
+    cuda_pdl_wait(); /* first: see cuda_check.cuh */
     constexpr int kSlots = (D + 31) / 32; /* output dims per lane: d = lane + 32 * i */
     static_assert(D % 4 == 0, "q_s rows are read as float4");
     __shared__ __align__(16) float q_s[kAttnRows][D];
@@ -315,6 +316,7 @@ static __global__ void __launch_bounds__(kAttnThreads, 4)
 template <typename T, bool is_vec, bool has_bias>
 static __global__ void __launch_bounds__(kClsThreads, 2)
     ragged_attention_cls_kernel(const ragvit_attention_args a) {
+    cuda_pdl_wait(); /* first: see cuda_check.cuh */
     extern __shared__ float cls_s[]; /* [H] max, then [H] 1 / sum, per head */
     __shared__ float part_m[kClsThreads / 32], part_l[kClsThreads / 32];
     float *head_m = cls_s;
@@ -390,9 +392,11 @@ static ragvit_status ragged_attention_simple_launch_hdim(const ragvit_attention_
                                         kAttnRows, sm_count);
     const dim3 grid((unsigned)tiles, (unsigned)heads, (unsigned)seqs);
     if (a->bias != nullptr)
-        ragged_attention_simple_kernel<D, T, true><<<grid, kAttnThreads, 0, stream>>>(*a);
+        CUDA_TRY(cuda_launch(dev, RAGVIT_PDL_ATTENTION, ragged_attention_simple_kernel<D, T, true>,
+                             grid, kAttnThreads, 0, stream, *a));
     else
-        ragged_attention_simple_kernel<D, T, false><<<grid, kAttnThreads, 0, stream>>>(*a);
+        CUDA_TRY(cuda_launch(dev, RAGVIT_PDL_ATTENTION, ragged_attention_simple_kernel<D, T, false>,
+                             grid, kAttnThreads, 0, stream, *a));
     CUDA_TRY(cudaGetLastError());
     return RAGVIT_STATUS_OK;
 }
@@ -438,6 +442,7 @@ static ragvit_status ragged_attention_simple_launch(const ragvit_attention_args 
 
 template <typename T>
 static ragvit_status ragged_attention_cls_launch_dtype(const ragvit_attention_args *a,
+                                                       const ragvit_device_info *dev,
                                                        cudaStream_t stream) {
     const int64_t es = (int64_t)sizeof(T);
     const bool is_vec = (uintptr_t)a->q % 16 == 0 && (uintptr_t)a->k % 16 == 0 &&
@@ -448,18 +453,24 @@ static ragvit_status ragged_attention_cls_launch_dtype(const ragvit_attention_ar
     const size_t smem = 2 * sizeof(float) * (size_t)a->num_heads;
     const bool has_bias = a->bias != nullptr;
     if (is_vec && has_bias)
-        ragged_attention_cls_kernel<T, true, true><<<grid, kClsThreads, smem, stream>>>(*a);
+        CUDA_TRY(cuda_launch(dev, RAGVIT_PDL_ATTENTION, ragged_attention_cls_kernel<T, true, true>,
+                             grid, kClsThreads, smem, stream, *a));
     else if (is_vec)
-        ragged_attention_cls_kernel<T, true, false><<<grid, kClsThreads, smem, stream>>>(*a);
+        CUDA_TRY(cuda_launch(dev, RAGVIT_PDL_ATTENTION, ragged_attention_cls_kernel<T, true, false>,
+                             grid, kClsThreads, smem, stream, *a));
     else if (has_bias)
-        ragged_attention_cls_kernel<T, false, true><<<grid, kClsThreads, smem, stream>>>(*a);
+        CUDA_TRY(cuda_launch(dev, RAGVIT_PDL_ATTENTION, ragged_attention_cls_kernel<T, false, true>,
+                             grid, kClsThreads, smem, stream, *a));
     else
-        ragged_attention_cls_kernel<T, false, false><<<grid, kClsThreads, smem, stream>>>(*a);
+        CUDA_TRY(cuda_launch(dev, RAGVIT_PDL_ATTENTION,
+                             ragged_attention_cls_kernel<T, false, false>, grid, kClsThreads, smem,
+                             stream, *a));
     CUDA_TRY(cudaGetLastError());
     return RAGVIT_STATUS_OK;
 }
 
 static ragvit_status ragged_attention_cls_launch(const ragvit_attention_args *a,
+                                                 const ragvit_device_info *dev,
                                                  cudaStream_t stream) {
     if (a->num_heads > kClsMaxHeads)
         return ragvit_fail(RAGVIT_STATUS_INVALID_SHAPE,
@@ -467,11 +478,11 @@ static ragvit_status ragged_attention_cls_launch(const ragvit_attention_args *a,
                            kClsMaxHeads, (int)a->num_heads);
     switch (a->dtype) {
     case RAGVIT_DTYPE_F16:
-        return ragged_attention_cls_launch_dtype<__half>(a, stream);
+        return ragged_attention_cls_launch_dtype<__half>(a, dev, stream);
     case RAGVIT_DTYPE_BF16:
-        return ragged_attention_cls_launch_dtype<__nv_bfloat16>(a, stream);
+        return ragged_attention_cls_launch_dtype<__nv_bfloat16>(a, dev, stream);
     case RAGVIT_DTYPE_F32:
-        return ragged_attention_cls_launch_dtype<float>(a, stream);
+        return ragged_attention_cls_launch_dtype<float>(a, dev, stream);
     default:
         return ragvit_fail(RAGVIT_STATUS_INVALID_DTYPE,
                            "attention: q must be float16, bfloat16 or float32, got dtype code %d",
@@ -494,6 +505,6 @@ extern "C" ragvit_status ragvit_cuda_attention(const ragvit_attention_args *a,
         return ragged_attention_mma_launch(&args, dev, s);
     RAGVIT_TRY(ragged_attention_simple_launch(&args, dev, s));
     if (args.cls_attn != nullptr)
-        RAGVIT_TRY(ragged_attention_cls_launch(&args, s));
+        RAGVIT_TRY(ragged_attention_cls_launch(&args, dev, s));
     return RAGVIT_STATUS_OK;
 }

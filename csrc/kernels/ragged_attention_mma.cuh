@@ -671,6 +671,7 @@ static __global__ void
 __launch_bounds__(RAGGED_ATTENTION_MMA_MAX_WARPS * 32, D <= 64 ? 4 : (D <= 96 ? 3 : 2))
     ragged_attention_mma_kernel(const __grid_constant__ ragvit_attention_args a, int max_len,
                                 int num_stages, int smem_bytes) {
+    cuda_pdl_wait(); /* first: see cuda_check.cuh */
     extern __shared__ __align__(16) unsigned char ragged_attention_mma_smem[];
     const int rows = blockDim.x >> 1;
     Elem *s_q = reinterpret_cast<Elem *>(ragged_attention_mma_smem);
@@ -825,15 +826,16 @@ static bool ragged_attention_mma_supports(const ragvit_attention_args *a,
 template <typename Elem, int D>
 static ragvit_status ragged_attention_mma_launch_hdim(const ragvit_attention_args *a,
                                                       const ragged_attention_mma_plan *plan,
+                                                      const ragvit_device_info *dev,
                                                       cudaStream_t stream) {
     if (a->bias != NULL)
-        ragged_attention_mma_kernel<Elem, D, true>
-            <<<plan->grid, 32 * plan->num_warps, (size_t)plan->smem_bytes, stream>>>(
-                *a, plan->max_len, plan->num_stages, plan->smem_bytes);
+        CUDA_TRY(cuda_launch(dev, RAGVIT_PDL_ATTENTION, ragged_attention_mma_kernel<Elem, D, true>,
+                             plan->grid, 32 * plan->num_warps, (size_t)plan->smem_bytes, stream,
+                             *a, plan->max_len, plan->num_stages, plan->smem_bytes));
     else
-        ragged_attention_mma_kernel<Elem, D, false>
-            <<<plan->grid, 32 * plan->num_warps, (size_t)plan->smem_bytes, stream>>>(
-                *a, plan->max_len, plan->num_stages, plan->smem_bytes);
+        CUDA_TRY(cuda_launch(dev, RAGVIT_PDL_ATTENTION, ragged_attention_mma_kernel<Elem, D, false>,
+                             plan->grid, 32 * plan->num_warps, (size_t)plan->smem_bytes, stream,
+                             *a, plan->max_len, plan->num_stages, plan->smem_bytes));
     CUDA_TRY(cudaGetLastError());
     return RAGVIT_STATUS_OK;
 }
@@ -841,24 +843,25 @@ static ragvit_status ragged_attention_mma_launch_hdim(const ragvit_attention_arg
 /* Launches with an explicit plan (from ragged_attention_mma_make_plan). */
 static ragvit_status ragged_attention_mma_launch_plan(const ragvit_attention_args *a,
                                                       const ragged_attention_mma_plan *plan,
+                                                      const ragvit_device_info *dev,
                                                       cudaStream_t stream) {
     const bool is_bf16 = a->dtype == RAGVIT_DTYPE_BF16;
     switch (a->head_dim) {
     case 32:
-        return is_bf16 ? ragged_attention_mma_launch_hdim<__nv_bfloat16, 32>(a, plan, stream)
-                       : ragged_attention_mma_launch_hdim<__half, 32>(a, plan, stream);
+        return is_bf16 ? ragged_attention_mma_launch_hdim<__nv_bfloat16, 32>(a, plan, dev, stream)
+                       : ragged_attention_mma_launch_hdim<__half, 32>(a, plan, dev, stream);
     case 64:
-        return is_bf16 ? ragged_attention_mma_launch_hdim<__nv_bfloat16, 64>(a, plan, stream)
-                       : ragged_attention_mma_launch_hdim<__half, 64>(a, plan, stream);
+        return is_bf16 ? ragged_attention_mma_launch_hdim<__nv_bfloat16, 64>(a, plan, dev, stream)
+                       : ragged_attention_mma_launch_hdim<__half, 64>(a, plan, dev, stream);
     case 80:
-        return is_bf16 ? ragged_attention_mma_launch_hdim<__nv_bfloat16, 80>(a, plan, stream)
-                       : ragged_attention_mma_launch_hdim<__half, 80>(a, plan, stream);
+        return is_bf16 ? ragged_attention_mma_launch_hdim<__nv_bfloat16, 80>(a, plan, dev, stream)
+                       : ragged_attention_mma_launch_hdim<__half, 80>(a, plan, dev, stream);
     case 96:
-        return is_bf16 ? ragged_attention_mma_launch_hdim<__nv_bfloat16, 96>(a, plan, stream)
-                       : ragged_attention_mma_launch_hdim<__half, 96>(a, plan, stream);
+        return is_bf16 ? ragged_attention_mma_launch_hdim<__nv_bfloat16, 96>(a, plan, dev, stream)
+                       : ragged_attention_mma_launch_hdim<__half, 96>(a, plan, dev, stream);
     case 128:
-        return is_bf16 ? ragged_attention_mma_launch_hdim<__nv_bfloat16, 128>(a, plan, stream)
-                       : ragged_attention_mma_launch_hdim<__half, 128>(a, plan, stream);
+        return is_bf16 ? ragged_attention_mma_launch_hdim<__nv_bfloat16, 128>(a, plan, dev, stream)
+                       : ragged_attention_mma_launch_hdim<__half, 128>(a, plan, dev, stream);
     default:
         return ragvit_fail(RAGVIT_STATUS_INVALID_SHAPE,
                            "attention: head_dim must be one of 32, 64, 80, 96, 128, got %d",
@@ -875,7 +878,7 @@ static ragvit_status ragged_attention_mma_launch(const ragvit_attention_args *a,
     if (ragged_attention_wgmma_supports(a, dev))
         return ragged_attention_wgmma_launch(a, dev, stream);
     const ragged_attention_mma_plan plan = ragged_attention_mma_make_plan(a, dev, 0, 0);
-    return ragged_attention_mma_launch_plan(a, &plan, stream);
+    return ragged_attention_mma_launch_plan(a, &plan, dev, stream);
 }
 
 template <typename Elem, int D>

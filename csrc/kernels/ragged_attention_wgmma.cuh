@@ -365,6 +365,7 @@ static __global__ void __launch_bounds__(128, RAGGED_ATTENTION_WGMMA_MIN_BLOCKS)
     ragged_attention_wgmma_kernel(const __grid_constant__ ragvit_attention_args a, int max_len,
                                   int num_stages) {
 #ifdef RAGGED_ATTENTION_WGMMA_DEVICE
+    cuda_pdl_wait(); /* first: see cuda_check.cuh */
     extern __shared__ __align__(16) unsigned char ragged_attention_wgmma_smem[];
     const uint32_t raw = ragged_attention_mma_smem_addr(ragged_attention_wgmma_smem);
     const uint32_t smem = (raw + 1023u) & ~1023u; /* the swizzle needs 1024-byte tiles */
@@ -438,11 +439,12 @@ static ragvit_status ragged_attention_wgmma_launch_stages(const ragvit_attention
     const dim3 grid((unsigned)grid_x, (unsigned)heads, (unsigned)grid_z);
     const size_t smem = (size_t)ragged_attention_wgmma_smem_bytes(num_stages);
     if (a->dtype == RAGVIT_DTYPE_BF16)
-        ragged_attention_wgmma_kernel<__nv_bfloat16>
-            <<<grid, 128, smem, stream>>>(*a, (int)max_len, num_stages);
+        CUDA_TRY(cuda_launch(dev, RAGVIT_PDL_ATTENTION,
+                             ragged_attention_wgmma_kernel<__nv_bfloat16>, grid, 128, smem, stream,
+                             *a, (int)max_len, num_stages));
     else
-        ragged_attention_wgmma_kernel<__half>
-            <<<grid, 128, smem, stream>>>(*a, (int)max_len, num_stages);
+        CUDA_TRY(cuda_launch(dev, RAGVIT_PDL_ATTENTION, ragged_attention_wgmma_kernel<__half>, grid,
+                             128, smem, stream, *a, (int)max_len, num_stages));
     CUDA_TRY(cudaGetLastError());
     return RAGVIT_STATUS_OK;
 }

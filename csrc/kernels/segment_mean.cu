@@ -21,6 +21,7 @@ static constexpr int kMeanThreads = kMeanChannels * kMeanPhases;
 template <typename T>
 static __global__ void __launch_bounds__(kMeanThreads)
     segment_mean_kernel(const ragvit_segment_mean_args a) {
+    cuda_pdl_wait(); /* first: see cuda_check.cuh */
     __shared__ float partial_s[kMeanPhases][kMeanChannels];
     const int64_t b = blockIdx.x;
     const int lane_c = threadIdx.x % kMeanChannels;
@@ -59,8 +60,9 @@ static __global__ void __launch_bounds__(kMeanThreads)
 
 template <typename T>
 static ragvit_status segment_mean_launch(const ragvit_segment_mean_args *a, dim3 grid,
-                                         cudaStream_t stream) {
-    segment_mean_kernel<T><<<grid, kMeanThreads, 0, stream>>>(*a);
+                                         const ragvit_device_info *dev, cudaStream_t stream) {
+    CUDA_TRY(cuda_launch(dev, RAGVIT_PDL_SEGMENT, segment_mean_kernel<T>, grid, kMeanThreads, 0,
+                         stream, *a));
     CUDA_TRY(cudaGetLastError());
     return RAGVIT_STATUS_OK;
 }
@@ -82,11 +84,11 @@ extern "C" ragvit_status ragvit_cuda_segment_mean(const ragvit_segment_mean_args
     const cudaStream_t s = (cudaStream_t)stream;
     switch (a->dtype) {
     case RAGVIT_DTYPE_F16:
-        return segment_mean_launch<__half>(a, grid, s);
+        return segment_mean_launch<__half>(a, grid, dev, s);
     case RAGVIT_DTYPE_BF16:
-        return segment_mean_launch<__nv_bfloat16>(a, grid, s);
+        return segment_mean_launch<__nv_bfloat16>(a, grid, dev, s);
     case RAGVIT_DTYPE_F32:
-        return segment_mean_launch<float>(a, grid, s);
+        return segment_mean_launch<float>(a, grid, dev, s);
     default:
         return ragvit_fail(RAGVIT_STATUS_INVALID_DTYPE,
                            "segment_mean: packed must be float16, bfloat16 or float32, got dtype "

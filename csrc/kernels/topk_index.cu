@@ -71,6 +71,7 @@ static __device__ __forceinline__ int topk_block_scan(int value, int *scratch) {
 template <typename T, typename I>
 static __global__ void __launch_bounds__(kTopkThreads)
     topk_index_kernel(const ragvit_topk_index_args a) {
+    cuda_pdl_wait(); /* first: see cuda_check.cuh */
     extern __shared__ uint32_t keys_s[]; /* key of column prefix + i at topk_slot(i) */
     __shared__ int hist_s[1 << kTopkRadixBits];
     __shared__ int scan_s[kTopkWarps];
@@ -149,24 +150,27 @@ static __global__ void __launch_bounds__(kTopkThreads)
 // ---- launcher ----
 
 template <typename T, typename I>
-static ragvit_status topk_index_launch(const ragvit_topk_index_args *a, cudaStream_t stream) {
+static ragvit_status topk_index_launch(const ragvit_topk_index_args *a,
+                                       const ragvit_device_info *dev, cudaStream_t stream) {
     const int n = (int)(a->cols - a->prefix);
     /* the k == 0 and k == n rows never touch keys_s */
     const size_t smem =
         (a->k == 0 || a->k == n) ? 0 : (size_t)topk_slot(n) * sizeof(uint32_t);
     const unsigned grid = (unsigned)(a->batch < INT32_MAX ? a->batch : INT32_MAX);
-    topk_index_kernel<T, I><<<grid, kTopkThreads, smem, stream>>>(*a);
+    CUDA_TRY(cuda_launch(dev, RAGVIT_PDL_SEGMENT, topk_index_kernel<T, I>, grid, kTopkThreads, smem,
+                         stream, *a));
     CUDA_TRY(cudaGetLastError());
     return RAGVIT_STATUS_OK;
 }
 
 template <typename T>
 static ragvit_status topk_index_dispatch_out(const ragvit_topk_index_args *a,
+                                             const ragvit_device_info *dev,
                                              cudaStream_t stream) {
     if (a->out_dtype == RAGVIT_DTYPE_I32)
-        return topk_index_launch<T, int32_t>(a, stream);
+        return topk_index_launch<T, int32_t>(a, dev, stream);
     if (a->out_dtype == RAGVIT_DTYPE_I64)
-        return topk_index_launch<T, int64_t>(a, stream);
+        return topk_index_launch<T, int64_t>(a, dev, stream);
     return ragvit_fail(RAGVIT_STATUS_INVALID_DTYPE,
                        "topk_index: out must be int32 or int64, got dtype code %d",
                        (int)a->out_dtype);
@@ -188,11 +192,11 @@ extern "C" ragvit_status ragvit_cuda_topk_index(const ragvit_topk_index_args *a,
     const cudaStream_t s = (cudaStream_t)stream;
     switch (a->dtype) {
     case RAGVIT_DTYPE_F16:
-        return topk_index_dispatch_out<__half>(a, s);
+        return topk_index_dispatch_out<__half>(a, dev, s);
     case RAGVIT_DTYPE_BF16:
-        return topk_index_dispatch_out<__nv_bfloat16>(a, s);
+        return topk_index_dispatch_out<__nv_bfloat16>(a, dev, s);
     case RAGVIT_DTYPE_F32:
-        return topk_index_dispatch_out<float>(a, s);
+        return topk_index_dispatch_out<float>(a, dev, s);
     default:
         return ragvit_fail(RAGVIT_STATUS_INVALID_DTYPE,
                            "topk_index: scores must be float16, bfloat16 or float32, got dtype "
