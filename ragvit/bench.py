@@ -654,16 +654,23 @@ def load_results(path: str) -> list[dict]:
 
 
 def load_result_folders(folders, log=print) -> list[dict]:
-    """load_results of every *.json in `folders` (in order; files by name), each row tagged
-    with "suite": "sweep" for `write_results` files, else its bench_e2e suite. A bench_e2e
-    suite comes from the first file that has it, so a fresh run's folder listed before the
-    committed results wins and no suite is counted twice; JSON that is neither is ignored.
-    `log` gets one line per file: loaded (with the suites taken) or skipped."""
+    """load_results of every *.json in `folders` (in order), each row tagged with "suite":
+    "sweep" for `write_results` files, else its bench_e2e suite. A bench_e2e suite comes
+    from the first file that has it, so a fresh run's folder listed before the committed
+    results wins and no suite is counted twice. Within a folder, files holding fewer suites
+    come first (then by name): a one-suite re-run (gpu_check's e2e_<suite>_h200) supersedes
+    that suite of an every-suite run (e2e_h200). JSON that is neither is ignored. `log`
+    gets one line per file: loaded (with the suites taken) or skipped."""
     rows, seen = [], set()
     for folder in folders:
+        heads = []
         for path in sorted(glob.glob(os.path.join(str(folder), "*.json"))):
             with open(path) as f:
-                head = json.load(f)
+                heads.append((path, json.load(f)))
+        heads.sort(key=lambda item: len({r.get("suite", "paper")
+                                         for r in item[1].get("rows") or []
+                                         if isinstance(r, dict) and "timing" in r}))
+        for path, head in heads:
             if "config" in head:
                 rows += [dict(r, suite="sweep") for r in load_results(path)]
                 log(f"loaded {path}")

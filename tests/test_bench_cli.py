@@ -106,8 +106,9 @@ def test_load_results_reads_bench_e2e_json(tmp_path):
 
 def test_load_result_folders_takes_each_suite_once(tmp_path):
     """ragvit.bench.load_result_folders: a bench_e2e suite comes from the first file that
-    has it (a fresh folder listed first wins over the committed results), sweeps always
-    load, other JSON is ignored; every file is logged as loaded or skipped."""
+    has it (a fresh folder listed first wins over the committed results; within a folder a
+    one-suite re-run wins over an every-suite run), sweeps always load, other JSON is
+    ignored; every file is logged as loaded or skipped."""
     from ragvit import bench
 
     timing = {"ms": {"median": 2.0, "p20": 1.9, "p80": 2.1}, "images_per_s": 500.0}
@@ -123,17 +124,24 @@ def test_load_result_folders_takes_each_suite_once(tmp_path):
     fresh.mkdir()
     committed.mkdir()
     (fresh / "e2e_paper_h200.json").write_text(json.dumps(e2e(["paper"], 900.0)))
-    (committed / "e2e_h200.json").write_text(json.dumps(e2e(["paper", "graph"], 500.0)))
+    (committed / "e2e_h200.json").write_text(json.dumps(e2e(["paper", "graph", "policies"],
+                                                             500.0)))
     (committed / "e2e_zz_h200.json").write_text(json.dumps(e2e(["graph"], 100.0)))
     (committed / "attention_h200.json").write_text(json.dumps({"env": {}, "rows": [{}]}))
     lines = []
     rows = bench.load_result_folders([fresh, committed], log=lines.append)
     got = sorted((r["suite"], r["pipeline"], r["images_per_s"]) for r in rows)
-    assert got == [("graph", "ragvit", 500.0), ("graph", "timm_eager", 500.0),
-                   ("paper", "ragvit", 900.0), ("paper", "timm_eager", 900.0)]
+    assert got == [("graph", "ragvit", 100.0), ("graph", "timm_eager", 100.0),
+                   ("paper", "ragvit", 900.0), ("paper", "timm_eager", 900.0),
+                   ("policies", "ragvit", 500.0), ("policies", "timm_eager", 500.0)]
     assert lines == [f"loaded {fresh / 'e2e_paper_h200.json'} suites: paper",
-                     f"loaded {committed / 'e2e_h200.json'} suites: graph",
-                     f"skipped {committed / 'e2e_zz_h200.json'} (its suites came from an "
+                     f"loaded {committed / 'e2e_zz_h200.json'} suites: graph",
+                     f"loaded {committed / 'e2e_h200.json'} suites: policies"]
+    lines.clear()
+    rows = bench.load_result_folders([committed, fresh], log=lines.append)
+    assert lines == [f"loaded {committed / 'e2e_zz_h200.json'} suites: graph",
+                     f"loaded {committed / 'e2e_h200.json'} suites: paper, policies",
+                     f"skipped {fresh / 'e2e_paper_h200.json'} (its suites came from an "
                      "earlier file)"]
 
 
