@@ -38,8 +38,9 @@ if has bench; then
     run bench_attention timeout 200 python3 benchmarks/bench_attention.py --out "$OUT/attention_h200"
 fi
 if has test; then
-    # TEST_ARGS="-m gpu": only the CUDA cases (the CPU ones run in CI); TEST_PATHS: files
-    run test timeout "${TEST_TIMEOUT:-240}" python3 -m pytest -q -rf --durations=10 ${TEST_ARGS:-} \
+    # TEST_ARGS="-m gpu": only the CUDA cases (the CPU ones run in CI; about 6 min on the H200
+    # at 0341d69, so a device call can hold little else); TEST_PATHS: files
+    run test timeout "${TEST_TIMEOUT:-420}" python3 -m pytest -q -rf --durations=10 ${TEST_ARGS:-} \
         ${TEST_PATHS:-tests}
     grep -E "^(FAILED|ERROR)" "$OUT/test.log" | cut -c1-200 | head -80
 fi
