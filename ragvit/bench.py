@@ -663,14 +663,14 @@ def load_result_folders(folders, log=print) -> list[dict]:
     gets one line per file: loaded (with the suites taken) or skipped."""
     rows, seen = [], set()
     for folder in folders:
-        heads = []
+        files = []  # (path, head, the suite of each (row, pipeline) in file order)
         for path in sorted(glob.glob(os.path.join(str(folder), "*.json"))):
             with open(path) as f:
-                heads.append((path, json.load(f)))
-        heads.sort(key=lambda item: len({r.get("suite", "paper")
-                                         for r in item[1].get("rows") or []
-                                         if isinstance(r, dict) and "timing" in r}))
-        for path, head in heads:
+                head = json.load(f)
+            files.append((path, head, [r.get("suite", "paper") for r in head.get("rows") or []
+                                       for _ in r.get("timing", {})]))
+        files.sort(key=lambda file: len(set(file[2])))  # stable: by name within a count
+        for path, head, suites in files:
             if "config" in head:
                 rows += [dict(r, suite="sweep") for r in load_results(path)]
                 log(f"loaded {path}")
@@ -678,7 +678,6 @@ def load_result_folders(folders, log=print) -> list[dict]:
             if not (head.get("rows") and any("timing" in r for r in head["rows"])):
                 continue
             flat = load_results(path)  # one per (row, pipeline), in file order
-            suites = [r.get("suite", "paper") for r in head["rows"] for _ in r.get("timing", {})]
             new = set(suites) - seen
             if not new:
                 log(f"skipped {path} (its suites came from an earlier file)")

@@ -77,7 +77,9 @@ static __device__ __forceinline__ void cuda_pdl_wait() {
 }
 
 /* kernel<<<grid, block, smem, stream>>>(args...), with the PDL attribute when op
- * (a RAGVIT_PDL_* bit) is in dev->pdl_ops. Returns the launch's error. */
+ * (a RAGVIT_PDL_* bit) is in dev->pdl_ops. Returns this launch's error, so
+ * CUDA_TRY(cuda_launch(...)) is the whole check: no cudaGetLastError after it
+ * (which could also report an earlier caller's error as ours). */
 template <typename... Params, typename... Args>
 static cudaError_t cuda_launch(const ragvit_device_info *dev, unsigned int op,
                                void (*kernel)(Params...),

@@ -231,7 +231,6 @@ static ragvit_status layer_norm_launch(const ragvit_rowwise_args *a,
     else
         CUDA_TRY(cuda_launch(dev, RAGVIT_PDL_LAYER_NORM, layer_norm_kernel<T, 0>, grid, block, 0,
                              stream, *a));
-    CUDA_TRY(cudaGetLastError());
     return RAGVIT_STATUS_OK;
 }
 

@@ -610,7 +610,6 @@ extern "C" ragvit_status ragvit_cuda_pack_count(const ragvit_pack_args *a,
     RAGVIT_TRY(guard.enter(dev->device_id));
     CUDA_TRY(cuda_launch(dev, RAGVIT_PDL_PACK, pack_tokens_count_kernel, 1, kCountThreads, 0,
                          (cudaStream_t)stream, *a));
-    CUDA_TRY(cudaGetLastError());
     return RAGVIT_STATUS_OK;
 }
 
@@ -671,7 +670,6 @@ static ragvit_status pack_tokens_gather_launch(const ragvit_pack_args *a, int ve
     else
         CUDA_TRY(cuda_launch(dev, RAGVIT_PDL_PACK, pack_tokens_chunk_kernel<V, false, false>, grid,
                              kMoveThreads, 0, stream, *a, chunks, v, cols));
-    CUDA_TRY(cudaGetLastError());
     return RAGVIT_STATUS_OK;
 }
 
@@ -739,7 +737,6 @@ static ragvit_status pack_tokens_unpack_launch(const ragvit_unpack_args *a, int 
     const dim3 grid((unsigned)a->batch, (unsigned)slices);
     CUDA_TRY(cuda_launch(dev, RAGVIT_PDL_PACK, pack_tokens_unpack_kernel<V>, grid, kMoveThreads, 0,
                          stream, *a, es, (int)vecs, cols, fill_bits));
-    CUDA_TRY(cudaGetLastError());
     return RAGVIT_STATUS_OK;
 }
 

@@ -397,7 +397,6 @@ static ragvit_status ragged_attention_simple_launch_hdim(const ragvit_attention_
     else
         CUDA_TRY(cuda_launch(dev, RAGVIT_PDL_ATTENTION, ragged_attention_simple_kernel<D, T, false>,
                              grid, kAttnThreads, 0, stream, *a));
-    CUDA_TRY(cudaGetLastError());
     return RAGVIT_STATUS_OK;
 }
 
@@ -465,7 +464,6 @@ static ragvit_status ragged_attention_cls_launch_dtype(const ragvit_attention_ar
         CUDA_TRY(cuda_launch(dev, RAGVIT_PDL_ATTENTION,
                              ragged_attention_cls_kernel<T, false, false>, grid, kClsThreads, smem,
                              stream, *a));
-    CUDA_TRY(cudaGetLastError());
     return RAGVIT_STATUS_OK;
 }
 

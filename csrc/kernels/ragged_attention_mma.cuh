@@ -836,7 +836,6 @@ static ragvit_status ragged_attention_mma_launch_hdim(const ragvit_attention_arg
         CUDA_TRY(cuda_launch(dev, RAGVIT_PDL_ATTENTION, ragged_attention_mma_kernel<Elem, D, false>,
                              plan->grid, 32 * plan->num_warps, (size_t)plan->smem_bytes, stream,
                              *a, plan->max_len, plan->num_stages, plan->smem_bytes));
-    CUDA_TRY(cudaGetLastError());
     return RAGVIT_STATUS_OK;
 }
 

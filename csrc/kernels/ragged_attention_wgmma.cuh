@@ -445,7 +445,6 @@ static ragvit_status ragged_attention_wgmma_launch_stages(const ragvit_attention
     else
         CUDA_TRY(cuda_launch(dev, RAGVIT_PDL_ATTENTION, ragged_attention_wgmma_kernel<__half>, grid,
                              128, smem, stream, *a, (int)max_len, num_stages));
-    CUDA_TRY(cudaGetLastError());
     return RAGVIT_STATUS_OK;
 }
 

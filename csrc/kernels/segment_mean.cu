@@ -63,7 +63,6 @@ static ragvit_status segment_mean_launch(const ragvit_segment_mean_args *a, dim3
                                          const ragvit_device_info *dev, cudaStream_t stream) {
     CUDA_TRY(cuda_launch(dev, RAGVIT_PDL_SEGMENT, segment_mean_kernel<T>, grid, kMeanThreads, 0,
                          stream, *a));
-    CUDA_TRY(cudaGetLastError());
     return RAGVIT_STATUS_OK;
 }
 

@@ -159,7 +159,6 @@ static ragvit_status topk_index_launch(const ragvit_topk_index_args *a,
     const unsigned grid = (unsigned)(a->batch < INT32_MAX ? a->batch : INT32_MAX);
     CUDA_TRY(cuda_launch(dev, RAGVIT_PDL_SEGMENT, topk_index_kernel<T, I>, grid, kTopkThreads, smem,
                          stream, *a));
-    CUDA_TRY(cudaGetLastError());
     return RAGVIT_STATUS_OK;
 }
 
