@@ -1,9 +1,16 @@
 /* gelu.cu — exact (erf) GELU of packed rows, out (M, C) = x * Phi(x) in
  * float32, rounded once; out may be x (in place: each element is read once,
- * then written by the same thread). grid-stride over M * ceil(C / kVec) chunks
- * of kVec elements; the 16-byte vector path (8 halves or 4 floats a load) runs
- * when C, both row strides and both pointers are 16-byte multiples, else one
- * element a chunk.
+ * then written by the same thread). Phi: float32 data through erff; float16 /
+ * bfloat16 data through a rational erfc (Numerical Recipes' erfcc, fractional
+ * error <= 1.2e-7; in float32 arithmetic the GELU is within 4e-7 of the float64
+ * one everywhere, relatively within 2e-5 where it is below 1e-14), far under the
+ * 16-bit output's rounding and with fewer instructions than erff's two-branch
+ * polynomial. Decision, measured on the H200 (fp16, back-to-back launches):
+ * M = 4624, C = 3072 (DeiT-B 384's fc1 at batch 16) 17.5 vs 20.5 us, M = 25344
+ * 82.6 vs 95.5 us; 0.25% of outputs move by one ulp, none by more than 4e-6.
+ * Grid-stride over M * ceil(C / kVec) chunks of kVec elements; the 16-byte
+ * vector path (8 halves or 4 floats a load) runs when C, both row strides and
+ * both pointers are 16-byte multiples, else one element a chunk.
  * Covered by tests/test_rowwise.py (vs float64 and torch's exact GELU). */
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
@@ -16,8 +23,41 @@ static constexpr int kGeluThreads = 256;
 
 // ---- device helpers ----
 
-static __device__ __forceinline__ float gelu_exact(float v) {
+static __device__ __forceinline__ float gelu_erf(float v) {
     return 0.5f * v * (1.0f + erff(v * 0.70710678118654752f));
+}
+
+/* x * Phi(x) with Phi(x) = 1 - e (x >= 0) or e (x < 0), e = erfc(|x| / sqrt 2) / 2 =
+ * t exp(-z^2 + P(t)) / 2, t = 1 / (1 + z / 2): NR's erfcc, its 0.5 folded into exp2. */
+static __device__ __forceinline__ float gelu_erfc(float x) {
+    const float z = fabsf(x) * 0.70710678118654752f;
+    float t;
+    asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(t) : "f"(fmaf(0.5f, z, 1.0f)));
+    float p = 0.17087277f;
+    p = fmaf(p, t, -0.82215223f);
+    p = fmaf(p, t, 1.48851587f);
+    p = fmaf(p, t, -1.13520398f);
+    p = fmaf(p, t, 0.27886807f);
+    p = fmaf(p, t, -0.18628806f);
+    p = fmaf(p, t, 0.09678418f);
+    p = fmaf(p, t, 0.37409196f);
+    p = fmaf(p, t, 1.00002368f);
+    p = fmaf(p, t, -1.26551223f);
+    float half_exp; /* exp(-z^2 + P) / 2 */
+    asm("ex2.approx.ftz.f32 %0, %1;"
+        : "=f"(half_exp)
+        : "f"(fmaf(fmaf(-z, z, p), 1.4426950408889634f, -1.0f)));
+    const float e = t * half_exp;
+    return x * (x >= 0.0f ? 1.0f - e : e);
+}
+
+/* GELU of one element of a T tensor, in float32 (see the file comment for the two forms). */
+template <typename T>
+static __device__ __forceinline__ float gelu_value(float v) {
+    if constexpr (sizeof(T) == 4)
+        return gelu_erf(v);
+    else
+        return gelu_erfc(v);
 }
 
 // ---- kernels ----
@@ -44,7 +84,7 @@ static __global__ void __launch_bounds__(kGeluThreads) gelu_kernel(const ragvit_
         chunk in = *reinterpret_cast<const chunk *>(static_cast<const T *>(a.x) + x_at);
 #pragma unroll
         for (int j = 0; j < kVec; j++)
-            float_elems_store(&in.v[j], gelu_exact(float_elems_load(&in.v[j])));
+            float_elems_store(&in.v[j], gelu_value<T>(float_elems_load(&in.v[j])));
         *reinterpret_cast<chunk *>(static_cast<T *>(a.out) + out_at) = in;
     }
 }
