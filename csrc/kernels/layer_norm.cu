@@ -4,8 +4,9 @@
  * once on store. 4 warps a block. Vector path (C % 8 == 0, C <= 1024, rows
  * 16-byte aligned): 16-byte chunks, at most 16 blocks an SM, each warp looping
  * over rows with the next row loaded while the current one is reduced: a row
- * costs one load and one store (weight and bias are L1 hits). Scalar path (anything else): one warp a row, one element a load (C
- * above 32 * kLayerNormMaxPerLane re-reads the row).
+ * costs one load and one store (weight and bias are L1 hits). Scalar path
+ * (anything else): one warp a row, one element a load (C above 32 *
+ * kLayerNormMaxPerLane re-reads the row).
  * In place (out == x) is safe: a warp reads its whole row before writing it.
  * Covered by tests/test_rowwise.py (vs float64 and torch.nn.functional.layer_norm). */
 #include <cuda_bf16.h>
@@ -62,14 +63,15 @@ static __device__ __forceinline__ Chunk layer_norm_param(const T *p, int ch, flo
 
 /* Vector path: lane l holds 8-element chunks l, l + 32, ..., kChunks of them (C <= 256 *
  * kChunks, C % 8 == 0, rows, pointers and weight / bias 16-byte aligned, weight and bias
- * contiguous; a chunk is one 16-byte load for 16-bit types, two for float). A warp normalizes rows warp, warp + warps in the grid, ...;
- * its first row is loaded up front and each next row while the current one is reduced, so
- * a warp with one row costs one global round trip and a warp with many overlaps their
- * loads. Registers hold only the two raw rows (statistics and output convert each element
- * again; weight and bias come from L1 per row): 63 registers at C = 768 where weight,
- * bias and the row as floats in registers took 128 and a quarter of the SM's warps.
- * Measured on the H200 (fp16, C = 768): M = 9232 7.98 vs 8.66 us, M = 25344 24.7 vs
- * 27.2 us. */
+ * contiguous; a chunk is one 16-byte load for 16-bit types, two for float). A warp
+ * normalizes rows warp, warp + warps in the grid, ...; its first row is loaded up front
+ * and each next row while the current one is reduced, so a warp with one row costs one
+ * global round trip and a warp with many overlaps their loads. Decision: registers hold
+ * only the two raw rows (statistics and output convert each element again; weight and bias
+ * come from L1 per row): 50 registers for fp16 at C = 768, where weight, bias and the row
+ * as floats took 128 and left the SM a quarter of its warps. Measured on the H200 with a
+ * standalone copy (fp16, C = 768): M = 9232 7.98 vs 8.66 us, M = 25344 24.7 vs 27.2 us;
+ * in the module, 0.43-0.50x torch's layer_norm at M >= 4624. */
 template <typename T, int kChunks>
 static __global__ void __launch_bounds__(kLayerNormWarps * 32)
     layer_norm_vec_kernel(const ragvit_rowwise_args a) {
