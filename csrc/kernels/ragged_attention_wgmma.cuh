@@ -341,18 +341,39 @@ static __device__ __forceinline__ void ragged_attention_wgmma_tile(uint32_t smem
         row_sum[r] += __shfl_xor_sync(0xffffffffu, row_sum[r], 2);
         inv[r] = __fdividef(1.0f, row_sum[r]);
     }
-    const int r0 = q0 + warp * 16 + group; /* this thread's rows r0 and r0 + 8 */
-    Elem *out = static_cast<Elem *>(a.out) + (int64_t)h * a.out_stride_head;
+    /* Staged through this warp's own 16 rows of the Q tile (its last reader, the final
+     * Q K^T, has completed; the next tile's Q loads after the barrier that opens it), in the
+     * tile's swizzle (conflict-free both ways), so the global stores are whole 16-byte
+     * chunks: a warp's store covers four 128-byte rows instead of half of eight sectors. */
+    const uint32_t s_o = s_q + 2048 * warp;
 #pragma unroll
-    for (int i = 0; i < 8; ++i) {
-        const int col = 8 * i + 2 * tig;
-        if (r0 < len)
-            *reinterpret_cast<uint32_t *>(out + ((int64_t)start + r0) * a.out_stride_token + col) =
-                ops::pack(o[4 * i] * inv[0], o[4 * i + 1] * inv[0]);
-        if (r0 + 8 < len)
-            *reinterpret_cast<uint32_t *>(out + ((int64_t)start + r0 + 8) * a.out_stride_token +
-                                          col) =
-                ops::pack(o[4 * i + 2] * inv[1], o[4 * i + 3] * inv[1]);
+    for (int i = 0; i < 8; ++i) { /* columns 8 i + 2 tig, 16-byte chunk i of each row */
+        const uint32_t lo = ops::pack(o[4 * i] * inv[0], o[4 * i + 1] * inv[0]);
+        const uint32_t hi = ops::pack(o[4 * i + 2] * inv[1], o[4 * i + 3] * inv[1]);
+        asm volatile("st.shared.u32 [%0], %1;\n" ::"r"(s_o + group * 128 +
+                                                      ((i ^ group) << 4) + 4 * tig),
+                     "r"(lo)
+                     : "memory");
+        asm volatile("st.shared.u32 [%0], %1;\n" ::"r"(s_o + (group + 8) * 128 +
+                                                      ((i ^ group) << 4) + 4 * tig),
+                     "r"(hi)
+                     : "memory");
+    }
+    __syncwarp();
+    Elem *out = static_cast<Elem *>(a.out) + (int64_t)h * a.out_stride_head;
+    const int chunk = lane & 7;
+#pragma unroll
+    for (int j = 0; j < 4; ++j) { /* row (lane >> 3) + 4 j of the warp's 16, chunk `chunk` */
+        const int r = (lane >> 3) + 4 * j;
+        uint4 v;
+        asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];\n"
+                     : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+                     : "r"(s_o + r * 128 + ((chunk ^ (r & 7)) << 4))
+                     : "memory");
+        const int row = q0 + 16 * warp + r;
+        if (row < len)
+            *reinterpret_cast<uint4 *>(out + ((int64_t)start + row) * a.out_stride_token +
+                                       8 * chunk) = v;
     }
 }
 #endif /* RAGGED_ATTENTION_WGMMA_DEVICE */
