@@ -254,8 +254,8 @@ struct device_buffers {
 
 /* Launch shapes every case runs with: {sm_count, num_warps, num_stages}; 0 = the
  * launcher's own choice (sm_count steers it: more SMs -> fewer warps, more stages);
- * num_warps = -1: the sm_90a wgmma path with num_stages K/V slots where it applies (else
- * the launcher's own choice). */
+ * num_warps = -1 / -2: the sm_90a wgmma path with 64- / 128-key tiles and num_stages K/V
+ * slots where it applies (else the launcher's own choice). */
 struct launch_shape {
     int sm_count, num_warps, num_stages;
 };
@@ -322,7 +322,8 @@ static run_result run_kernel(const test_case &c, const layout &l, const device_b
         const ragvit_status st =
             is_auto ? ragged_attention_mma_launch(&a, &dev, 0)
             : shape.num_warps < 0
-                ? ragged_attention_wgmma_launch_stages(&a, &dev, shape.num_stages, 0)
+                ? ragged_attention_wgmma_launch_plan(&a, &dev, shape.num_warps == -2 ? 128 : 64,
+                                                     shape.num_stages, 0)
                 : ragged_attention_mma_launch_plan(&a, &plan, &dev, 0);
         if (st != RAGVIT_STATUS_OK) {
             fprintf(stderr, "launch returned status %d\n", (int)st);
@@ -469,11 +470,13 @@ static int run_case(const test_case &c) {
 
     const std::vector<launch_shape> shapes =
         g_is_quick
-            ? std::vector<launch_shape>{{132, 0, 0}, {132, 1, 3}, {132, 4, 2}, {132, -1, 3}}
+            ? std::vector<launch_shape>{{132, 0, 0},  {132, 1, 3},  {132, 4, 2},
+                                        {132, -1, 3}, {132, -2, 3}}
             : std::vector<launch_shape>{{132, 0, 0},  {1000000, 0, 0}, {132, 4, 2},
                                         {132, 4, 3},  {132, 3, 4},     {132, 2, 3},
                                         {132, 1, 2},  {132, 1, 4},     {132, -1, 2},
-                                        {132, -1, 3}, {132, -1, 5}};
+                                        {132, -1, 3}, {132, -1, 5},    {132, -2, 2},
+                                        {132, -2, 5}};
     int failures = 0;
     for (int with_cls = 0; with_cls < 2; ++with_cls) {
         check_stats st;
@@ -672,7 +675,7 @@ static void bench(const char *only, bool is_wgmma_only) {
     cudaDeviceProp prop;
     CHECK_CUDA(cudaGetDeviceProperties(&prop, device));
     printf("bench (fp16, D=64, GPU us per launch, median of 5 x 200 launches; wNsM = forced "
-           "warps/stages):\n");
+           "warps/stages, kKsS = wgmma keys/stages):\n");
     for (const shape &sh : shapes) {
         if (only != nullptr && strstr(sh.name, only) == nullptr)
             continue;
@@ -779,10 +782,12 @@ static void bench(const char *only, bool is_wgmma_only) {
         if (ragged_attention_wgmma_supports(&a, &dev)) { /* the sm_90a path, what auto runs */
             printf(" | wgmma %.2f",
                    time_launch([&] { return ragged_attention_wgmma_launch(&a, &dev, 0); }));
-            for (int stages = 2; stages <= RAGGED_ATTENTION_WGMMA_MAX_STAGES; ++stages)
-                printf(" s%d %.2f", stages, time_launch([&] {
-                           return ragged_attention_wgmma_launch_stages(&a, &dev, stages, 0);
-                       }));
+            for (int keys = 64; keys <= 128; keys *= 2)
+                for (int stages = 2; stages <= RAGGED_ATTENTION_WGMMA_MAX_STAGES; ++stages)
+                    printf(" k%ds%d %.2f", keys, stages, time_launch([&] {
+                               return ragged_attention_wgmma_launch_plan(&a, &dev, keys, stages,
+                                                                         0);
+                           }));
         }
         printf("\n");
         fflush(stdout);
