@@ -12,8 +12,12 @@
  * V from shared memory transposed (MN-major), fp32 accumulators throughout. Online softmax
  * in base 2 with scale * log2(e) folded into the exponent, as the mma.sync kernel. Measured
  * on an H200 and dropped: issuing Q K^T of the next tile with P V (FlashAttention-3's
- * overlap, 2-4% slower: 5 blocks an SM already overlap one another's softmax) and shrinking
- * the last partial key tile's N and P V steps (2-4% slower: not tensor-bound).
+ * overlap, 2-4% slower: 5 blocks an SM already overlap one another's softmax), shrinking
+ * the last partial key tile's N and P V steps (2-4% slower: not tensor-bound), Q K^T with Q
+ * in registers (108 registers: 4 blocks an SM, 5-9% slower), 16-byte shared stores of zeros
+ * instead of zero-size cp.async for rows past the sequence (4% slower) and a compile-time
+ * stage count (3-5% slower, though 20 fewer instructions a step): 256 DeiT-B images of 197
+ * tokens, 5 blocks an SM, issue slots 63% busy, L2 60%, no pipe above 40%.
  * Covered by dev/test_attention_mma.cu (its launcher plans) and tests/test_ops.py through
  * the dispatcher. Not compiled for other targets (the kernel body is sm_90a-only). */
 #ifndef RAGVIT_RAGGED_ATTENTION_WGMMA_CUH
@@ -487,11 +491,12 @@ static ragvit_status ragged_attention_wgmma_launch_kernel(const ragvit_attention
 
 /* Launches (no allocation, no host sync) with key tiles of `keys` keys (64 or 128) and
  * num_stages K and V slots each; 0 for either is the launcher's choice. A grid of one wave
- * (at most a block an SM) takes 128-key tiles, when two such stages fit, and enough stages
- * to prefetch every key tile (up to 5): half the loop steps, 7-15% faster at batch 1 on an
- * H200. A larger grid takes 64-key tiles and 2 stages: 5 blocks an SM overlap one another's
- * steps, and 128-key tiles (3 blocks an SM) measured 6-20% slower there. The grid is capped
- * like the mma.sync plans'; a forced stage count is clamped to what fits. */
+ * (at most a block an SM) over sequences longer than 64 takes 128-key tiles, when two such
+ * stages fit: half the loop steps, 5-15% faster at batch 1-4 on an H200 (up to 64 keys one
+ * tile of 128 is 10-13% slower than one of 64). One wave prefetches every key tile (up to
+ * 5 stages). A larger grid takes 64-key tiles and 2 stages: 5 blocks an SM overlap one
+ * another's steps, and 128-key tiles (3 blocks an SM) measured 6-20% slower there. The
+ * grid is capped like the mma.sync plans'; a forced stage count is clamped to what fits. */
 static ragvit_status ragged_attention_wgmma_launch_plan(const ragvit_attention_args *a,
                                                         const ragvit_device_info *dev, int keys,
                                                         int num_stages, cudaStream_t stream) {
@@ -502,7 +507,7 @@ static ragvit_status ragged_attention_wgmma_launch_plan(const ragvit_attention_a
     int64_t grid_x = (max_len + rows - 1) / rows;
     const bool is_one_wave = grid_x * heads * seqs <= sm_count;
     if (keys <= 0)
-        keys = is_one_wave ? 128 : 64;
+        keys = is_one_wave && max_len > 64 ? 128 : 64;
     if (keys != 64 && keys != 128)
         keys = 64;
     if (keys == 128 && ragged_attention_wgmma_smem_bytes(128, 2) > dev->smem_per_block_optin)
