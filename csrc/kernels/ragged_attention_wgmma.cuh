@@ -111,25 +111,30 @@ static __device__ __forceinline__ void ragged_attention_wgmma_fence_regs(float (
         "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
 #define RAGGED_ATTENTION_WGMMA_PRED128 "{\n.reg .pred p;\nsetp.ne.b32 p, %64, 0;\n"
 
+/* The body of a wgmma with both operands by descriptor (a, b) into accumulators d, shape
+ * m64{n}k16, in Elem's type (.atype/.btype): PRED sets p from scale-d (`accumulate`), D lists
+ * the accumulator operands, OUT binds them, AB names the descriptor operands. */
+#define RAGGED_ATTENTION_WGMMA_SS(n, PRED, D, OUT, AB)                                         \
+    do {                                                                                      \
+        if constexpr (ragged_attention_mma_elem<Elem>::is_half)                               \
+            asm volatile(PRED "wgmma.mma_async.sync.aligned.m64" n "k16.f32.f16.f16 " D       \
+                              ", " AB ", p, 1, 1, 0, 0;\n}\n"                                  \
+                         : OUT(d)                                                             \
+                         : "r"(accumulate), "l"(a), "l"(b));                                  \
+        else                                                                                  \
+            asm volatile(PRED "wgmma.mma_async.sync.aligned.m64" n "k16.f32.bf16.bf16 " D     \
+                              ", " AB ", p, 1, 1, 0, 0;\n}\n"                                  \
+                         : OUT(d)                                                             \
+                         : "r"(accumulate), "l"(a), "l"(b));                                  \
+    } while (0)
+
 /* d (64 x 64, fp32) = A (64 x 16, shared, K-major) * B (16 x 64, shared, K-major), plus d
  * when accumulate != 0. */
 template <typename Elem>
 static __device__ __forceinline__ void ragged_attention_wgmma_ss(float (&d)[32], uint64_t a,
                                                                 uint64_t b, int accumulate) {
-    if constexpr (ragged_attention_mma_elem<Elem>::is_half) /* .atype/.btype */
-        asm volatile(RAGGED_ATTENTION_WGMMA_PRED
-                     "wgmma.mma_async.sync.aligned.m64n64k16.f32.f16.f16 "
-                     RAGGED_ATTENTION_WGMMA_D
-                     ", %33, %34, p, 1, 1, 0, 0;\n}\n"
-                     : RAGGED_ATTENTION_WGMMA_OUT(d)
-                     : "r"(accumulate), "l"(a), "l"(b));
-    else
-        asm volatile(RAGGED_ATTENTION_WGMMA_PRED
-                     "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 "
-                     RAGGED_ATTENTION_WGMMA_D
-                     ", %33, %34, p, 1, 1, 0, 0;\n}\n"
-                     : RAGGED_ATTENTION_WGMMA_OUT(d)
-                     : "r"(accumulate), "l"(a), "l"(b));
+    RAGGED_ATTENTION_WGMMA_SS("n64", RAGGED_ATTENTION_WGMMA_PRED, RAGGED_ATTENTION_WGMMA_D,
+                              RAGGED_ATTENTION_WGMMA_OUT, "%33, %34");
 }
 
 /* d (64 x 128, fp32) = A (64 x 16, shared, K-major) * B (16 x 128, shared, K-major), plus d
@@ -137,20 +142,8 @@ static __device__ __forceinline__ void ragged_attention_wgmma_ss(float (&d)[32],
 template <typename Elem>
 static __device__ __forceinline__ void ragged_attention_wgmma_ss(float (&d)[64], uint64_t a,
                                                                 uint64_t b, int accumulate) {
-    if constexpr (ragged_attention_mma_elem<Elem>::is_half) /* .atype/.btype */
-        asm volatile(RAGGED_ATTENTION_WGMMA_PRED128
-                     "wgmma.mma_async.sync.aligned.m64n128k16.f32.f16.f16 "
-                     RAGGED_ATTENTION_WGMMA_D128
-                     ", %65, %66, p, 1, 1, 0, 0;\n}\n"
-                     : RAGGED_ATTENTION_WGMMA_OUT128(d)
-                     : "r"(accumulate), "l"(a), "l"(b));
-    else
-        asm volatile(RAGGED_ATTENTION_WGMMA_PRED128
-                     "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 "
-                     RAGGED_ATTENTION_WGMMA_D128
-                     ", %65, %66, p, 1, 1, 0, 0;\n}\n"
-                     : RAGGED_ATTENTION_WGMMA_OUT128(d)
-                     : "r"(accumulate), "l"(a), "l"(b));
+    RAGGED_ATTENTION_WGMMA_SS("n128", RAGGED_ATTENTION_WGMMA_PRED128, RAGGED_ATTENTION_WGMMA_D128,
+                              RAGGED_ATTENTION_WGMMA_OUT128, "%65, %66");
 }
 
 /* d (64 x 64, fp32) += A (64 x 16, registers: this warp's 16 rows as mma.m16n8k16's A
