@@ -3,11 +3,12 @@
  * device when the module has sm_90a code (RAGVIT_HAS_SM90A; setup.py builds "90" as sm_90a).
  * One warpgroup (4 warps, 128 threads) per 64 query rows of one head of one sequence;
  * grid = (query tiles, H, min(S, 65535)) as the mma.sync kernel's. Q (64 rows) and K/V tiles
- * of `keys` keys (64, or 128 when the grid is one wave: see the launcher) sit in shared memory as rows of 128 bytes (one row = one token's 64 elements)
- * in the 128-byte swizzle wgmma reads: 16-byte chunk c of row r at chunk c ^ (r % 8), each
- * tile 1024-byte aligned, filled by 16-byte cp.async (rows past the sequence zero-filled)
- * through a ring of 2-5 (K, V) stages. S = Q K^T: 4 wgmma.mma_async m64n{keys}k16 with both
- * operands from shared memory (K-major); O += P V: keys / 16 m64n64k16 with P in registers
+ * of `keys` keys (64, or 128 for one wave over sequences past 64 keys: see the launcher) sit
+ * in shared memory as rows of 128 bytes (one row = one token's 64 elements) in the 128-byte
+ * swizzle wgmma reads: 16-byte chunk c of row r at chunk c ^ (r % 8), each tile 1024-byte
+ * aligned, filled by 16-byte cp.async (rows past the sequence zero-filled) through a ring of
+ * 2-5 (K, V) stages. S = Q K^T: 4 wgmma.mma_async m64n{keys}k16 with both operands from
+ * shared memory (K-major); O += P V: keys / 16 m64n64k16 with P in registers
  * (the S accumulators rounded to the input type: their layout is the A-register layout) and
  * V from shared memory transposed (MN-major), fp32 accumulators throughout. Online softmax
  * in base 2 with scale * log2(e) folded into the exponent, as the mma.sync kernel. Measured
@@ -16,8 +17,9 @@
  * the last partial key tile's N and P V steps (2-4% slower: not tensor-bound), Q K^T with Q
  * in registers (108 registers: 4 blocks an SM, 5-9% slower), 16-byte shared stores of zeros
  * instead of zero-size cp.async for rows past the sequence (4% slower) and a compile-time
- * stage count (3-5% slower, though 20 fewer instructions a step): 256 DeiT-B images of 197
- * tokens, 5 blocks an SM, issue slots 63% busy, L2 60%, no pipe above 40%.
+ * stage count (20 fewer instructions a step, yet 3-5% slower; 2-7% faster on 64-key tiles
+ * at batch 1, untried with 128). Timed on 256 DeiT-B images of 197 tokens, where ncu reads
+ * 5 blocks an SM, issue slots 63% busy, L2 60%, no pipe above 40%.
  * Covered by dev/test_attention_mma.cu (its launcher plans) and tests/test_ops.py through
  * the dispatcher. Not compiled for other targets (the kernel body is sm_90a-only). */
 #ifndef RAGVIT_RAGGED_ATTENTION_WGMMA_CUH
@@ -352,7 +354,8 @@ static __device__ __forceinline__ void ragged_attention_wgmma_tile(uint32_t smem
 
         const uint64_t desc_k = ragged_attention_wgmma_desc(s_k, 16, 1024);
         ragged_attention_wgmma_scores<Elem>(s, desc_q, desc_k);
-        ragged_attention_wgmma_softmax<keys>(s, num_keys, scale_log2, t == 0, row_max, row_sum, alpha);
+        ragged_attention_wgmma_softmax<keys>(s, num_keys, scale_log2, t == 0, row_max, row_sum,
+                                             alpha);
         if (t > 0) {
 #pragma unroll
             for (int i = 0; i < 32; ++i)
@@ -436,7 +439,8 @@ static __global__ void __launch_bounds__(128, ragged_attention_wgmma_min_blocks(
             continue;
         for (int q0 = blockIdx.x * RAGGED_ATTENTION_WGMMA_ROWS; q0 < len;
              q0 += gridDim.x * RAGGED_ATTENTION_WGMMA_ROWS)
-            ragged_attention_wgmma_tile<Elem, keys>(smem, num_stages, a, start, h, q0, len, scale_log2);
+            ragged_attention_wgmma_tile<Elem, keys>(smem, num_stages, a, start, h, q0, len,
+                                                    scale_log2);
     }
 #else
     (void)a;
