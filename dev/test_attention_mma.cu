@@ -2,8 +2,9 @@
  * random ragged batches (lengths 1 .. 1024, gaps before/after, empty and invalid sequences,
  * 70000 sequences), fp16/bf16, D in {32, 64, 80, 96, 128}, contiguous and (T, 3, H, D) q/k/v
  * views with a padded output, cls_attn on/off, the launcher's plan (on an H200 built with
- * -DRAGVIT_HAS_SM90A: the sm_90a wgmma path wherever D = 64 without cls_attn) and forced
- * mma.sync ones (1..4 warps, 2..4 K/V stages), against a float64 CPU reference. Outputs and
+ * -DRAGVIT_HAS_SM90A: the sm_90a wgmma path wherever D = 64 without cls_attn), forced
+ * mma.sync ones (1..4 warps, 2..4 K/V stages) and forced wgmma ones (64- and 128-key tiles,
+ * 2..5 stages), against a float64 CPU reference. Outputs and
  * cls_attn start as NaN and tokens outside valid sequences are NaN in q/k/v: everything
  * outside the valid sequences must stay bit-for-bit NaN, the error flag must match, and a
  * second launch must reproduce the first bitwise. Build and run from the repository root on
