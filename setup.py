@@ -52,8 +52,9 @@ class BuildExt(build_ext):
     def build_extensions(self):
         home = NVCC and os.path.dirname(os.path.dirname(os.path.realpath(NVCC)))
         roots = [env("CUDA_HOME"), env("CUDA_PATH"), home, *WHEELS, "/usr/local/cuda"]
-        cuda = first_root(roots, "bin/nvcc", "include/cuda_runtime.h")
-        if cuda is None or env("RAGVIT_NO_CUDA") == "1":
+        is_wanted = env("RAGVIT_NO_CUDA") != "1"
+        cuda = first_root(roots, "bin/nvcc", "include/cuda_runtime.h") if is_wanted else None
+        if cuda is None:
             print("ragvit: nvcc not found (CUDA_HOME, CUDA_PATH, PATH): building a CPU-only module")
             return super().build_extensions()
         nvcc, ext = nvcc_command(cuda), self.extensions[0]
