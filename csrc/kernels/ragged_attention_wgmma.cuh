@@ -11,7 +11,10 @@
  * shared memory (K-major); O += P V: keys / 16 m64n64k16 with P in registers
  * (the S accumulators rounded to the input type: their layout is the A-register layout) and
  * V from shared memory transposed (MN-major), fp32 accumulators throughout. Online softmax
- * in base 2 with scale * log2(e) folded into the exponent, as the mma.sync kernel. Measured
+ * in base 2 with scale * log2(e) folded into the exponent, as the mma.sync kernel. With
+ * 64-key tiles a sequence whose last tile would hold 1-8 keys (197 tokens: 5, 577: 1) folds
+ * them into the step before (m64n72 Q K^T, 5 P V steps): that step costs little more than
+ * the others, and the sequence takes one step fewer (256 x 197 DeiT-B: 4 steps to 3). Measured
  * on an H200 and dropped: issuing Q K^T of the next tile with P V (FlashAttention-3's
  * overlap, 2-4% slower: 5 blocks an SM already overlap one another's softmax), shrinking
  * the last partial key tile's N and P V steps (2-4% slower: not tensor-bound), Q K^T with Q
@@ -33,15 +36,18 @@
 #define RAGGED_ATTENTION_WGMMA_ROWS 64      /* query rows per block (one warpgroup) */
 #define RAGGED_ATTENTION_WGMMA_TILE 8192    /* bytes of one 64 x 64 16-bit tile (Q) */
 #define RAGGED_ATTENTION_WGMMA_MAX_STAGES 5 /* (K, V) tile pairs in the ring */
+#define RAGGED_ATTENTION_WGMMA_TAIL 8       /* most keys a 64-key step takes on (see the tile) */
 
 /* Blocks an SM the kernel with `keys`-key tiles is compiled for: 5 (<= 96 registers, 2-4%
  * over 4) with 64 keys; 3 with 128 (138 registers; two stages of 32 KB fit 3 an SM). */
 static constexpr int ragged_attention_wgmma_min_blocks(int keys) { return keys == 64 ? 5 : 3; }
 
-/* Shared memory of a plan: alignment slack, Q, then num_stages (K, V) pairs of keys-row
- * tiles (128 bytes a row). */
+/* Shared memory of a plan: alignment slack, Q, num_stages (V, K) pairs of keys-row tiles
+ * (128 bytes a row), then with 64-key tiles the folded tail's 8 K rows and 16 V rows (see
+ * the tile): 43 KB with 2 stages, 5 blocks an SM. */
 static int ragged_attention_wgmma_smem_bytes(int keys, int num_stages) {
-    return 1024 + RAGGED_ATTENTION_WGMMA_TILE + 2 * 128 * keys * num_stages;
+    return 1024 + RAGGED_ATTENTION_WGMMA_TILE + 2 * 128 * keys * num_stages +
+           (keys == 64 ? 128 * (RAGGED_ATTENTION_WGMMA_TAIL + 16) : 0);
 }
 
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
@@ -148,6 +154,23 @@ static __device__ __forceinline__ void ragged_attention_wgmma_ss(float (&d)[64],
                               RAGGED_ATTENTION_WGMMA_OUT128, "%65, %66");
 }
 
+/* The same for 36 accumulators (m64n72: operands %0-%35, scale-d %36). */
+#define RAGGED_ATTENTION_WGMMA_D36                                                             \
+    "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, "  \
+    "%19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35}"
+#define RAGGED_ATTENTION_WGMMA_OUT36(d)                                                        \
+    RAGGED_ATTENTION_WGMMA_OUT(d), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35])
+#define RAGGED_ATTENTION_WGMMA_PRED36 "{\n.reg .pred p;\nsetp.ne.b32 p, %36, 0;\n"
+
+/* d (64 x 72, fp32) = A (64 x 16, shared, K-major) * B (16 x 72, shared, K-major), plus d
+ * when accumulate != 0. */
+template <typename Elem>
+static __device__ __forceinline__ void ragged_attention_wgmma_ss(float (&d)[36], uint64_t a,
+                                                                uint64_t b, int accumulate) {
+    RAGGED_ATTENTION_WGMMA_SS("n72", RAGGED_ATTENTION_WGMMA_PRED36, RAGGED_ATTENTION_WGMMA_D36,
+                              RAGGED_ATTENTION_WGMMA_OUT36, "%37, %38");
+}
+
 /* d (64 x 64, fp32) += A (64 x 16, registers: this warp's 16 rows as mma.m16n8k16's A
  * fragment) * B (16 x 64, shared, MN-major: imm-trans-b = 1). */
 template <typename Elem>
@@ -249,25 +272,45 @@ static __device__ __forceinline__ void ragged_attention_wgmma_scores(float (&s)[
     ragged_attention_wgmma_fence_regs(s);
 }
 
-/* O += P V over a V tile of 16 steps keys (MN-major: key rows 16 jj on, 2048 bytes a step),
- * then waits for it. */
-template <typename Elem, int steps>
+/* O += P V over 16 steps keys of V (MN-major, 2048 bytes a 16-key step): steps below
+ * `split` from the tile at desc_v, the rest from the tile at desc_x; then waits for it. */
+template <typename Elem, int steps, int split = steps>
 static __device__ __forceinline__ void ragged_attention_wgmma_pv(float (&o)[32],
                                                                 const uint32_t (&p)[steps][4],
-                                                                uint64_t desc_v) {
+                                                                uint64_t desc_v,
+                                                                uint64_t desc_x = 0) {
     ragged_attention_wgmma_fence_regs(o);
     ragged_attention_wgmma_fence();
 #pragma unroll
     for (int jj = 0; jj < steps; ++jj)
-        ragged_attention_wgmma_rs<Elem>(o, p[jj], desc_v + (uint64_t)((2048 * jj) >> 4));
+        ragged_attention_wgmma_rs<Elem>(o, p[jj],
+                                        jj < split ? desc_v + (uint64_t)(128 * jj)
+                                                   : desc_x + (uint64_t)(128 * (jj - split)));
     ragged_attention_wgmma_commit();
     ragged_attention_wgmma_wait_all();
     ragged_attention_wgmma_fence_regs(o);
 }
 
+/* P (the softmax's output s: N fp32 C-fragment values, N / 4 key blocks of 8) as the A
+ * fragments of P V in Elem: k-step jj is keys [16 jj, 16 jj + 16), the C fragments of key
+ * blocks 2 jj and 2 jj + 1 (zeros past the last block). */
+template <typename Elem, int steps, int N>
+static __device__ __forceinline__ void ragged_attention_wgmma_pack(uint32_t (&p)[steps][4],
+                                                                  const float (&s)[N]) {
+    using ops = ragged_attention_mma_elem<Elem>;
+    static_assert(N <= 8 * steps && N > 8 * steps - 8 && N % 4 == 0, "whole key blocks");
+#pragma unroll
+    for (int jj = 0; jj < steps; ++jj) {
+        p[jj][0] = ops::pack(s[8 * jj], s[8 * jj + 1]);
+        p[jj][1] = ops::pack(s[8 * jj + 2], s[8 * jj + 3]);
+        p[jj][2] = 8 * jj + 4 < N ? ops::pack(s[8 * jj + 4], s[8 * jj + 5]) : 0u;
+        p[jj][3] = 8 * jj + 4 < N ? ops::pack(s[8 * jj + 6], s[8 * jj + 7]) : 0u;
+    }
+}
+
 /* One 64-row query tile of head h of the sequence starting at token `start` over key tiles
  * of `keys` keys (the block is one warpgroup; every branch is block-uniform). smem:
- * 1024-byte aligned shared address: Q, then num_stages (K, V) slot pairs. */
+ * 1024-byte aligned shared address: Q, num_stages (V, K) slot pairs, the folded tail's. */
 template <typename Elem, int keys>
 static __device__ __forceinline__ void ragged_attention_wgmma_tile(uint32_t smem, int num_stages,
                                                                   const ragvit_attention_args &a,
@@ -278,8 +321,19 @@ static __device__ __forceinline__ void ragged_attention_wgmma_tile(uint32_t smem
     const int warp = threadIdx.x >> 5;
     const int lane = threadIdx.x & 31;
     const int group = lane >> 2, tig = lane & 3;
-    const int num_tiles = (len + keys - 1) / keys;
+    /* A sequence whose last key tile would hold 1 .. kTail keys (197 tokens: 5, 577: 1)
+     * folds them into the step before: one step over keys + kTail keys, one step fewer. */
+    constexpr int kTail = RAGGED_ATTENTION_WGMMA_TAIL;
+    constexpr int kWide = keys == 64 ? keys + kTail : keys; /* keys of that step */
+    const int tail = len % keys;
+    const bool has_tail = keys == 64 && len > keys && tail > 0 && tail <= kTail;
+    const int num_tiles = (len + keys - 1) / keys - (has_tail ? 1 : 0);
+    /* Key tile t sits in ring slot (first_stage + t) % num_stages: the last one in the last
+     * slot, so the tail's K rows land right after its K tile, in the kTail + 16 rows past
+     * the ring (s_x: K rows, then a 16-row V tile), which nothing else uses. */
+    const int first_stage = (num_stages - num_tiles % num_stages) % num_stages;
     const uint32_t s_q = smem, s_kv = smem + RAGGED_ATTENTION_WGMMA_TILE;
+    const uint32_t s_x = s_kv + 2 * kTile * num_stages;
     const Elem *k_seq = static_cast<const Elem *>(a.k) + (int64_t)h * a.k_stride_head +
                         (int64_t)start * a.k_stride_token;
     const Elem *v_seq = static_cast<const Elem *>(a.v) + (int64_t)h * a.v_stride_head +
@@ -298,20 +352,30 @@ static __device__ __forceinline__ void ragged_attention_wgmma_tile(uint32_t smem
     k_next += (k_rows16 >> 4) * cr;
     v_next += (v_rows16 >> 4) * cr;
     int rows_left = len - cr; /* chunk i of the next tile holds a key iff 16 i < rows_left */
-    /* the next key tile into ring stage `stage` (K slot, then V slot); rows past the
-     * sequence are zero-filled, their address clamped to the sequence's first row */
+    int tiles_loaded = 0;
+    /* the next key tile into ring stage `stage` (V, then K), and after the last tile of a
+     * folded sequence its tail; rows past the sequence are zero-filled, their address
+     * clamped to the sequence's first row */
     auto load_kv = [&](int stage) {
-        const uint32_t s_k = s_kv + 2 * kTile * stage + off;
+        const uint32_t s_v = s_kv + 2 * kTile * stage + off; /* a slot: V, then K */
         const char *k = k_next, *v = v_next;
 #pragma unroll
         for (int i = 0; i < keys / 16; ++i) {
             const bool is_valid = 16 * i < rows_left;
-            ragged_attention_mma_cp_async16(s_k + 2048 * i, is_valid ? (const void *)k : k_seq,
+            ragged_attention_mma_cp_async16(s_v + kTile + 2048 * i,
+                                            is_valid ? (const void *)k : k_seq, is_valid);
+            ragged_attention_mma_cp_async16(s_v + 2048 * i, is_valid ? (const void *)v : v_seq,
                                             is_valid);
-            ragged_attention_mma_cp_async16(s_k + kTile + 2048 * i,
-                                            is_valid ? (const void *)v : v_seq, is_valid);
             k += k_rows16;
             v += v_rows16;
+        }
+        if (keys == 64 && has_tail && ++tiles_loaded == num_tiles) {
+            const bool is_valid = keys < rows_left; /* the tail's row cr */
+            if (cr < kTail)
+                ragged_attention_mma_cp_async16(s_x + off, is_valid ? (const void *)k : k_seq,
+                                                is_valid);
+            ragged_attention_mma_cp_async16(s_x + 128 * kTail + off,
+                                            is_valid ? (const void *)v : v_seq, is_valid);
         }
         k_next = k;
         v_next = v;
@@ -326,7 +390,8 @@ static __device__ __forceinline__ void ragged_attention_wgmma_tile(uint32_t smem
         a.q_stride_token, min(RAGGED_ATTENTION_WGMMA_ROWS, len - q0));
     for (int st = 0; st < num_stages - 1; ++st) {
         if (st < num_tiles)
-            load_kv(st);
+            load_kv(first_stage + st < num_stages ? first_stage + st
+                                                  : first_stage + st - num_stages);
         ragged_attention_mma_cp_async_commit(); /* group st: key tile st (+ Q), maybe empty */
     }
 
@@ -340,19 +405,48 @@ static __device__ __forceinline__ void ragged_attention_wgmma_tile(uint32_t smem
     float row_max[2] = {-INFINITY, -INFINITY}, row_sum[2] = {0.0f, 0.0f}, alpha[2];
     uint32_t p[keys / 16][4];
     const uint64_t desc_q = ragged_attention_wgmma_desc(s_q, 16, 1024);
-    int stage = 0;
+    /* The last step of a sequence with a folded tail: Q K^T over the K tile at desc_k and
+     * the kTail rows after it (the tile sits in the last ring slot: they are s_x's, copied with
+     * the tile), P V over its V tile and then the tail's V at s_x + 128 kTail as one more
+     * 16-key step (rows past the tail zero-filled, their P 0). */
+    auto tail_step = [&](uint64_t desc_k, uint64_t desc_v, int num_keys, bool is_first) {
+        float sa[kWide / 2];
+#pragma unroll
+        for (int i = 0; i < kWide / 2; ++i)
+            sa[i] = 0.0f;
+        ragged_attention_wgmma_scores<Elem>(sa, desc_q, desc_k);
+        ragged_attention_wgmma_softmax<kWide>(sa, num_keys, scale_log2, is_first, row_max,
+                                              row_sum, alpha);
+        if (!is_first) {
+#pragma unroll
+            for (int i = 0; i < 32; ++i)
+                o[i] *= alpha[(i >> 1) & 1];
+        }
+        uint32_t pa[(kWide + 15) / 16][4]; /* the last step: keys 64-71, zeros for 72-79 */
+        ragged_attention_wgmma_pack<Elem>(pa, sa);
+        ragged_attention_wgmma_pv<Elem, (kWide + 15) / 16, keys / 16>(
+            o, pa, desc_v, ragged_attention_wgmma_desc(s_x + 128 * kTail, 2048, 1024));
+    };
+    int stage = first_stage;
     for (int t = 0; t < num_tiles; ++t) {
         const int num_keys = min(keys, len - t * keys);
         ragged_attention_mma_cp_async_wait_pending(num_stages - 2); /* tile t landed */
         ragged_attention_wgmma_fence_proxy();
         __syncthreads(); /* every thread's copies; tile t - 1 fully consumed */
-        if (t + num_stages - 1 < num_tiles)
-            load_kv(stage == 0 ? num_stages - 1 : stage - 1); /* tile t + num_stages - 1 */
+        if (t + num_stages - 1 < num_tiles) /* tile t + num_stages - 1, into tile t - 1's */
+            load_kv(stage == 0 ? num_stages - 1 : stage - 1);
         ragged_attention_mma_cp_async_commit();
-        const uint32_t s_k = s_kv + 2 * kTile * stage;
+        const uint32_t s_v = s_kv + 2 * kTile * stage, s_k = s_v + kTile;
         stage = stage + 1 == num_stages ? 0 : stage + 1;
 
         const uint64_t desc_k = ragged_attention_wgmma_desc(s_k, 16, 1024);
+        const uint64_t desc_v = ragged_attention_wgmma_desc(s_v, kTile, 1024);
+        if constexpr (keys == 64) {
+            if (has_tail && t == num_tiles - 1) {
+                tail_step(desc_k, desc_v, len - t * keys, t == 0);
+                break;
+            }
+        }
         ragged_attention_wgmma_scores<Elem>(s, desc_q, desc_k);
         ragged_attention_wgmma_softmax<keys>(s, num_keys, scale_log2, t == 0, row_max, row_sum,
                                              alpha);
@@ -363,14 +457,7 @@ static __device__ __forceinline__ void ragged_attention_wgmma_tile(uint32_t smem
         }
         /* P as the A fragments of P V: k-step jj is keys [16 jj, 16 jj + 16), the C
          * fragments of key blocks 2 jj and 2 jj + 1; V rows past the sequence are zero */
-#pragma unroll
-        for (int jj = 0; jj < keys / 16; ++jj) {
-            p[jj][0] = ops::pack(s[8 * jj], s[8 * jj + 1]);
-            p[jj][1] = ops::pack(s[8 * jj + 2], s[8 * jj + 3]);
-            p[jj][2] = ops::pack(s[8 * jj + 4], s[8 * jj + 5]);
-            p[jj][3] = ops::pack(s[8 * jj + 6], s[8 * jj + 7]);
-        }
-        const uint64_t desc_v = ragged_attention_wgmma_desc(s_k + kTile, kTile, 1024);
+        ragged_attention_wgmma_pack<Elem>(p, s);
         ragged_attention_wgmma_pv<Elem>(o, p, desc_v);
     }
     ragged_attention_mma_cp_async_wait<0>(); /* only empty groups can be left */
