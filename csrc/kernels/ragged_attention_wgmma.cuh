@@ -328,10 +328,11 @@ static __device__ __forceinline__ void ragged_attention_wgmma_tile(uint32_t smem
     const int tail = len % keys;
     const bool has_tail = keys == 64 && len > keys && tail > 0 && tail <= kTail;
     const int num_tiles = (len + keys - 1) / keys - (has_tail ? 1 : 0);
-    /* Key tile t sits in ring slot (first_stage + t) % num_stages: the last one in the last
-     * slot, so the tail's K rows land right after its K tile, in the kTail + 16 rows past
-     * the ring (s_x: K rows, then a 16-row V tile), which nothing else uses. */
-    const int first_stage = (num_stages - num_tiles % num_stages) % num_stages;
+    /* Key tile t sits in ring slot (first_stage + t) % num_stages; with a folded tail the
+     * last one sits in the last slot, so the tail's K rows land right after its K tile, in
+     * the kTail + 16 rows past the ring (s_x: K rows, then a 16-row V tile), which nothing
+     * else uses. (Without one, slot 0: the division costs 3% on 2-tile sequences.) */
+    const int first_stage = has_tail ? (num_stages - num_tiles % num_stages) % num_stages : 0;
     const uint32_t s_q = smem, s_kv = smem + RAGGED_ATTENTION_WGMMA_TILE;
     const uint32_t s_x = s_kv + 2 * kTile * num_stages;
     const Elem *k_seq = static_cast<const Elem *>(a.k) + (int64_t)h * a.k_stride_head +
