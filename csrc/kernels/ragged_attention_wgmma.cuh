@@ -19,9 +19,12 @@
  * overlap, 2-4% slower: 5 blocks an SM already overlap one another's softmax), shrinking
  * the last partial key tile's N and P V steps (2-4% slower: not tensor-bound), Q K^T with Q
  * in registers (108 registers: 4 blocks an SM, 5-9% slower), 16-byte shared stores of zeros
- * instead of zero-size cp.async for rows past the sequence (4% slower) and a compile-time
+ * instead of zero-size cp.async for rows past the sequence (4% slower), a compile-time
  * stage count (20 fewer instructions a step, yet 3-5% slower; 2-7% faster on 64-key tiles
- * at batch 1, untried with 128). Timed on 256 DeiT-B images of 197 tokens, where ncu reads
+ * at batch 1, untried with 128), skipping the exponentials of key blocks past the sequence
+ * (no change) or the softmax of warps whose 16 rows all lie past it (spills at 96
+ * registers: 10-15% slower) and 4 partial row maxima and sums a thread instead of 2 (no
+ * change). Timed on 256 DeiT-B images of 197 tokens, where ncu reads
  * 5 blocks an SM, issue slots 63% busy, L2 60%, no pipe above 40%.
  * Covered by dev/test_attention_mma.cu (its launcher plans) and tests/test_ops.py through
  * the dispatcher. Not compiled for other targets (the kernel body is sm_90a-only). */
@@ -331,7 +334,7 @@ static __device__ __forceinline__ void ragged_attention_wgmma_tile(uint32_t smem
     /* Key tile t sits in ring slot (first_stage + t) % num_stages; with a folded tail the
      * last one sits in the last slot, so the tail's K rows land right after its K tile, in
      * the kTail + 16 rows past the ring (s_x: K rows, then a 16-row V tile), which nothing
-     * else uses. (Without one, slot 0: the division costs 3% on 2-tile sequences.) */
+     * else uses. (Without one, slot 0: the division cost 2-5% on sequences of 1-2 tiles.) */
     const int first_stage = has_tail ? (num_stages - num_tiles % num_stages) % num_stages : 0;
     const uint32_t s_q = smem, s_kv = smem + RAGGED_ATTENTION_WGMMA_TILE;
     const uint32_t s_x = s_kv + 2 * kTile * num_stages;
