@@ -104,10 +104,11 @@ static __device__ __forceinline__ void ragged_attention_wgmma_fence_regs(float (
         "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]),         \
         "+f"(d[31])
 
-/* scale-d is a predicate (operand %32): 1 accumulates (d += A B), 0 overwrites (d = A B). */
-#define RAGGED_ATTENTION_WGMMA_PRED "{\n.reg .pred p;\nsetp.ne.b32 p, %32, 0;\n"
+/* scale-d is a predicate set from operand %n (the one after the accumulators): 1 accumulates
+ * (d += A B), 0 overwrites (d = A B). */
+#define RAGGED_ATTENTION_WGMMA_PRED(n) "{\n.reg .pred p;\nsetp.ne.b32 p, %" #n ", 0;\n"
 
-/* The same for 64 accumulators (m64n128: operands %0-%63, scale-d %64). */
+/* The same for 64 accumulators (m64n128: operands %0-%63). */
 #define RAGGED_ATTENTION_WGMMA_D128                                                            \
     "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, "  \
     "%19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, "   \
@@ -120,7 +121,6 @@ static __device__ __forceinline__ void ragged_attention_wgmma_fence_regs(float (
         "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]),         \
         "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]),         \
         "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
-#define RAGGED_ATTENTION_WGMMA_PRED128 "{\n.reg .pred p;\nsetp.ne.b32 p, %64, 0;\n"
 
 /* The body of a wgmma with both operands by descriptor (a, b) into accumulators d, shape
  * m64{n}k16, in Elem's type (.atype/.btype): PRED sets p from scale-d (`accumulate`), D lists
@@ -144,7 +144,7 @@ static __device__ __forceinline__ void ragged_attention_wgmma_fence_regs(float (
 template <typename Elem>
 static __device__ __forceinline__ void ragged_attention_wgmma_ss(float (&d)[32], uint64_t a,
                                                                 uint64_t b, int accumulate) {
-    RAGGED_ATTENTION_WGMMA_SS("n64", RAGGED_ATTENTION_WGMMA_PRED, RAGGED_ATTENTION_WGMMA_D,
+    RAGGED_ATTENTION_WGMMA_SS("n64", RAGGED_ATTENTION_WGMMA_PRED(32), RAGGED_ATTENTION_WGMMA_D,
                               RAGGED_ATTENTION_WGMMA_OUT, "%33, %34");
 }
 
@@ -153,24 +153,23 @@ static __device__ __forceinline__ void ragged_attention_wgmma_ss(float (&d)[32],
 template <typename Elem>
 static __device__ __forceinline__ void ragged_attention_wgmma_ss(float (&d)[64], uint64_t a,
                                                                 uint64_t b, int accumulate) {
-    RAGGED_ATTENTION_WGMMA_SS("n128", RAGGED_ATTENTION_WGMMA_PRED128, RAGGED_ATTENTION_WGMMA_D128,
+    RAGGED_ATTENTION_WGMMA_SS("n128", RAGGED_ATTENTION_WGMMA_PRED(64), RAGGED_ATTENTION_WGMMA_D128,
                               RAGGED_ATTENTION_WGMMA_OUT128, "%65, %66");
 }
 
-/* The same for 36 accumulators (m64n72: operands %0-%35, scale-d %36). */
+/* The same for 36 accumulators (m64n72: operands %0-%35). */
 #define RAGGED_ATTENTION_WGMMA_D36                                                             \
     "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, "  \
     "%19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35}"
 #define RAGGED_ATTENTION_WGMMA_OUT36(d)                                                        \
     RAGGED_ATTENTION_WGMMA_OUT(d), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35])
-#define RAGGED_ATTENTION_WGMMA_PRED36 "{\n.reg .pred p;\nsetp.ne.b32 p, %36, 0;\n"
 
 /* d (64 x 72, fp32) = A (64 x 16, shared, K-major) * B (16 x 72, shared, K-major), plus d
  * when accumulate != 0. */
 template <typename Elem>
 static __device__ __forceinline__ void ragged_attention_wgmma_ss(float (&d)[36], uint64_t a,
                                                                 uint64_t b, int accumulate) {
-    RAGGED_ATTENTION_WGMMA_SS("n72", RAGGED_ATTENTION_WGMMA_PRED36, RAGGED_ATTENTION_WGMMA_D36,
+    RAGGED_ATTENTION_WGMMA_SS("n72", RAGGED_ATTENTION_WGMMA_PRED(36), RAGGED_ATTENTION_WGMMA_D36,
                               RAGGED_ATTENTION_WGMMA_OUT36, "%37, %38");
 }
 
@@ -181,14 +180,14 @@ static __device__ __forceinline__ void ragged_attention_wgmma_rs(float (&d)[32],
                                                                 const uint32_t (&a)[4],
                                                                 uint64_t b) {
     if constexpr (ragged_attention_mma_elem<Elem>::is_half) /* .atype/.btype */
-        asm volatile(RAGGED_ATTENTION_WGMMA_PRED
+        asm volatile(RAGGED_ATTENTION_WGMMA_PRED(32)
                      "wgmma.mma_async.sync.aligned.m64n64k16.f32.f16.f16 "
                      RAGGED_ATTENTION_WGMMA_D
                      ", {%33, %34, %35, %36}, %37, p, 1, 1, 1;\n}\n"
                      : RAGGED_ATTENTION_WGMMA_OUT(d)
                      : "r"(1), "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b));
     else
-        asm volatile(RAGGED_ATTENTION_WGMMA_PRED
+        asm volatile(RAGGED_ATTENTION_WGMMA_PRED(32)
                      "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 "
                      RAGGED_ATTENTION_WGMMA_D
                      ", {%33, %34, %35, %36}, %37, p, 1, 1, 1;\n}\n"
@@ -277,11 +276,10 @@ static __device__ __forceinline__ void ragged_attention_wgmma_scores(float (&s)[
 
 /* O += P V over 16 steps keys of V (MN-major, 2048 bytes a 16-key step): steps below
  * `split` from the tile at desc_v, the rest from the tile at desc_x; then waits for it. */
-template <typename Elem, int steps, int split = steps>
+template <typename Elem, int steps, int split>
 static __device__ __forceinline__ void ragged_attention_wgmma_pv(float (&o)[32],
                                                                 const uint32_t (&p)[steps][4],
-                                                                uint64_t desc_v,
-                                                                uint64_t desc_x = 0) {
+                                                                uint64_t desc_v, uint64_t desc_x) {
     ragged_attention_wgmma_fence_regs(o);
     ragged_attention_wgmma_fence();
 #pragma unroll
@@ -409,27 +407,36 @@ static __device__ __forceinline__ void ragged_attention_wgmma_tile(uint32_t smem
     float row_max[2] = {-INFINITY, -INFINITY}, row_sum[2] = {0.0f, 0.0f}, alpha[2];
     uint32_t p[keys / 16][4];
     const uint64_t desc_q = ragged_attention_wgmma_desc(s_q, 16, 1024);
-    /* The last step of a sequence with a folded tail: Q K^T over the K tile at desc_k and
-     * the kTail rows after it (the tile sits in the last ring slot: they are s_x's, copied with
-     * the tile), P V over its V tile and then the tail's V at s_x + 128 kTail as one more
-     * 16-key step (rows past the tail zero-filled, their P 0). */
-    auto tail_step = [&](uint64_t desc_k, uint64_t desc_v, int num_keys, bool is_first) {
-        float sa[kWide / 2];
-#pragma unroll
-        for (int i = 0; i < kWide / 2; ++i)
-            sa[i] = 0.0f;
-        ragged_attention_wgmma_scores<Elem>(sa, desc_q, desc_k);
-        ragged_attention_wgmma_softmax<kWide>(sa, num_keys, scale_log2, is_first, row_max,
+    /* One step over the key tile at desc_k / desc_v, `width` keys wide (2 x s_w's size):
+     * `keys`, or kWide for a folded tail, whose kTail K rows follow the tile (it sits in the
+     * last ring slot: they are s_x's, copied with it) and whose V rows at s_x + 128 kTail
+     * make one more 16-key P V step (rows past the tail zero-filled, their P 0). S = Q K^T,
+     * the online softmax, O rescaled, P as the A fragments of P V (k-step jj: keys [16 jj,
+     * 16 jj + 16), the C fragments of key blocks 2 jj and 2 jj + 1), O += P V. */
+    auto step = [&](auto &s_w, auto &p_w, uint64_t desc_k, uint64_t desc_v, int num_keys,
+                    bool is_first) {
+        constexpr int width = (int)(2 * sizeof(s_w) / sizeof(float));
+        constexpr int steps = (int)(sizeof(p_w) / sizeof(p_w[0]));
+        ragged_attention_wgmma_scores<Elem>(s_w, desc_q, desc_k);
+        ragged_attention_wgmma_softmax<width>(s_w, num_keys, scale_log2, is_first, row_max,
                                               row_sum, alpha);
         if (!is_first) {
 #pragma unroll
             for (int i = 0; i < 32; ++i)
                 o[i] *= alpha[(i >> 1) & 1];
         }
-        uint32_t pa[(kWide + 15) / 16][4]; /* the last step: keys 64-71, zeros for 72-79 */
-        ragged_attention_wgmma_pack<Elem>(pa, sa);
-        ragged_attention_wgmma_pv<Elem, (kWide + 15) / 16, keys / 16>(
-            o, pa, desc_v, ragged_attention_wgmma_desc(s_x + 128 * kTail, 2048, 1024));
+        ragged_attention_wgmma_pack<Elem>(p_w, s_w);
+        ragged_attention_wgmma_pv<Elem, steps, keys / 16>(
+            o, p_w, desc_v, ragged_attention_wgmma_desc(s_x + 128 * kTail, 2048, 1024));
+    };
+    /* the folded tail's step, with its own kWide-key S and P */
+    auto tail_step = [&](uint64_t desc_k, uint64_t desc_v, int num_keys, bool is_first) {
+        float sa[kWide / 2];
+#pragma unroll
+        for (int i = 0; i < kWide / 2; ++i)
+            sa[i] = 0.0f;
+        uint32_t pa[(kWide + 15) / 16][4]; /* keys 64-71, then zeros for 72-79 */
+        step(sa, pa, desc_k, desc_v, num_keys, is_first);
     };
     int stage = first_stage;
     for (int t = 0; t < num_tiles; ++t) {
@@ -451,18 +458,7 @@ static __device__ __forceinline__ void ragged_attention_wgmma_tile(uint32_t smem
                 break;
             }
         }
-        ragged_attention_wgmma_scores<Elem>(s, desc_q, desc_k);
-        ragged_attention_wgmma_softmax<keys>(s, num_keys, scale_log2, t == 0, row_max, row_sum,
-                                             alpha);
-        if (t > 0) {
-#pragma unroll
-            for (int i = 0; i < 32; ++i)
-                o[i] *= alpha[(i >> 1) & 1];
-        }
-        /* P as the A fragments of P V: k-step jj is keys [16 jj, 16 jj + 16), the C
-         * fragments of key blocks 2 jj and 2 jj + 1; V rows past the sequence are zero */
-        ragged_attention_wgmma_pack<Elem>(p, s);
-        ragged_attention_wgmma_pv<Elem>(o, p, desc_v);
+        step(s, p, desc_k, desc_v, num_keys, t == 0);
     }
     ragged_attention_mma_cp_async_wait<0>(); /* only empty groups can be left */
 
