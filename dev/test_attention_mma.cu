@@ -671,7 +671,11 @@ static void bench(const char *only, bool is_wgmma_only) {
                             {"deit-b B=32 len 577", 32, 577, 12},
                             {"deit-b B=256 all 192", 256, 192, 12, true},
                             {"deit-b B=256 all 197", 256, 197, 12, true},
-                            {"deit-b B=32 all 577", 32, 577, 12, true}};
+                            {"deit-b B=32 all 577", 32, 577, 12, true},
+                            {"deit-b B=32 all 576", 32, 576, 12, true},
+                            {"deit-s B=32 all 577", 32, 577, 6, true},
+                            {"deit-s B=256 all 197", 256, 197, 6, true},
+                            {"deit-b B=4 all 197", 4, 197, 12, true}};
     const int D = 64;
     int device = 0;
     CHECK_CUDA(cudaGetDevice(&device));
