@@ -23,9 +23,14 @@
  * stage count (20 fewer instructions a step, yet 3-5% slower; 2-7% faster on 64-key tiles
  * at batch 1, untried with 128), skipping the exponentials of key blocks past the sequence
  * (no change) or the softmax of warps whose 16 rows all lie past it (spills at 96
- * registers: 10-15% slower) and 4 partial row maxima and sums a thread instead of 2 (no
- * change). Timed on 256 DeiT-B images of 197 tokens, where ncu reads
- * 5 blocks an SM, issue slots 63% busy, L2 60%, no pipe above 40%.
+ * registers: 10-15% slower), 4 partial row maxima and sums a thread instead of 2 (no
+ * change), copies of whole key tiles without the zero-fill operand (25 fewer instructions a
+ * step, no change) and a last query tile of 1-8 rows (577 tokens end in one) done as m64n8
+ * wgmmas with the keys as rows, either folded into the tile before (its own kernel at 4
+ * blocks an SM: at 96 registers it spills and serializes every wgmma; 6% faster on 256 x
+ * 197, 2-27% slower on 577 tokens and small batches) or alone (1-5% faster on 197 and 577
+ * tokens, 2-4% slower on every other batch). Timed on 256 DeiT-B images of 197 tokens,
+ * where ncu reads 5 blocks an SM, issue slots 63% busy, L2 60%, no pipe above 40%.
  * Covered by dev/test_attention_mma.cu (its launcher plans) and tests/test_ops.py through
  * the dispatcher. Not compiled for other targets (the kernel body is sm_90a-only). */
 #ifndef RAGVIT_RAGGED_ATTENTION_WGMMA_CUH
