@@ -395,7 +395,8 @@ static __device__ __forceinline__ void ragged_attention_wgmma_tile(uint32_t smem
         static_cast<const Elem *>(a.q) + ((int64_t)start + q0) * a.q_stride_token +
             (int64_t)h * a.q_stride_head,
         a.q_stride_token, min(RAGGED_ATTENTION_WGMMA_ROWS, len - q0));
-    for (int st = 0; st < num_stages - 1; ++st) {
+    const int ahead = num_tiles <= num_stages ? num_stages : num_stages - 1;
+    for (int st = 0; st < ahead; ++st) {
         if (st < num_tiles)
             load_kv(first_stage + st < num_stages ? first_stage + st
                                                   : first_stage + st - num_stages);
@@ -446,12 +447,12 @@ static __device__ __forceinline__ void ragged_attention_wgmma_tile(uint32_t smem
     int stage = first_stage;
     for (int t = 0; t < num_tiles; ++t) {
         const int num_keys = min(keys, len - t * keys);
-        ragged_attention_mma_cp_async_wait_pending(num_stages - 2); /* tile t landed */
+        ragged_attention_mma_cp_async_wait_pending(ahead - 1); /* tile t landed */
         ragged_attention_wgmma_fence_proxy();
         __syncthreads(); /* every thread's copies; tile t - 1 fully consumed */
-        if (t + num_stages - 1 < num_tiles) /* tile t + num_stages - 1, into tile t - 1's */
+        if (t + ahead < num_tiles) /* tile t + num_stages - 1, into tile t - 1's */
             load_kv(stage == 0 ? num_stages - 1 : stage - 1);
-        ragged_attention_mma_cp_async_commit();
+        ragged_attention_mma_cp_async_commit(); /* group t + ahead, maybe empty */
         const uint32_t s_v = s_kv + 2 * kTile * stage, s_k = s_v + kTile;
         stage = stage + 1 == num_stages ? 0 : stage + 1;
 
