@@ -7,7 +7,9 @@
  * in shared memory as rows of 128 bytes (one row = one token's 64 elements) in the 128-byte
  * swizzle wgmma reads: 16-byte chunk c of row r at chunk c ^ (r % 8), each tile 1024-byte
  * aligned, filled by 16-byte cp.async (rows past the sequence zero-filled) through a ring of
- * 2-5 (K, V) stages. S = Q K^T: 4 wgmma.mma_async m64n{keys}k16 with both operands from
+ * 2-5 (K, V) stages: a sequence whose key tiles all fit it loads them all before its first
+ * step (5% faster on 256 DeiT-S images at 50% keep: 2 tiles), else it runs one tile short
+ * of full ahead. S = Q K^T: 4 wgmma.mma_async m64n{keys}k16 with both operands from
  * shared memory (K-major); O += P V: keys / 16 m64n64k16 with P in registers
  * (the S accumulators rounded to the input type: their layout is the A-register layout) and
  * V from shared memory transposed (MN-major), fp32 accumulators throughout. Online softmax
@@ -28,8 +30,11 @@
  * step, no change) and a last query tile of 1-8 rows (577 tokens end in one) done as m64n8
  * wgmmas with the keys as rows, either folded into the tile before (its own kernel at 4
  * blocks an SM: at 96 registers it spills and serializes every wgmma; 6% faster on 256 x
- * 197, 2-27% slower on 577 tokens and small batches) or alone (1-5% faster on 197 and 577
- * tokens, 2-4% slower on every other batch). Timed on 256 DeiT-B images of 197 tokens,
+ * 197, 2-27% slower on 577 tokens and small batches), alone (1-5% faster on 197 and 577
+ * tokens, 2-4% slower on every other batch) or run by the tile before's block after it
+ * (per-warp mma.sync over 32-key stages, 5 deep: its serial key loop cost about what a
+ * block of its own did, and the tile's code around it moved: 5-66% slower with such rows,
+ * 12% on DeiT-S 256 keep .5 without). Timed on 256 DeiT-B images of 197 tokens,
  * where ncu reads 5 blocks an SM, issue slots 63% busy, L2 60%, no pipe above 40%.
  * Covered by dev/test_attention_mma.cu (its launcher plans) and tests/test_ops.py through
  * the dispatcher. Not compiled for other targets (the kernel body is sm_90a-only). */
@@ -395,6 +400,9 @@ static __device__ __forceinline__ void ragged_attention_wgmma_tile(uint32_t smem
         static_cast<const Elem *>(a.q) + ((int64_t)start + q0) * a.q_stride_token +
             (int64_t)h * a.q_stride_head,
         a.q_stride_token, min(RAGGED_ATTENTION_WGMMA_ROWS, len - q0));
+    /* key tiles loaded ahead of step 0: all of them when they fit the ring (every slot is
+     * free after the barrier above), else num_stages - 1 (step t then refills tile t - 1's
+     * slot after its own barrier); cp.async group g is key tile g either way */
     const int ahead = num_tiles <= num_stages ? num_stages : num_stages - 1;
     for (int st = 0; st < ahead; ++st) {
         if (st < num_tiles)
@@ -450,7 +458,7 @@ static __device__ __forceinline__ void ragged_attention_wgmma_tile(uint32_t smem
         ragged_attention_mma_cp_async_wait_pending(ahead - 1); /* tile t landed */
         ragged_attention_wgmma_fence_proxy();
         __syncthreads(); /* every thread's copies; tile t - 1 fully consumed */
-        if (t + ahead < num_tiles) /* tile t + num_stages - 1, into tile t - 1's */
+        if (t + ahead < num_tiles) /* tile t + ahead, into tile t - 1's slot */
             load_kv(stage == 0 ? num_stages - 1 : stage - 1);
         ragged_attention_mma_cp_async_commit(); /* group t + ahead, maybe empty */
         const uint32_t s_v = s_kv + 2 * kTile * stage, s_k = s_v + kTile;
@@ -603,7 +611,7 @@ static ragvit_status ragged_attention_wgmma_launch_plan(const ragvit_attention_a
     if (keys == 128 && ragged_attention_wgmma_smem_bytes(128, 2) > dev->smem_per_block_optin)
         keys = 64;
     const int64_t key_tiles = (max_len + keys - 1) / keys;
-    if (num_stages <= 0) /* s stages prefetch key tiles 0 .. s - 2 before the first step */
+    if (num_stages <= 0) /* s stages load key tiles 0 .. s - 2 (all, if at most s) before step 0 */
         num_stages = is_one_wave ? (int)(key_tiles + 1 < RAGGED_ATTENTION_WGMMA_MAX_STAGES
                                              ? key_tiles + 1
                                              : RAGGED_ATTENTION_WGMMA_MAX_STAGES)
