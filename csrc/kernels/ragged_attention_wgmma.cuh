@@ -52,7 +52,7 @@
 #define RAGGED_ATTENTION_WGMMA_TAIL 8       /* most keys a 64-key step takes on (see the tile) */
 
 /* Blocks an SM the kernel with `keys`-key tiles is compiled for: 5 (<= 96 registers, 2-4%
- * over 4) with 64 keys; 3 with 128 (138 registers; two stages of 32 KB fit 3 an SM). */
+ * over 4) with 64 keys; 3 with 128 (137 registers; two stages of 32 KB fit 3 an SM). */
 static constexpr int ragged_attention_wgmma_min_blocks(int keys) { return keys == 64 ? 5 : 3; }
 
 /* Shared memory of a plan: alignment slack, Q, num_stages (V, K) pairs of keys-row tiles
@@ -284,7 +284,7 @@ static __device__ __forceinline__ void ragged_attention_wgmma_scores(float (&s)[
     ragged_attention_wgmma_fence_regs(s);
 }
 
-/* O += P V over 16 steps keys of V (MN-major, 2048 bytes a 16-key step): steps below
+/* O += P V over `steps` 16-key steps of V (MN-major, 2048 bytes a step): steps below
  * `split` from the tile at desc_v, the rest from the tile at desc_x; then waits for it. */
 template <typename Elem, int steps, int split>
 static __device__ __forceinline__ void ragged_attention_wgmma_pv(float (&o)[32],
@@ -381,7 +381,7 @@ static __device__ __forceinline__ void ragged_attention_wgmma_tile(uint32_t smem
             k += k_rows16;
             v += v_rows16;
         }
-        if (keys == 64 && has_tail && ++tiles_loaded == num_tiles) {
+        if (has_tail && ++tiles_loaded == num_tiles) {
             const bool is_valid = keys < rows_left; /* the tail's row cr */
             if (cr < kTail)
                 ragged_attention_mma_cp_async16(s_x + off, is_valid ? (const void *)k : k_seq,
