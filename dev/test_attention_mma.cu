@@ -103,6 +103,7 @@ struct test_case {
     int max_seqlen;         /* as passed in the args */
     float scale;
     float q_gain;           /* q ~ q_gain * N(0, 1): larger -> peakier softmax */
+    float k_ramp;           /* k of a sequence's token i ~ (1 + k_ramp i / len) N(0, 1) */
     unsigned expected_flag; /* RAGVIT_ERROR_* bits the kernel must raise */
     uint32_t seed;
 };
@@ -432,9 +433,13 @@ static void fill_inputs(const test_case &c, const layout &l, inputs *in) {
     /* Tokens of valid sequences get random values; every other token stays NaN, so a read
      * of it (instead of a zero fill) would show up in the output. */
     std::vector<char> is_used((size_t)T, 0);
+    std::vector<float> k_gain((size_t)T, 1.0f); /* row maxima that grow along the keys */
     for (int s : valid_seqs(c))
-        for (int t = c.cu[s]; t < c.cu[s + 1]; ++t)
+        for (int t = c.cu[s]; t < c.cu[s + 1]; ++t) {
             is_used[(size_t)t] = 1;
+            const float pos = (float)(t - c.cu[s]) / (float)(c.cu[s + 1] - c.cu[s]);
+            k_gain[(size_t)t] = 1.0f + c.k_ramp * pos;
+        }
     std::vector<uint16_t> &kb = c.is_qkv_view ? in->q : in->k;
     std::vector<uint16_t> &vb = c.is_qkv_view ? in->q : in->v;
     for (int64_t t = 0; t < T; ++t) {
@@ -444,7 +449,7 @@ static void fill_inputs(const test_case &c, const layout &l, inputs *in) {
             for (int64_t d = 0; d < D; ++d) {
                 const int64_t e = t * l.in_stride_token + h * l.in_stride_head + d;
                 in->q[(size_t)(l.q_off + e)] = to_bits(c.q_gain * normal(rng), c.dtype);
-                kb[(size_t)(l.k_off + e)] = to_bits(normal(rng), c.dtype);
+                kb[(size_t)(l.k_off + e)] = to_bits(k_gain[(size_t)t] * normal(rng), c.dtype);
                 vb[(size_t)(l.v_off + e)] = to_bits(normal(rng), c.dtype);
             }
     }
@@ -543,6 +548,7 @@ static test_case make_case(const std::string &name, int dtype, int D, int H, boo
     c.max_seqlen = longest;
     c.scale = 1.0f / sqrtf((float)D);
     c.q_gain = 1.0f;
+    c.k_ramp = 0.0f;
     c.expected_flag = 0;
     c.seed = seed;
     return c;
@@ -871,6 +877,18 @@ int main(int argc, char **argv) {
                     c.q_gain = 3.0f; /* peaky softmax: large row maxima, many underflows */
                 failures += run_case(c);
             }
+
+    /* Row maxima that grow along the keys, from one key tile to the next by a little (ramp
+     * 4) and by far (ramp 16): O's rescale factors range from near 1 to near 0. */
+    for (int dtype : dtypes)
+        for (float ramp : {4.0f, 16.0f}) {
+            test_case c = make_case("growing row maxima", dtype, 64, 6, ramp > 8.0f,
+                                    g_is_quick ? std::vector<int>{130, 200}
+                                               : std::vector<int>{577, 197, 300, 1024, 130, 64},
+                                    0, 0, seed++);
+            c.k_ramp = ramp;
+            failures += run_case(c);
+        }
 
     /* DeiT shapes: batch 1 (few blocks), a pruned batch of H = 12 with a loose max_seqlen. */
     for (int dtype : dtypes) {

@@ -252,6 +252,24 @@ def test_attention_explicit_scale(device, dtype, scale, std, fp32_tol_scale, gen
 
 
 @pytest.mark.parametrize("device", devices())
+@pytest.mark.parametrize("dtype", dtype_params((torch.float16, torch.bfloat16)))
+@pytest.mark.parametrize("ramp", [4.0, 16.0])
+def test_attention_growing_row_maxima(device, dtype, ramp, gen, seed):
+    """Keys scaled by 1 + ramp * position / length: row maxima grow along each sequence,
+    from one 64-key tile to the next by a little (ramp 4) and by far (ramp 16), so the
+    online softmax's rescale factors of O range from near 1 to near 0."""
+    lengths = [577, 197, 300, 64, 1, 130]
+    total = sum(lengths)
+    q, k, v = make_qkv(gen, total, NUM_HEADS[device], 64, dtype, device, layout="qkv_view")
+    position = torch.cat([torch.arange(n, dtype=torch.float32) / n for n in lengths])
+    k.mul_((1.0 + ramp * position).to(dtype=dtype, device=device)[:, None, None])
+    cu_seqlens = make_cu_seqlens(lengths, device)
+    out = poison(q.shape, dtype, device)
+    ragvit.attention(q, k, v, cu_seqlens, out=out)
+    _check_attention(out, q, k, v, cu_seqlens, seed=seed)
+
+
+@pytest.mark.parametrize("device", devices())
 @pytest.mark.parametrize("max_seqlen_kind", ["default", "exact", "loose"])
 def test_attention_max_seqlen(device, max_seqlen_kind, gen, seed):
     lengths = [5, 64, 0, 33, 1]
