@@ -31,10 +31,15 @@
  * wgmmas with the keys as rows, either folded into the tile before (its own kernel at 4
  * blocks an SM: at 96 registers it spills and serializes every wgmma; 6% faster on 256 x
  * 197, 2-27% slower on 577 tokens and small batches), alone (1-5% faster on 197 and 577
- * tokens, 2-4% slower on every other batch) or run by the tile before's block after it
+ * tokens, 2-4% slower on every other batch), run by the tile before's block after it
  * (per-warp mma.sync over 32-key stages, 5 deep: its serial key loop cost about what a
  * block of its own did, and the tile's code around it moved: 5-66% slower with such rows,
- * 12% on DeiT-S 256 keep .5 without). Timed on 256 DeiT-B images of 197 tokens,
+ * 12% on DeiT-S 256 keep .5 without) or on the FMA pipes in a block of its own (fp32 dot
+ * products, the warps on 32-key chunks in turn: 577 tokens within noise, 197 tokens 33-60%
+ * slower, twice a tile's instructions at 5 rows), and a lazy rescale (a row maximum kept
+ * until a tile's exceeds it by 8 in log2, O's rescale skipped by warps none of whose rows
+ * moved: 2-10% faster on 32 x 577 tokens in the self-test, no change in
+ * benchmarks/bench_attention.py). Timed on 256 DeiT-B images of 197 tokens,
  * where ncu reads 5 blocks an SM, issue slots 63% busy, L2 60%, no pipe above 40%.
  * Covered by dev/test_attention_mma.cu (its launcher plans) and tests/test_ops.py through
  * the dispatcher. Not compiled for other targets (the kernel body is sm_90a-only). */
