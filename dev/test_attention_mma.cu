@@ -890,6 +890,33 @@ int main(int argc, char **argv) {
             failures += run_case(c);
         }
 
+    /* Thin last query tiles (the wgmma path's, D = 64: max_seqlen % 64 in 1..8 puts every
+     * sequence that reaches the last query tile on the mma.sync thin path): 1, 2, 4 and 8-row
+     * bounds, with the folded key tail (577, 197) and without, every sequence thin (max 8), a
+     * loose max_seqlen that no sequence reaches, and one that caps the grid (no thin blocks). */
+    struct thin_set {
+        std::vector<int> lens;
+        int max_seqlen; /* 0: the longest */
+    };
+    const std::vector<thin_set> thin_sets =
+        g_is_quick ? std::vector<thin_set>{{{72, 65, 70, 1, 64, 30}, 0}, {{5, 1, 8, 3}, 0}}
+                   : std::vector<thin_set>{{{577, 577, 570, 576, 513, 1, 200}, 0},
+                                           {{197, 193, 200, 196, 129, 64, 5}, 0},
+                                           {{5, 1, 8, 3, 7, 2}, 0},
+                                           {{136, 130, 129, 72, 65, 8}, 0},
+                                           {{300, 250, 100}, 577},
+                                           {{577, 10, 200}, 64 * 2000 + 1}};
+    for (int dtype : dtypes)
+        for (const thin_set &set : thin_sets)
+            for (int view = 0; view < 2; ++view) {
+                test_case c = make_case("thin last query tiles", dtype, 64, 6, view != 0,
+                                        set.lens, view ? 5 : 0, view ? 7 : 3, seed++);
+                if (set.max_seqlen > 0)
+                    c.max_seqlen = set.max_seqlen;
+                c.q_gain = view ? 3.0f : 1.0f;
+                failures += run_case(c);
+            }
+
     /* DeiT shapes: batch 1 (few blocks), a pruned batch of H = 12 with a loose max_seqlen. */
     for (int dtype : dtypes) {
         if (g_is_quick)

@@ -270,6 +270,28 @@ def test_attention_growing_row_maxima(device, dtype, ramp, gen, seed):
 
 
 @pytest.mark.parametrize("device", devices())
+@pytest.mark.parametrize("dtype", dtype_params((torch.float16, torch.bfloat16)))
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize(
+    "lengths",
+    [[577, 570, 1, 0, 513, 200, 576], [197, 193, 5, 129, 64, 196], [5, 1, 8, 0, 3, 7]],
+    ids=["577", "197", "max8"],
+)
+def test_attention_thin_last_query_tiles(device, dtype, layout, lengths, gen, seed):
+    """max_seqlen exact and 1-8 rows past a multiple of 64: on Hopper the sequences that
+    reach the last 64-row query tile take the thin-tile path there (mma.sync, the keys
+    split over the warps, their partial results merged); the rows before it, and the
+    sequences that stop short of it, take the regular tiles."""
+    total = sum(lengths) + 3
+    q, k, v = make_qkv(gen, total, NUM_HEADS[device], 64, dtype, device, layout=layout)
+    cu_seqlens = make_cu_seqlens(lengths, device)
+    _poison_uncovered_rows(cu_seqlens, q, k, v)
+    out = poison(q.shape, dtype, device)
+    ragvit.attention(q, k, v, cu_seqlens, max(lengths), out=out)
+    _check_attention(out, q, k, v, cu_seqlens, seed=seed)
+
+
+@pytest.mark.parametrize("device", devices())
 @pytest.mark.parametrize("max_seqlen_kind", ["default", "exact", "loose"])
 def test_attention_max_seqlen(device, max_seqlen_kind, gen, seed):
     lengths = [5, 64, 0, 33, 1]

@@ -16,7 +16,9 @@
  * in base 2 with scale * log2(e) folded into the exponent, as the mma.sync kernel. With
  * 64-key tiles a sequence whose last tile would hold 1-8 keys (197 tokens: 5, 577: 1) folds
  * them into the step before (m64n72 Q K^T, 5 P V steps): that step costs little more than
- * the others, and the sequence takes one step fewer (256 x 197 DeiT-B: 4 steps to 3). Measured
+ * the others, and the sequence takes one step fewer (256 x 197 DeiT-B: 4 steps to 3). A last
+ * query tile of 1-8 rows (577 and 197 tokens end in one) runs in blocks of its own on
+ * mma.sync when the grid has a block for every query tile (see the thin tile). Measured
  * on an H200 and dropped: issuing Q K^T of the next tile with P V (FlashAttention-3's
  * overlap, 2-4% slower: 5 blocks an SM already overlap one another's softmax), shrinking
  * the last partial key tile's N and P V steps (2-4% slower: not tensor-bound), Q K^T with Q
@@ -55,6 +57,7 @@
 #define RAGGED_ATTENTION_WGMMA_TILE 8192    /* bytes of one 64 x 64 16-bit tile (Q) */
 #define RAGGED_ATTENTION_WGMMA_MAX_STAGES 5 /* (K, V) tile pairs in the ring */
 #define RAGGED_ATTENTION_WGMMA_TAIL 8       /* most keys a 64-key step takes on (see the tile) */
+#define RAGGED_ATTENTION_WGMMA_THIN 8       /* most rows of a thin last query tile (see it) */
 
 /* Blocks an SM the kernel with `keys`-key tiles is compiled for: 5 (<= 96 registers, 2-4%
  * over 4) with 64 keys; 3 with 128 (137 registers; two stages of 32 KB fit 3 an SM). */
@@ -523,15 +526,189 @@ static __device__ __forceinline__ void ragged_attention_wgmma_tile(uint32_t smem
                                        8 * chunk) = v;
     }
 }
+
+/* A last query tile of 1 .. RAGGED_ATTENTION_WGMMA_THIN rows (rows q0 .. len - 1 of head h:
+ * 577 tokens end in one of 1 row, 197 in one of 5) in a block of its own, on mma.sync
+ * instead of a 64-row wgmma tile. Each warp takes 16-key chunks w, w + 4, ... transposed
+ * (keys and head dims as the 16 rows, the 8 queries as the columns: nothing computed for
+ * rows past the tile), operands loaded straight from global memory into registers:
+ * S^T = K Q^T, an online softmax down each query column, P^T moved into the B layout by
+ * movmatrix, O^T += V^T P^T; the warps' maxima, sums and partial O merge in shared memory
+ * at the end. To load whole 16-byte chunks, head dims are permuted consistently (sums over
+ * them are order-free): in Q K^T, thread t's 16 dims 16 t .. 16 t + 15 are its k-pairs of
+ * the 4 k-steps (k-step kk: words 2 kk and 2 kk + 1); in P V, the output dims of rows g
+ * and g + 8 of m-block i are 8 g + 2 i and 8 g + 2 i + 1, so thread (g, t) reads dims
+ * 8 g .. 8 g + 7 of V rows 2 t, 2 t + 1, 2 t + 8, 2 t + 9. Rows past the tile read zeros
+ * and are never stored; keys past the sequence score -inf, their K row clamped to the
+ * first, their V row zero (P 0 must not meet NaN). Measured on an H200 (graph replay, L2
+ * flushed): 256 DeiT-B images of 197 tokens 165-171 -> 163-167 us, 32 of 577 117-123 ->
+ * 115-119; with those blocks skipped outright (wrong output, the bound) 145 and 111-113.
+ * A thin block still reads every K and V row of its sequence, as a full one does, and
+ * costs about 80% of one: reads, not math, bound these batches. Dropped: the thin tiles
+ * launched a wave after their sequences' full ones (keys in L2 by then: no change) and a
+ * per-warp cp.async ring of 2 chunks in flight (2% slower).
+ * smem: the block's shared memory (8.25 KB used). */
+template <typename Elem>
+static __device__ __forceinline__ void ragged_attention_wgmma_thin_tile(
+    unsigned char *smem, const ragvit_attention_args &a, int start, int h, int q0, int len,
+    float scale_log2) {
+    using ops = ragged_attention_mma_elem<Elem>;
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const int g = lane >> 2, t = lane & 3;
+    const int rows = len - q0;
+    uint32_t qb[8]; /* Q^T as B: query g, head dims 16 t .. 16 t + 15 */
+    {
+        uint4 lo = make_uint4(0u, 0u, 0u, 0u), hi = lo;
+        if (g < rows) {
+            const uint4 *src = reinterpret_cast<const uint4 *>(
+                static_cast<const Elem *>(a.q) + ((int64_t)start + q0 + g) * a.q_stride_token +
+                (int64_t)h * a.q_stride_head + 16 * t);
+            lo = src[0];
+            hi = src[1];
+        }
+        const uint32_t w[8] = {lo.x, lo.y, lo.z, lo.w, hi.x, hi.y, hi.z, hi.w};
+#pragma unroll
+        for (int i = 0; i < 8; ++i)
+            qb[i] = w[i];
+    }
+    const Elem *k_head = static_cast<const Elem *>(a.k) + (int64_t)h * a.k_stride_head +
+                         (int64_t)start * a.k_stride_token;
+    const Elem *v_head = static_cast<const Elem *>(a.v) + (int64_t)h * a.v_stride_head +
+                         (int64_t)start * a.v_stride_token;
+    /* queries 2 t + e: running maxima (log2 units) and this thread's partial sums; O^T of
+     * m-block i: o[i][e] at dim 8 g + 2 i, o[i][2 + e] at dim 8 g + 2 i + 1 */
+    float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.0f, 0.0f}, o[4][4];
+#pragma unroll
+    for (int i = 0; i < 4; ++i)
+#pragma unroll
+        for (int e = 0; e < 4; ++e)
+            o[i][e] = 0.0f;
+    const int num_chunks = (len + 15) >> 4;
+    for (int c = warp; c < num_chunks; c += 4) {
+        const int key0 = 16 * c;
+        uint32_t kw[2][8]; /* K rows key0 + g (+ 8): head dims 16 t .. 16 t + 15 */
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+            const int key = key0 + g + 8 * r;
+            const uint4 *src = reinterpret_cast<const uint4 *>(
+                k_head + (int64_t)(key < len ? key : 0) * a.k_stride_token + 16 * t);
+            const uint4 lo = src[0], hi = src[1];
+            kw[r][0] = lo.x, kw[r][1] = lo.y, kw[r][2] = lo.z, kw[r][3] = lo.w;
+            kw[r][4] = hi.x, kw[r][5] = hi.y, kw[r][6] = hi.z, kw[r][7] = hi.w;
+        }
+        uint4 vr[4]; /* V rows key0 + 2 t + {0, 1, 8, 9}: head dims 8 g .. 8 g + 7 */
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+            const int key = key0 + 2 * t + (j & 1) + 8 * (j >> 1);
+            vr[j] = key < len ? *reinterpret_cast<const uint4 *>(
+                                    v_head + (int64_t)key * a.v_stride_token + 8 * g)
+                              : make_uint4(0u, 0u, 0u, 0u);
+        }
+        float s[4] = {0.0f, 0.0f, 0.0f, 0.0f}; /* S^T: keys g, g + 8 x queries 2 t, 2 t + 1 */
+#pragma unroll
+        for (int kk = 0; kk < 4; ++kk) {
+            const uint32_t af[4] = {kw[0][2 * kk], kw[1][2 * kk], kw[0][2 * kk + 1],
+                                    kw[1][2 * kk + 1]};
+            ops::mma(s, af, qb[2 * kk], qb[2 * kk + 1]);
+        }
+        if (key0 + g >= len)
+            s[0] = s[1] = -INFINITY;
+        if (key0 + g + 8 >= len)
+            s[2] = s[3] = -INFINITY;
+        float p[4];
+#pragma unroll
+        for (int e = 0; e < 2; ++e) { /* key0 is valid: the chunk's maximum is finite */
+            float mx = fmaxf(s[e], s[2 + e]);
+#pragma unroll
+            for (int lanes = 4; lanes < 32; lanes *= 2)
+                mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, lanes));
+            const float m_new = fmaxf(m[e], mx * scale_log2);
+            const float alpha = ragged_attention_mma_exp2(m[e] - m_new); /* from -inf: 0 */
+            p[e] = ragged_attention_mma_exp2(fmaf(s[e], scale_log2, -m_new));
+            p[2 + e] = ragged_attention_mma_exp2(fmaf(s[2 + e], scale_log2, -m_new));
+            l[e] = fmaf(l[e], alpha, p[e] + p[2 + e]);
+            m[e] = m_new;
+#pragma unroll
+            for (int i = 0; i < 4; ++i) {
+                o[i][e] *= alpha;
+                o[i][2 + e] *= alpha;
+            }
+        }
+        /* P^T (keys x queries, two 8 x 8 blocks) transposed: B's keys 2 t, 2 t + 1 (+ 8) */
+        uint32_t pb[2];
+#pragma unroll
+        for (int r = 0; r < 2; ++r)
+            asm("movmatrix.sync.aligned.m8n8.trans.b16 %0, %1;\n"
+                : "=r"(pb[r])
+                : "r"(ops::pack(p[2 * r], p[2 * r + 1])));
+        const uint32_t v0[4] = {vr[0].x, vr[0].y, vr[0].z, vr[0].w};
+        const uint32_t v1[4] = {vr[1].x, vr[1].y, vr[1].z, vr[1].w};
+        const uint32_t v2[4] = {vr[2].x, vr[2].y, vr[2].z, vr[2].w};
+        const uint32_t v3[4] = {vr[3].x, vr[3].y, vr[3].z, vr[3].w};
+#pragma unroll
+        for (int i = 0; i < 4; ++i) { /* V^T rows 8 g + 2 i (+ 1) as A: keys low half first */
+            const uint32_t af[4] = {__byte_perm(v0[i], v1[i], 0x5410),
+                                    __byte_perm(v0[i], v1[i], 0x7632),
+                                    __byte_perm(v2[i], v3[i], 0x5410),
+                                    __byte_perm(v2[i], v3[i], 0x7632)};
+            ops::mma(o[i], af, pb[0], pb[1]);
+        }
+    }
+#pragma unroll
+    for (int e = 0; e < 2; ++e)
+#pragma unroll
+        for (int lanes = 4; lanes < 32; lanes *= 2)
+            l[e] += __shfl_xor_sync(0xffffffffu, l[e], lanes);
+    /* per warp: O (8 queries x 64 dims, fp32), then the maxima and sums (8 each) */
+    float *s_o = reinterpret_cast<float *>(smem);
+    float *s_ml = s_o + 4 * 8 * 64;
+    __syncthreads(); /* this block's previous thin tile may still read shared memory */
+#pragma unroll
+    for (int e = 0; e < 2; ++e) {
+        float *row = s_o + (warp * 8 + 2 * t + e) * 64 + 8 * g;
+#pragma unroll
+        for (int i = 0; i < 4; ++i)
+            *reinterpret_cast<float2 *>(row + 2 * i) = make_float2(o[i][e], o[i][2 + e]);
+        if (g == 0) {
+            s_ml[warp * 16 + 2 * t + e] = m[e];
+            s_ml[warp * 16 + 8 + 2 * t + e] = l[e];
+        }
+    }
+    __syncthreads();
+    const int r = threadIdx.x >> 4, d = 4 * (threadIdx.x & 15); /* row r, dims d .. d + 3 */
+    if (r < rows) {
+        float mx = -INFINITY; /* warp 0 has key 0: finite */
+#pragma unroll
+        for (int w = 0; w < 4; ++w)
+            mx = fmaxf(mx, s_ml[w * 16 + r]);
+        float sum = 0.0f, acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+#pragma unroll
+        for (int w = 0; w < 4; ++w) { /* a warp without keys: maximum -inf, weight 0 */
+            const float weight = ragged_attention_mma_exp2(s_ml[w * 16 + r] - mx);
+            const float4 ow = *reinterpret_cast<const float4 *>(s_o + (w * 8 + r) * 64 + d);
+            sum = fmaf(weight, s_ml[w * 16 + 8 + r], sum);
+            acc[0] = fmaf(weight, ow.x, acc[0]);
+            acc[1] = fmaf(weight, ow.y, acc[1]);
+            acc[2] = fmaf(weight, ow.z, acc[2]);
+            acc[3] = fmaf(weight, ow.w, acc[3]);
+        }
+        const float inv = __fdividef(1.0f, sum);
+        Elem *out = static_cast<Elem *>(a.out) + (int64_t)h * a.out_stride_head +
+                    ((int64_t)start + q0 + r) * a.out_stride_token + d;
+        *reinterpret_cast<uint2 *>(out) = make_uint2(ops::pack(acc[0] * inv, acc[1] * inv),
+                                                     ops::pack(acc[2] * inv, acc[3] * inv));
+    }
+}
 #endif /* RAGGED_ATTENTION_WGMMA_DEVICE */
 
 /* Block (x, y, z): query tiles x, x + gridDim.x, ... of head y of sequences z, z + gridDim.z,
  * ...; a sequence with bad bounds or longer than max_len is skipped and flagged, as in the
- * mma.sync kernel. */
+ * mma.sync kernel. Blocks x == thin_x (the launcher sets it, >= 0, only when each query
+ * tile has a block and that tile of every sequence is thin) run the thin tiles. */
 template <typename Elem, int keys>
 static __global__ void __launch_bounds__(128, ragged_attention_wgmma_min_blocks(keys))
     ragged_attention_wgmma_kernel(const __grid_constant__ ragvit_attention_args a, int max_len,
-                                  int num_stages) {
+                                  int num_stages, int thin_x) {
 #ifdef RAGGED_ATTENTION_WGMMA_DEVICE
     cuda_pdl_wait(); /* first: see cuda_check.cuh */
     extern __shared__ __align__(16) unsigned char ragged_attention_wgmma_smem[];
@@ -539,6 +716,19 @@ static __global__ void __launch_bounds__(128, ragged_attention_wgmma_min_blocks(
     const uint32_t smem = (raw + 1023u) & ~1023u; /* the swizzle needs 1024-byte tiles */
     const int h = blockIdx.y;
     const float scale_log2 = a.scale * RAGGED_ATTENTION_MMA_LOG2E;
+    if constexpr (keys == 64) {
+        if ((int)blockIdx.x == thin_x) { /* the launcher's promise: every tile here is thin */
+            const int q0 = thin_x * RAGGED_ATTENTION_WGMMA_ROWS;
+            for (int s = blockIdx.z; s < a.num_seqs; s += gridDim.z) {
+                int start, len;
+                if (ragged_attention_seq_bounds(a, s, h, max_len, start, len) && q0 < len)
+                    ragged_attention_wgmma_thin_tile<Elem>(
+                        ragged_attention_wgmma_smem + (smem - raw), a, start, h, q0, len,
+                        scale_log2);
+            }
+            return;
+        }
+    }
     for (int s = blockIdx.z; s < a.num_seqs; s += gridDim.z) {
         int start, len;
         if (!ragged_attention_seq_bounds(a, s, h, max_len, start, len))
@@ -552,6 +742,7 @@ static __global__ void __launch_bounds__(128, ragged_attention_wgmma_min_blocks(
     (void)a;
     (void)max_len;
     (void)num_stages;
+    (void)thin_x;
     __trap(); /* never launched: ragged_attention_wgmma_supports is false without sm_90a */
 #endif
 }
@@ -581,14 +772,14 @@ static ragvit_status ragged_attention_wgmma_launch_kernel(const ragvit_attention
                                                           const ragvit_device_info *dev,
                                                           bool is_bf16, dim3 grid, size_t smem,
                                                           int max_len, int num_stages,
-                                                          cudaStream_t stream) {
+                                                          int thin_x, cudaStream_t stream) {
     if (is_bf16)
         CUDA_TRY(cuda_launch(dev, RAGVIT_PDL_ATTENTION,
                              ragged_attention_wgmma_kernel<__nv_bfloat16, keys>, grid, 128, smem,
-                             stream, *a, max_len, num_stages));
+                             stream, *a, max_len, num_stages, thin_x));
     else
         CUDA_TRY(cuda_launch(dev, RAGVIT_PDL_ATTENTION, ragged_attention_wgmma_kernel<__half, keys>,
-                             grid, 128, smem, stream, *a, max_len, num_stages));
+                             grid, 128, smem, stream, *a, max_len, num_stages, thin_x));
     return RAGVIT_STATUS_OK;
 }
 
@@ -630,16 +821,23 @@ static ragvit_status ragged_attention_wgmma_launch_plan(const ragvit_attention_a
         --num_stages;
     const int64_t grid_z =
         seqs < RAGGED_ATTENTION_MMA_MAX_GRID_YZ ? seqs : RAGGED_ATTENTION_MMA_MAX_GRID_YZ;
+    const int64_t query_tiles = grid_x;
     grid_x = ragged_attention_cap_grid_x(grid_x, heads, grid_z, a->total_tokens, seqs, rows,
                                          sm_count);
+    /* with 64-key tiles and a block for every query tile, blocks x = query_tiles - 1 hold
+     * only last tiles, of at most max_len - 64 x rows: all thin when that is <= THIN */
+    const int thin_x = keys == 64 && grid_x == query_tiles &&
+                               max_len - (query_tiles - 1) * rows <= RAGGED_ATTENTION_WGMMA_THIN
+                           ? (int)(query_tiles - 1)
+                           : -1;
     const dim3 grid((unsigned)grid_x, (unsigned)heads, (unsigned)grid_z);
     const size_t smem = (size_t)ragged_attention_wgmma_smem_bytes(keys, num_stages);
     const bool is_bf16 = a->dtype == RAGVIT_DTYPE_BF16;
     if (keys == 128)
         return ragged_attention_wgmma_launch_kernel<128>(a, dev, is_bf16, grid, smem,
-                                                         (int)max_len, num_stages, stream);
+                                                         (int)max_len, num_stages, -1, stream);
     return ragged_attention_wgmma_launch_kernel<64>(a, dev, is_bf16, grid, smem, (int)max_len,
-                                                    num_stages, stream);
+                                                    num_stages, thin_x, stream);
 }
 
 /* The launcher's own plan (what ragged_attention_mma_launch runs). */
