@@ -527,6 +527,14 @@ static __device__ __forceinline__ void ragged_attention_wgmma_tile(uint32_t smem
     }
 }
 
+/* 16 elements from src (32-byte aligned, 16 t elements into a row) as 8 words (2 each). */
+static __device__ __forceinline__ void ragged_attention_wgmma_words16(const void *src,
+                                                                     uint32_t (&w)[8]) {
+    const uint4 lo = static_cast<const uint4 *>(src)[0], hi = static_cast<const uint4 *>(src)[1];
+    w[0] = lo.x, w[1] = lo.y, w[2] = lo.z, w[3] = lo.w;
+    w[4] = hi.x, w[5] = hi.y, w[6] = hi.z, w[7] = hi.w;
+}
+
 /* A last query tile of 1 .. RAGGED_ATTENTION_WGMMA_THIN rows (rows q0 .. len - 1 of head h:
  * 577 tokens end in one of 1 row, 197 in one of 5) in a block of its own, on mma.sync
  * instead of a 64-row wgmma tile. Each warp takes 16-key chunks w, w + 4, ... transposed
@@ -556,21 +564,12 @@ static __device__ __forceinline__ void ragged_attention_wgmma_thin_tile(
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const int g = lane >> 2, t = lane & 3;
     const int rows = len - q0;
-    uint32_t qb[8]; /* Q^T as B: query g, head dims 16 t .. 16 t + 15 */
-    {
-        uint4 lo = make_uint4(0u, 0u, 0u, 0u), hi = lo;
-        if (g < rows) {
-            const uint4 *src = reinterpret_cast<const uint4 *>(
-                static_cast<const Elem *>(a.q) + ((int64_t)start + q0 + g) * a.q_stride_token +
-                (int64_t)h * a.q_stride_head + 16 * t);
-            lo = src[0];
-            hi = src[1];
-        }
-        const uint32_t w[8] = {lo.x, lo.y, lo.z, lo.w, hi.x, hi.y, hi.z, hi.w};
-#pragma unroll
-        for (int i = 0; i < 8; ++i)
-            qb[i] = w[i];
-    }
+    uint32_t qb[8] = {0u, 0u, 0u, 0u, 0u, 0u, 0u, 0u}; /* Q^T as B: query g, dims 16 t .. */
+    if (g < rows)
+        ragged_attention_wgmma_words16(static_cast<const Elem *>(a.q) +
+                                           ((int64_t)start + q0 + g) * a.q_stride_token +
+                                           (int64_t)h * a.q_stride_head + 16 * t,
+                                       qb);
     const Elem *k_head = static_cast<const Elem *>(a.k) + (int64_t)h * a.k_stride_head +
                          (int64_t)start * a.k_stride_token;
     const Elem *v_head = static_cast<const Elem *>(a.v) + (int64_t)h * a.v_stride_head +
@@ -590,11 +589,8 @@ static __device__ __forceinline__ void ragged_attention_wgmma_thin_tile(
 #pragma unroll
         for (int r = 0; r < 2; ++r) {
             const int key = key0 + g + 8 * r;
-            const uint4 *src = reinterpret_cast<const uint4 *>(
-                k_head + (int64_t)(key < len ? key : 0) * a.k_stride_token + 16 * t);
-            const uint4 lo = src[0], hi = src[1];
-            kw[r][0] = lo.x, kw[r][1] = lo.y, kw[r][2] = lo.z, kw[r][3] = lo.w;
-            kw[r][4] = hi.x, kw[r][5] = hi.y, kw[r][6] = hi.z, kw[r][7] = hi.w;
+            ragged_attention_wgmma_words16(
+                k_head + (int64_t)(key < len ? key : 0) * a.k_stride_token + 16 * t, kw[r]);
         }
         uint4 vr[4]; /* V rows key0 + 2 t + {0, 1, 8, 9}: head dims 8 g .. 8 g + 7 */
 #pragma unroll
@@ -717,7 +713,9 @@ static __global__ void __launch_bounds__(128, ragged_attention_wgmma_min_blocks(
     const int h = blockIdx.y;
     const float scale_log2 = a.scale * RAGGED_ATTENTION_MMA_LOG2E;
     if constexpr (keys == 64) {
-        if ((int)blockIdx.x == thin_x) { /* the launcher's promise: every tile here is thin */
+        /* the launcher's promise: every tile here is thin. A loop of its own: one tile call
+         * choosing between the two paths in the loop below spilled at 96 registers */
+        if ((int)blockIdx.x == thin_x) {
             const int q0 = thin_x * RAGGED_ATTENTION_WGMMA_ROWS;
             for (int s = blockIdx.z; s < a.num_seqs; s += gridDim.z) {
                 int start, len;
