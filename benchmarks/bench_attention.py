@@ -62,12 +62,13 @@ def reference_fp64(q, k, v, cu, scale):
 
 
 class Case:
-    """One grid point: inputs for ragvit and every baseline, built once."""
+    """One grid point: inputs for ragvit and every baseline, built once (lengths, when
+    given, replace the distribution's draw: an integer array of num_seqs lengths)."""
 
-    def __init__(self, model: str, dist: str, num_seqs: int, seed: int = 0):
+    def __init__(self, model: str, dist: str, num_seqs: int, seed: int = 0, lengths=None):
         self.model, self.dist, self.num_seqs = model, dist, num_seqs
         self.heads = MODELS[model]
-        self.lengths = lengths_for(dist, num_seqs, seed)
+        self.lengths = lengths_for(dist, num_seqs, seed) if lengths is None else lengths
         lens = torch.from_numpy(self.lengths)
         self.cu = torch.zeros(num_seqs + 1, dtype=torch.int32)
         self.cu[1:] = torch.cumsum(lens, 0)

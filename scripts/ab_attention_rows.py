@@ -49,7 +49,6 @@ def main(argv=None) -> int:
     import timing
 
     flusher = timing.L2Flusher()
-    lengths_for = ba.lengths_for
     for row in args.rows:
         try:
             model, dist, num_seqs = row.split(":")
@@ -57,10 +56,15 @@ def main(argv=None) -> int:
             fixed = int(dist[3:]) if dist.startswith("all") else 0
             if model not in ba.MODELS or num_seqs < 1 or (dist.startswith("all") and fixed < 1):
                 raise ValueError
-        except ValueError:
-            parser.error(f"bad row {row!r}: want MODEL:DIST:S, MODEL one of {list(ba.MODELS)}")
-        ba.lengths_for = (lambda d, n, seed, f=fixed: np.full(n, f)) if fixed else lengths_for
-        case = ba.Case(model, dist, num_seqs)
+            if not fixed:
+                ba.lengths_for(dist, num_seqs, 0)  # an unknown distribution raises
+        except (ValueError, IndexError):
+            parser.error(
+                f"bad row {row!r}: want MODEL:DIST:S, MODEL one of {list(ba.MODELS)}, DIST a "
+                "bench_attention distribution or allN"
+            )
+        lengths = np.full(num_seqs, fixed, dtype=np.int32) if fixed else None
+        case = ba.Case(model, dist, num_seqs, lengths=lengths)
         ours = [timing.gpu_us_graph(case.ragvit_out, flusher=flusher, reps=args.reps).median]
         sdpa = timing.gpu_us_graph(case.sdpa, flusher=flusher, reps=args.reps).median
         ours.append(timing.gpu_us_graph(case.ragvit_out, flusher=flusher, reps=args.reps).median)
@@ -69,7 +73,6 @@ def main(argv=None) -> int:
             f"{ours[1]:7.1f} sdpa {sdpa:7.1f} ratio {min(ours) / sdpa:.3f}",
             flush=True,
         )
-    ba.lengths_for = lengths_for
     return 0
 
 
