@@ -19,31 +19,31 @@
  * the others, and the sequence takes one step fewer (256 x 197 DeiT-B: 4 steps to 3). A last
  * query tile of 1-8 rows (577 and 197 tokens end in one) runs in blocks of its own on
  * mma.sync when the grid has a block for every query tile (see the thin tile). Measured
- * on an H200 and dropped: issuing Q K^T of the next tile with P V (FlashAttention-3's
- * overlap, 2-4% slower: 5 blocks an SM already overlap one another's softmax), shrinking
- * the last partial key tile's N and P V steps (2-4% slower: not tensor-bound), Q K^T with Q
- * in registers (108 registers: 4 blocks an SM, 5-9% slower), 16-byte shared stores of zeros
- * instead of zero-size cp.async for rows past the sequence (4% slower), a compile-time
- * stage count (20 fewer instructions a step, yet 3-5% slower; 2-7% faster on 64-key tiles
- * at batch 1, untried with 128), skipping the exponentials of key blocks past the sequence
- * (no change) or the softmax of warps whose 16 rows all lie past it (spills at 96
- * registers: 10-15% slower), 4 partial row maxima and sums a thread instead of 2 (no
- * change), copies of whole key tiles without the zero-fill operand (25 fewer instructions a
- * step, no change) and a last query tile of 1-8 rows (577 tokens end in one) done as m64n8
- * wgmmas with the keys as rows, either folded into the tile before (its own kernel at 4
- * blocks an SM: at 96 registers it spills and serializes every wgmma; 6% faster on 256 x
- * 197, 2-27% slower on 577 tokens and small batches), alone (1-5% faster on 197 and 577
- * tokens, 2-4% slower on every other batch), run by the tile before's block after it
- * (per-warp mma.sync over 32-key stages, 5 deep: its serial key loop cost about what a
- * block of its own did, and the tile's code around it moved: 5-66% slower with such rows,
- * 12% on DeiT-S 256 keep .5 without) or on the FMA pipes in a block of its own (fp32 dot
- * products, the warps on 32-key chunks in turn: 577 tokens within noise, 197 tokens 33-60%
- * slower, twice a tile's instructions at 5 rows), and a lazy rescale (a row maximum kept
- * until a tile's exceeds it by 8 in log2, O's rescale skipped by warps none of whose rows
- * moved: 2-10% faster on 32 x 577 tokens in the self-test, no change in
- * benchmarks/bench_attention.py). Timed on 256 DeiT-B images of 197 tokens,
- * where ncu reads 5 blocks an SM, issue slots 63% busy, L2 60%, no pipe above 40%.
- * Covered by dev/test_attention_mma.cu (its launcher plans) and tests/test_ops.py through
+ * on an H200 and dropped: issuing Q K^T of the next tile with P V (FlashAttention-3's overlap,
+ * 2-4% slower: 5 blocks an SM already overlap one another's softmax), two warpgroups a block
+ * sharing each K/V tile (4-17% slower), fp16 exponentials two a MUFU.EX2 (2-10% slower),
+ * shrinking the last partial key tile's N and P V steps (2-4% slower: not tensor-bound), Q K^T
+ * with Q in registers (108 registers: 4 blocks an SM, 5-9% slower), 16-byte shared stores of
+ * zeros instead of zero-size cp.async for rows past the sequence (4% slower), a compile-time
+ * stage count (20 fewer instructions a step, yet 3-5% slower; 2-7% faster on 64-key tiles at
+ * batch 1, untried with 128), skipping the exponentials of key blocks past the sequence (no
+ * change) or the softmax of warps whose 16 rows all lie past it (spills at 96 registers: 10-15%
+ * slower), 4 partial row maxima and sums a thread instead of 2 (no change), copies of whole key
+ * tiles without the zero-fill operand (25 fewer instructions a step, no change) and a last
+ * query tile of 1-8 rows (577 tokens end in one) done as m64n8 wgmmas with the keys as rows,
+ * either folded into the tile before (its own kernel at 4 blocks an SM: at 96 registers it
+ * spills and serializes every wgmma; 6% faster on 256 x 197, 2-27% slower on 577 tokens and
+ * small batches), alone (1-5% faster on 197 and 577 tokens, 2-4% slower on every other batch),
+ * run by the tile before's block after it (per-warp mma.sync over 32-key stages, 5 deep: its
+ * serial key loop cost about what a block of its own did, and the tile's code around it moved:
+ * 5-66% slower with such rows, 12% on DeiT-S 256 keep .5 without) or on the FMA pipes in a
+ * block of its own (fp32 dot products, the warps on 32-key chunks in turn: 577 tokens within
+ * noise, 197 tokens 33-60% slower, twice a tile's instructions at 5 rows), and a lazy rescale
+ * (a row maximum kept until a tile's exceeds it by 8 in log2, O's rescale skipped by warps none
+ * of whose rows moved: 2-10% faster on 32 x 577 tokens in the self-test, no change in
+ * benchmarks/bench_attention.py). Timed on 256 DeiT-B images of 197 tokens, where ncu reads 5
+ * blocks an SM, issue slots 63% busy, L2 60%, no pipe above 40%. Covered by
+ * dev/test_attention_mma.cu (its launcher plans) and tests/test_ops.py through
  * the dispatcher. Not compiled for other targets (the kernel body is sm_90a-only). */
 #ifndef RAGVIT_RAGGED_ATTENTION_WGMMA_CUH
 #define RAGVIT_RAGGED_ATTENTION_WGMMA_CUH
@@ -551,10 +551,12 @@ static __device__ __forceinline__ void ragged_attention_wgmma_words16(const void
  * first, their V row zero (P 0 must not meet NaN). Measured on an H200 (graph replay, L2
  * flushed): 256 DeiT-B images of 197 tokens 165-171 -> 163-167 us, 32 of 577 117-123 ->
  * 115-119; with those blocks skipped outright (wrong output, the bound) 145 and 111-113.
- * A thin block still reads every K and V row of its sequence, as a full one does, and
- * costs about 80% of one: reads, not math, bound these batches. Dropped: the thin tiles
- * launched a wave after their sequences' full ones (keys in L2 by then: no change) and a
- * per-warp cp.async ring of 2 chunks in flight (2% slower).
+ * A thin block still takes about 90% of a full one's time (per-block timer: 17.5 against
+ * 19.1 us on 32 x 577 DeiT-B; 16.9 with nothing else running), since each chunk waits a
+ * memory round trip. Dropped: the thin tiles launched a wave after their sequences' full
+ * ones (keys in L2 by then: no change) or after every full tile (6-12% slower), a per-warp
+ * cp.async ring of 2 chunks in flight (2% slower), the next chunk's K prefetched into
+ * registers (slower) and its K and V (a thin block 13% shorter, totals within noise).
  * smem: the block's shared memory (8.25 KB used). */
 template <typename Elem>
 static __device__ __forceinline__ void ragged_attention_wgmma_thin_tile(
