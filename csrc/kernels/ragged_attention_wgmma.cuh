@@ -552,11 +552,13 @@ static __device__ __forceinline__ void ragged_attention_wgmma_words16(const void
  * flushed): 256 DeiT-B images of 197 tokens 165-171 -> 163-167 us, 32 of 577 117-123 ->
  * 115-119; with those blocks skipped outright (wrong output, the bound) 145 and 111-113.
  * A thin block still takes about 90% of a full one's time (per-block timer: 17.5 against
- * 19.1 us on 32 x 577 DeiT-B; 16.9 with nothing else running), since each chunk waits a
- * memory round trip. Dropped: the thin tiles launched a wave after their sequences' full
- * ones (keys in L2 by then: no change) or after every full tile (6-12% slower), a per-warp
- * cp.async ring of 2 chunks in flight (2% slower), the next chunk's K prefetched into
- * registers (slower) and its K and V (a thin block 13% shorter, totals within noise).
+ * 19.1 us on 32 x 577 DeiT-B): alone it waits a memory round trip a chunk (16.9 us), and
+ * beside the full tiles it shares the L2 reads they nearly saturate (each sequence's K and
+ * V read once per query tile: 4.7 TB/s there). Dropped: the thin tiles launched a wave
+ * after their sequences' full ones (keys in L2 by then: no change) or after every full
+ * tile (6-12% slower), a per-warp cp.async ring of 2 chunks in flight (the block no
+ * shorter; 2% slower in total), the next chunk's K prefetched into registers (slower) and
+ * its K and V (a thin block 14% shorter, totals within noise).
  * smem: the block's shared memory (8.25 KB used). */
 template <typename Elem>
 static __device__ __forceinline__ void ragged_attention_wgmma_thin_tile(
