@@ -56,14 +56,16 @@ def main(argv=None) -> int:
             fixed = int(dist[3:]) if dist.startswith("all") else 0
             if model not in ba.MODELS or num_seqs < 1 or (dist.startswith("all") and fixed < 1):
                 raise ValueError
-            if not fixed:
-                ba.lengths_for(dist, num_seqs, 0)  # an unknown distribution raises
+            lengths = (
+                np.full(num_seqs, fixed, dtype=np.int32)
+                if fixed
+                else ba.lengths_for(dist, num_seqs, 0)  # an unknown distribution raises
+            )
         except (ValueError, IndexError):
             parser.error(
                 f"bad row {row!r}: want MODEL:DIST:S, MODEL one of {list(ba.MODELS)}, DIST a "
                 "bench_attention distribution or allN"
             )
-        lengths = np.full(num_seqs, fixed, dtype=np.int32) if fixed else None
         case = ba.Case(model, dist, num_seqs, lengths=lengths)
         ours = [timing.gpu_us_graph(case.ragvit_out, flusher=flusher, reps=args.reps).median]
         sdpa = timing.gpu_us_graph(case.sdpa, flusher=flusher, reps=args.reps).median
