@@ -38,11 +38,17 @@
  * serial key loop cost about what a block of its own did, and the tile's code around it moved:
  * 5-66% slower with such rows, 12% on DeiT-S 256 keep .5 without) or on the FMA pipes in a
  * block of its own (fp32 dot products, the warps on 32-key chunks in turn: 577 tokens within
- * noise, 197 tokens 33-60% slower, twice a tile's instructions at 5 rows), and a lazy rescale
+ * noise, 197 tokens 33-60% slower, twice a tile's instructions at 5 rows), a lazy rescale
  * (a row maximum kept until a tile's exceeds it by 8 in log2, O's rescale skipped by warps none
  * of whose rows moved: 2-10% faster on 32 x 577 tokens in the self-test, no change in
- * benchmarks/bench_attention.py). Timed on 256 DeiT-B images of 197 tokens, where ncu reads 5
- * blocks an SM, issue slots 63% busy, L2 60%, no pipe above 40%. Covered by
+ * benchmarks/bench_attention.py), K and V kept in the ring across a block's query tiles of one
+ * sequence with one block a (sequence, head) pair (4% faster on 256 DeiT-B images at 50% keep,
+ * 3-40% slower elsewhere), persistent blocks looping over sequences (up to 12% slower) and a
+ * warp-specialized block (two warpgroups on one mbarrier ring filled by a producer warp, 2
+ * blocks an SM: 20-35% slower). Timed on 256 DeiT-B images of 197 tokens, where ncu reads 5
+ * blocks an SM, issue slots 63% busy, L2 60%, no pipe above 40%; at 577 tokens the board sits
+ * at its 700 W cap, this kernel at 1665-1710 MHz against unmasked SDPA's 1890-1905 (12% fewer
+ * clocks a call at the same time): what is left there is energy per call. Covered by
  * dev/test_attention_mma.cu (its launcher plans) and tests/test_ops.py through
  * the dispatcher. Not compiled for other targets (the kernel body is sm_90a-only). */
 #ifndef RAGVIT_RAGGED_ATTENTION_WGMMA_CUH
@@ -791,7 +797,8 @@ static ragvit_status ragged_attention_wgmma_launch_kernel(const ragvit_attention
  * stages fit: half the loop steps, 5-15% faster at batch 1-4 on an H200 (up to 64 keys one
  * tile of 128 is 10-13% slower than one of 64). One wave prefetches every key tile (up to
  * 5 stages). A larger grid takes 64-key tiles and 2 stages: 5 blocks an SM overlap one
- * another's steps, and 128-key tiles (3 blocks an SM) measured 6-20% slower there. The
+ * another's steps; 128-key tiles (3 blocks an SM) measured 6-20% slower there, 32-key tiles
+ * (6 blocks an SM) 5-15%. The
  * grid is capped like the mma.sync plans'; a forced stage count is clamped to what fits. */
 static ragvit_status ragged_attention_wgmma_launch_plan(const ragvit_attention_args *a,
                                                         const ragvit_device_info *dev, int keys,
