@@ -45,12 +45,13 @@
  * sequence with one block a (sequence, head) pair (4% faster on 256 DeiT-B images at 50% keep,
  * 3-40% slower elsewhere), persistent blocks looping over sequences (up to 12% slower) and a
  * warp-specialized block (two warpgroups on one mbarrier ring filled by a producer warp, 2
- * blocks an SM: 20-35% slower, 37-54% with the producer 3 copy groups ahead). Timed on 256 DeiT-B images of 197 tokens, where ncu reads 5
- * blocks an SM, issue slots 63% busy, L2 60%, no pipe above 40%; at 577 tokens the board sits
- * at its 700 W cap, this kernel at 1665-1710 MHz against unmasked SDPA's 1890-1905 (12% fewer
- * clocks a call at the same time): what is left there is energy per call. Covered by
- * dev/test_attention_mma.cu (its launcher plans) and tests/test_ops.py through
- * the dispatcher. Not compiled for other targets (the kernel body is sm_90a-only). */
+ * blocks an SM: 20-35% slower, 37-54% with the producer 3 copy groups ahead). Timed on 256
+ * DeiT-B images of 197 tokens, where ncu reads 5 blocks an SM, issue slots 63% busy, L2 60%,
+ * no pipe above 40%; at 577 tokens the board sits at its 700 W cap, this kernel at 1665-1710
+ * MHz against unmasked SDPA's 1890-1905 (12% fewer clocks a call at the same time): what is
+ * left there is energy per call. Covered by dev/test_attention_mma.cu (its launcher plans)
+ * and tests/test_ops.py through the dispatcher. Not compiled for other targets (the kernel
+ * body is sm_90a-only). */
 #ifndef RAGVIT_RAGGED_ATTENTION_WGMMA_CUH
 #define RAGVIT_RAGGED_ATTENTION_WGMMA_CUH
 
