@@ -259,7 +259,8 @@ struct device_buffers {
 /* Launch shapes every case runs with: {sm_count, num_warps, num_stages}; 0 = the
  * launcher's own choice (sm_count steers it: more SMs -> fewer warps, more stages);
  * num_warps = -1 / -2: the sm_90a wgmma path with 64- / 128-key tiles and num_stages K/V
- * slots where it applies (else the launcher's own choice). */
+ * slots where it applies (else the launcher's own choice), loaded by cp.async; -3: 64-key
+ * tiles with every whole tile by TMA where the layout allows it, at any length. */
 struct launch_shape {
     int sm_count, num_warps, num_stages;
 };
@@ -327,7 +328,8 @@ static run_result run_kernel(const test_case &c, const layout &l, const device_b
             is_auto ? ragged_attention_mma_launch(&a, &dev, 0)
             : shape.num_warps < 0
                 ? ragged_attention_wgmma_launch_plan(&a, &dev, shape.num_warps == -2 ? 128 : 64,
-                                                     shape.num_stages, 0)
+                                                     shape.num_stages,
+                                                     shape.num_warps == -3 ? 1 : 0, 0)
                 : ragged_attention_mma_launch_plan(&a, &plan, &dev, 0);
         if (st != RAGVIT_STATUS_OK) {
             fprintf(stderr, "launch returned status %d\n", (int)st);
@@ -479,12 +481,12 @@ static int run_case(const test_case &c) {
     const std::vector<launch_shape> shapes =
         g_is_quick
             ? std::vector<launch_shape>{{132, 0, 0},  {132, 1, 3},  {132, 4, 2},
-                                        {132, -1, 3}, {132, -2, 3}}
+                                        {132, -1, 3}, {132, -2, 3}, {132, -3, 3}}
             : std::vector<launch_shape>{{132, 0, 0},  {1000000, 0, 0}, {132, 4, 2},
                                         {132, 4, 3},  {132, 3, 4},     {132, 2, 3},
                                         {132, 1, 2},  {132, 1, 4},     {132, -1, 2},
                                         {132, -1, 3}, {132, -1, 5},    {132, -2, 2},
-                                        {132, -2, 5}};
+                                        {132, -2, 5}, {132, -3, 2},    {132, -3, 5}};
     int failures = 0;
     for (int with_cls = 0; with_cls < 2; ++with_cls) {
         check_stats st;
@@ -799,7 +801,7 @@ static void bench(const char *only, bool is_wgmma_only) {
                 for (int stages = 2; stages <= RAGGED_ATTENTION_WGMMA_MAX_STAGES; ++stages)
                     printf(" k%ds%d %.2f", keys, stages, time_launch([&] {
                                return ragged_attention_wgmma_launch_plan(&a, &dev, keys, stages,
-                                                                         0);
+                                                                         -1, 0);
                            }));
         }
         printf("\n");

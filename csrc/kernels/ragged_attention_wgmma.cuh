@@ -9,7 +9,12 @@
  * aligned, filled by 16-byte cp.async (rows past the sequence zero-filled) through a ring of
  * 2-5 (K, V) stages: a sequence whose key tiles all fit it loads them all before its first
  * step (5% faster on 256 DeiT-S images at 50% keep: 2 tiles), else it runs one tile short
- * of full ahead. S = Q K^T: 4 wgmma.mma_async m64n{keys}k16 with both operands from
+ * of full ahead. With 64-key tiles and max_seqlen past 256 (see the launcher), each key
+ * tile wholly inside its sequence comes by TMA instead: thread 0 arms the stage's mbarrier
+ * with the tile's 16 KB and issues two 64 x 1 x 64 box copies (K, V) from tensor maps in
+ * the same swizzle; every thread waits on that mbarrier (a parity bit a stage, kept across
+ * the block's tiles); the partial last tile and the folded tail stay on cp.async, so nothing
+ * past a sequence is read. S = Q K^T: 4 wgmma.mma_async m64n{keys}k16 with both operands from
  * shared memory (K-major); O += P V: keys / 16 m64n64k16 with P in registers
  * (the S accumulators rounded to the input type: their layout is the A-register layout) and
  * V from shared memory transposed (MN-major), fp32 accumulators throughout. Online softmax
@@ -55,10 +60,14 @@
 #ifndef RAGVIT_RAGGED_ATTENTION_WGMMA_CUH
 #define RAGVIT_RAGGED_ATTENTION_WGMMA_CUH
 
+#include <cuda.h>
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
+#include <cudaTypedefs.h>
 #include <math.h>
 #include <stdint.h>
+
+#include <type_traits>
 
 #define RAGGED_ATTENTION_WGMMA_ROWS 64      /* query rows per block (one warpgroup) */
 #define RAGGED_ATTENTION_WGMMA_TILE 8192    /* bytes of one 64 x 64 16-bit tile (Q) */
@@ -72,11 +81,26 @@ static constexpr int ragged_attention_wgmma_min_blocks(int keys) { return keys =
 
 /* Shared memory of a plan: alignment slack, Q, num_stages (V, K) pairs of keys-row tiles
  * (128 bytes a row), then with 64-key tiles the folded tail's 8 K rows and 16 V rows (see
- * the tile): 43 KB with 2 stages, 5 blocks an SM. */
+ * the tile) and room for an 8-byte mbarrier a stage (TMA): 43 KB with 2 stages, 5 blocks an
+ * SM. */
 static int ragged_attention_wgmma_smem_bytes(int keys, int num_stages) {
     return 1024 + RAGGED_ATTENTION_WGMMA_TILE + 2 * 128 * keys * num_stages +
-           (keys == 64 ? 128 * (RAGGED_ATTENTION_WGMMA_TAIL + 16) : 0);
+           (keys == 64 ? 128 * (RAGGED_ATTENTION_WGMMA_TAIL + 16) + 64 : 0);
 }
+
+/* Sequences longer than this take whole K/V tiles by TMA (see the launcher). */
+#define RAGGED_ATTENTION_WGMMA_TMA_MIN_LEN 257
+
+/* TMA descriptors of K and V as (64, heads, tokens) tensors with 64 x 1 x 64 boxes in the
+ * 128-byte swizzle: the kernel parameter of the TMA kernels (the others take an empty one). */
+struct ragged_attention_wgmma_maps {
+    CUtensorMap k;
+    CUtensorMap v;
+};
+struct ragged_attention_wgmma_no_maps {};
+template <bool tma>
+using ragged_attention_wgmma_maps_t =
+    std::conditional_t<tma, ragged_attention_wgmma_maps, ragged_attention_wgmma_no_maps>;
 
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
 #define RAGGED_ATTENTION_WGMMA_DEVICE 1
@@ -108,6 +132,37 @@ static __device__ __forceinline__ void ragged_attention_wgmma_wait_all() {
 /* cp.async writes reach wgmma (the async proxy) only through this fence. */
 static __device__ __forceinline__ void ragged_attention_wgmma_fence_proxy() {
     asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+}
+
+static __device__ __forceinline__ void ragged_attention_wgmma_mbar_init(uint32_t bar) {
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;\n" ::"r"(bar) : "memory");
+}
+
+static __device__ __forceinline__ void ragged_attention_wgmma_mbar_expect(uint32_t bar,
+                                                                         uint32_t bytes) {
+    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar),
+                 "r"(bytes)
+                 : "memory");
+}
+
+static __device__ __forceinline__ void ragged_attention_wgmma_mbar_wait(uint32_t bar,
+                                                                       uint32_t parity) {
+    asm volatile("{\n.reg .pred done;\nwait_%=:\n"
+                 "mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n"
+                 "@!done bra wait_%=;\n}\n" ::"r"(bar),
+                 "r"(parity)
+                 : "memory");
+}
+
+/* Box (0, h, row) of the tensor map into shared memory at dst, completing on bar. */
+static __device__ __forceinline__ void ragged_attention_wgmma_tma_load(uint32_t dst,
+                                                                      const CUtensorMap *map,
+                                                                      int h, int row,
+                                                                      uint32_t bar) {
+    asm volatile("cp.async.bulk.tensor.3d.shared::cluster.global.mbarrier::complete_tx::bytes"
+                 " [%0], [%1, {%2, %3, %4}], [%5];\n" ::"r"(dst),
+                 "l"(reinterpret_cast<uint64_t>(map)), "r"(0), "r"(h), "r"(row), "r"(bar)
+                 : "memory");
 }
 
 /* Keeps the compiler from moving accumulator accesses across an asynchronous wgmma. */
@@ -337,11 +392,11 @@ static __device__ __forceinline__ void ragged_attention_wgmma_pack(uint32_t (&p)
 /* One 64-row query tile of head h of the sequence starting at token `start` over key tiles
  * of `keys` keys (the block is one warpgroup; every branch is block-uniform). smem:
  * 1024-byte aligned shared address: Q, num_stages (V, K) slot pairs, the folded tail's. */
-template <typename Elem, int keys>
-static __device__ __forceinline__ void ragged_attention_wgmma_tile(uint32_t smem, int num_stages,
-                                                                  const ragvit_attention_args &a,
-                                                                  int start, int h, int q0,
-                                                                  int len, float scale_log2) {
+template <typename Elem, int keys, bool tma>
+static __device__ __forceinline__ void ragged_attention_wgmma_tile(
+    uint32_t smem, int num_stages, const ragvit_attention_args &a,
+    const ragged_attention_wgmma_maps_t<tma> &maps, uint32_t &phases, int start, int h, int q0,
+    int len, float scale_log2) {
     using ops = ragged_attention_mma_elem<Elem>;
     constexpr uint32_t kTile = 128 * keys; /* bytes of a K or V tile */
     const int warp = threadIdx.x >> 5;
@@ -361,6 +416,7 @@ static __device__ __forceinline__ void ragged_attention_wgmma_tile(uint32_t smem
     const int first_stage = has_tail ? (num_stages - num_tiles % num_stages) % num_stages : 0;
     const uint32_t s_q = smem, s_kv = smem + RAGGED_ATTENTION_WGMMA_TILE;
     const uint32_t s_x = s_kv + 2 * kTile * num_stages;
+    const uint32_t s_bar = s_x + 128 * (kTail + 16); /* with tma: one mbarrier a stage */
     const Elem *k_seq = static_cast<const Elem *>(a.k) + (int64_t)h * a.k_stride_head +
                         (int64_t)start * a.k_stride_token;
     const Elem *v_seq = static_cast<const Elem *>(a.v) + (int64_t)h * a.v_stride_head +
@@ -384,6 +440,41 @@ static __device__ __forceinline__ void ragged_attention_wgmma_tile(uint32_t smem
      * folded sequence its tail; rows past the sequence are zero-filled, their address
      * clamped to the sequence's first row */
     auto load_kv = [&](int stage) {
+        if constexpr (tma) {
+            const uint32_t s_slot = s_kv + 2 * kTile * stage;
+            const int row0 = keys * tiles_loaded;
+            if (row0 + keys <= len) { /* a whole tile: TMA */
+                if (threadIdx.x == 0) {
+                    const uint32_t bar = s_bar + 8 * stage;
+                    ragged_attention_wgmma_mbar_expect(bar, 2 * kTile);
+                    ragged_attention_wgmma_tma_load(s_slot + kTile, &maps.k, h, start + row0, bar);
+                    ragged_attention_wgmma_tma_load(s_slot, &maps.v, h, start + row0, bar);
+                }
+            } else { /* the last, partial tile: cp.async, rows past the sequence zero-filled */
+#pragma unroll
+                for (int i = 0; i < keys / 16; ++i) {
+                    const int key = row0 + cr + 16 * i;
+                    const bool is_valid = key < len;
+                    const int64_t kr = is_valid ? key : 0;
+                    ragged_attention_mma_cp_async16(s_slot + kTile + 2048 * i + off,
+                                                    k_seq + kr * a.k_stride_token + cc * 8,
+                                                    is_valid);
+                    ragged_attention_mma_cp_async16(s_slot + 2048 * i + off,
+                                                    v_seq + kr * a.v_stride_token + cc * 8,
+                                                    is_valid);
+                }
+            }
+            if (++tiles_loaded == num_tiles && has_tail) {
+                const int key = keys * num_tiles + cr;
+                const bool is_valid = key < len; /* the tail's row cr */
+                const Elem *k = k_seq + (is_valid ? (int64_t)key * a.k_stride_token : 0) + cc * 8;
+                const Elem *v = v_seq + (is_valid ? (int64_t)key * a.v_stride_token : 0) + cc * 8;
+                if (cr < kTail)
+                    ragged_attention_mma_cp_async16(s_x + off, k, is_valid);
+                ragged_attention_mma_cp_async16(s_x + 128 * kTail + off, v, is_valid);
+            }
+            return;
+        }
         const uint32_t s_v = s_kv + 2 * kTile * stage + off; /* a slot: V, then K */
         const char *k = k_next, *v = v_next;
 #pragma unroll
@@ -471,6 +562,12 @@ static __device__ __forceinline__ void ragged_attention_wgmma_tile(uint32_t smem
     for (int t = 0; t < num_tiles; ++t) {
         const int num_keys = min(keys, len - t * keys);
         ragged_attention_mma_cp_async_wait_pending(ahead - 1); /* tile t landed */
+        if constexpr (tma) {
+            if (num_keys == keys) { /* a whole tile came by TMA */
+                ragged_attention_wgmma_mbar_wait(s_bar + 8 * stage, (phases >> stage) & 1u);
+                phases ^= 1u << stage;
+            }
+        }
         ragged_attention_wgmma_fence_proxy();
         __syncthreads(); /* every thread's copies; tile t - 1 fully consumed */
         if (t + ahead < num_tiles) /* tile t + ahead, into tile t - 1's slot */
@@ -712,10 +809,11 @@ static __device__ __forceinline__ void ragged_attention_wgmma_thin_tile(
  * ...; a sequence with bad bounds or longer than max_len is skipped and flagged, as in the
  * mma.sync kernel. Blocks x == thin_x (the launcher sets it, >= 0, only when each query
  * tile has a block and that tile of every sequence is thin) run the thin tiles. */
-template <typename Elem, int keys>
+template <typename Elem, int keys, bool tma>
 static __global__ void __launch_bounds__(128, ragged_attention_wgmma_min_blocks(keys))
     ragged_attention_wgmma_kernel(const __grid_constant__ ragvit_attention_args a, int max_len,
-                                  int num_stages, int thin_x) {
+                                  int num_stages, int thin_x,
+                                  const __grid_constant__ ragged_attention_wgmma_maps_t<tma> maps) {
 #ifdef RAGGED_ATTENTION_WGMMA_DEVICE
     cuda_pdl_wait(); /* first: see cuda_check.cuh */
     extern __shared__ __align__(16) unsigned char ragged_attention_wgmma_smem[];
@@ -738,17 +836,32 @@ static __global__ void __launch_bounds__(128, ragged_attention_wgmma_min_blocks(
             return;
         }
     }
+    uint32_t phases = 0; /* bit s: the parity stage s's mbarrier completes next */
+    if constexpr (tma) {
+        if (threadIdx.x == 0) {
+            const uint32_t s_bar = smem + RAGGED_ATTENTION_WGMMA_TILE + 256 * keys * num_stages +
+                                   128 * (RAGGED_ATTENTION_WGMMA_TAIL + 16);
+            for (int st = 0; st < num_stages; ++st)
+                ragged_attention_wgmma_mbar_init(s_bar + 8 * st);
+            asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+            asm volatile("prefetch.tensormap [%0];\n" ::"l"(reinterpret_cast<uint64_t>(&maps.k))
+                         : "memory");
+            asm volatile("prefetch.tensormap [%0];\n" ::"l"(reinterpret_cast<uint64_t>(&maps.v))
+                         : "memory");
+        } /* the tile's opening barrier publishes the initialization */
+    }
     for (int s = blockIdx.z; s < a.num_seqs; s += gridDim.z) {
         int start, len;
         if (!ragged_attention_seq_bounds(a, s, h, max_len, start, len))
             continue;
         for (int q0 = blockIdx.x * RAGGED_ATTENTION_WGMMA_ROWS; q0 < len;
              q0 += gridDim.x * RAGGED_ATTENTION_WGMMA_ROWS)
-            ragged_attention_wgmma_tile<Elem, keys>(smem, num_stages, a, start, h, q0, len,
-                                                    scale_log2);
+            ragged_attention_wgmma_tile<Elem, keys, tma>(smem, num_stages, a, maps, phases, start,
+                                                         h, q0, len, scale_log2);
     }
 #else
     (void)a;
+    (void)maps;
     (void)max_len;
     (void)num_stages;
     (void)thin_x;
@@ -775,20 +888,80 @@ static bool ragged_attention_wgmma_supports(const ragvit_attention_args *a,
 #endif
 }
 
-/* The kernel with `keys`-key tiles, for the element type is_bf16 picks. */
-template <int keys>
-static ragvit_status ragged_attention_wgmma_launch_kernel(const ragvit_attention_args *a,
-                                                          const ragvit_device_info *dev,
-                                                          bool is_bf16, dim3 grid, size_t smem,
-                                                          int max_len, int num_stages,
-                                                          int thin_x, cudaStream_t stream) {
+/* cuTensorMapEncodeTiled, from the driver once (ragged_attention_wgmma_init); NULL: no TMA. */
+static PFN_cuTensorMapEncodeTiled_v12000 ragged_attention_wgmma_encode = NULL;
+
+/* The last descriptor a thread encoded for K (which 0) or V (1), and what for. */
+struct ragged_attention_wgmma_map_cache {
+    const void *base;
+    int64_t stride_token, stride_head, total_tokens;
+    int32_t num_heads, dtype;
+    bool is_valid;
+    CUtensorMap map;
+};
+
+/* K or V (base, strides in elements) as a (64, heads, tokens) tensor of 64 x 1 x 64 boxes in
+ * the 128-byte swizzle, encoded or from this thread's cache (the same tensor again costs a
+ * comparison, not an encode); false when TMA cannot read it: no driver entry point, a base
+ * or stride off 16 bytes, heads that overlap or tokens that do not hold whole heads, more
+ * than 2^31 tokens (the caller then copies by cp.async). */
+static bool ragged_attention_wgmma_tensor_map(CUtensorMap *map, int which, const void *base,
+                                              int64_t stride_token, int64_t stride_head,
+                                              const ragvit_attention_args *a) {
+    thread_local ragged_attention_wgmma_map_cache cache[2];
+    ragged_attention_wgmma_map_cache &c = cache[which];
+    if (c.is_valid && c.base == base && c.stride_token == stride_token &&
+        c.stride_head == stride_head && c.total_tokens == a->total_tokens &&
+        c.num_heads == a->num_heads && c.dtype == a->dtype) {
+        *map = c.map;
+        return true;
+    }
+    /* one head is never stepped over: any stride that keeps the dimensions apart */
+    const int64_t head_step = a->num_heads == 1 ? 64 : stride_head;
+    if (ragged_attention_wgmma_encode == NULL || ((uintptr_t)base & 15) != 0 ||
+        head_step % 8 != 0 || stride_token % 8 != 0 || head_step < 64 ||
+        stride_token < head_step * a->num_heads || a->total_tokens <= 0 ||
+        a->total_tokens > ((int64_t)1 << 31) || stride_token >= ((int64_t)1 << 38))
+        return false;
+    const cuuint64_t dims[3] = {64, (cuuint64_t)a->num_heads, (cuuint64_t)a->total_tokens};
+    const cuuint64_t strides[2] = {(cuuint64_t)head_step * 2, (cuuint64_t)stride_token * 2};
+    const cuuint32_t box[3] = {64, 1, 64};
+    const cuuint32_t elem_strides[3] = {1, 1, 1};
+    CUtensorMap encoded;
+    if (ragged_attention_wgmma_encode(
+            &encoded,
+            a->dtype == RAGVIT_DTYPE_BF16 ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16
+                                          : CU_TENSOR_MAP_DATA_TYPE_FLOAT16,
+            3, const_cast<void *>(base), dims, strides, box, elem_strides,
+            CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
+            CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) != CUDA_SUCCESS)
+        return false;
+    c.base = base;
+    c.stride_token = stride_token;
+    c.stride_head = stride_head;
+    c.total_tokens = a->total_tokens;
+    c.num_heads = a->num_heads;
+    c.dtype = a->dtype;
+    c.map = encoded;
+    c.is_valid = true;
+    *map = encoded;
+    return true;
+}
+
+/* The kernel with `keys`-key tiles (by TMA or not), for the element type is_bf16 picks. */
+template <int keys, bool tma>
+static ragvit_status ragged_attention_wgmma_launch_kernel(
+    const ragvit_attention_args *a, const ragvit_device_info *dev,
+    const ragged_attention_wgmma_maps_t<tma> &maps, bool is_bf16, dim3 grid, size_t smem,
+    int max_len, int num_stages, int thin_x, cudaStream_t stream) {
     if (is_bf16)
         CUDA_TRY(cuda_launch(dev, RAGVIT_PDL_ATTENTION,
-                             ragged_attention_wgmma_kernel<__nv_bfloat16, keys>, grid, 128, smem,
-                             stream, *a, max_len, num_stages, thin_x));
+                             ragged_attention_wgmma_kernel<__nv_bfloat16, keys, tma>, grid, 128,
+                             smem, stream, *a, max_len, num_stages, thin_x, maps));
     else
-        CUDA_TRY(cuda_launch(dev, RAGVIT_PDL_ATTENTION, ragged_attention_wgmma_kernel<__half, keys>,
-                             grid, 128, smem, stream, *a, max_len, num_stages, thin_x));
+        CUDA_TRY(cuda_launch(dev, RAGVIT_PDL_ATTENTION,
+                             ragged_attention_wgmma_kernel<__half, keys, tma>, grid, 128, smem,
+                             stream, *a, max_len, num_stages, thin_x, maps));
     return RAGVIT_STATUS_OK;
 }
 
@@ -800,10 +973,22 @@ static ragvit_status ragged_attention_wgmma_launch_kernel(const ragvit_attention
  * 5 stages). A larger grid takes 64-key tiles and 2 stages: 5 blocks an SM overlap one
  * another's steps; 128-key tiles (3 blocks an SM) measured 6-20% slower there, 32-key tiles
  * (6 blocks an SM) 4-17% (5% faster only on 64 DeiT-B images at 50% keep). The grid is
- * capped like the mma.sync plans'; a forced stage count is clamped to what fits. */
+ * capped like the mma.sync plans'; a forced stage count is clamped to what fits. tma: 1
+ * takes whole 64-key tiles by TMA wherever the layout allows (a head_dim-contiguous,
+ * token-major q/k/v with 16-byte aligned base and strides), 0 never, < 0 the launcher's
+ * choice: TMA when max_seqlen >= RAGGED_ATTENTION_WGMMA_TMA_MIN_LEN (257). On an H200
+ * (graph replay, L2 flushed, against a build without TMA) it is 4-5% faster on 32 DeiT-B
+ * images of 577 tokens, where the board sits at its power cap (fewer instructions a tile:
+ * one thread's two copies for 128 threads' 16 cp.async), 1-4% on 32 DeiT-S images of 577,
+ * 0-2.5% on 256 DeiT-B images of 197, but 3-4% slower on short sequences and small grids
+ * (32 DeiT-S images of 197, 256 DeiT-B at 20% keep, 32 DeiT-S at 50%: the per-block
+ * mbarrier setup and one thread's issue latency); copying the partial last tile by TMA as
+ * well (whole boxes, V rows past the sequence zeroed in shared memory) cost another 1-3% at
+ * 50% keep (the box reads past the sequence). */
 static ragvit_status ragged_attention_wgmma_launch_plan(const ragvit_attention_args *a,
                                                         const ragvit_device_info *dev, int keys,
-                                                        int num_stages, cudaStream_t stream) {
+                                                        int num_stages, int tma,
+                                                        cudaStream_t stream) {
     const int64_t max_len = ragged_attention_max_len(a);
     const int64_t rows = RAGGED_ATTENTION_WGMMA_ROWS;
     const int64_t sm_count = dev->sm_count > 0 ? dev->sm_count : 132;
@@ -843,31 +1028,40 @@ static ragvit_status ragged_attention_wgmma_launch_plan(const ragvit_attention_a
     const dim3 grid((unsigned)grid_x, (unsigned)heads, (unsigned)grid_z);
     const size_t smem = (size_t)ragged_attention_wgmma_smem_bytes(keys, num_stages);
     const bool is_bf16 = a->dtype == RAGVIT_DTYPE_BF16;
+    const ragged_attention_wgmma_no_maps no_maps;
     if (keys == 128)
-        return ragged_attention_wgmma_launch_kernel<128>(a, dev, is_bf16, grid, smem,
-                                                         (int)max_len, num_stages, -1, stream);
-    return ragged_attention_wgmma_launch_kernel<64>(a, dev, is_bf16, grid, smem, (int)max_len,
-                                                    num_stages, thin_x, stream);
+        return ragged_attention_wgmma_launch_kernel<128, false>(
+            a, dev, no_maps, is_bf16, grid, smem, (int)max_len, num_stages, -1, stream);
+    ragged_attention_wgmma_maps maps;
+    if ((tma > 0 || (tma < 0 && max_len >= RAGGED_ATTENTION_WGMMA_TMA_MIN_LEN)) &&
+        ragged_attention_wgmma_tensor_map(&maps.k, 0, a->k, a->k_stride_token, a->k_stride_head,
+                                          a) &&
+        ragged_attention_wgmma_tensor_map(&maps.v, 1, a->v, a->v_stride_token, a->v_stride_head,
+                                          a))
+        return ragged_attention_wgmma_launch_kernel<64, true>(
+            a, dev, maps, is_bf16, grid, smem, (int)max_len, num_stages, thin_x, stream);
+    return ragged_attention_wgmma_launch_kernel<64, false>(
+        a, dev, no_maps, is_bf16, grid, smem, (int)max_len, num_stages, thin_x, stream);
 }
 
 /* The launcher's own plan (what ragged_attention_mma_launch runs). */
 static ragvit_status ragged_attention_wgmma_launch(const ragvit_attention_args *a,
                                                    const ragvit_device_info *dev,
                                                    cudaStream_t stream) {
-    return ragged_attention_wgmma_launch_plan(a, dev, 0, 0, stream);
+    return ragged_attention_wgmma_launch_plan(a, dev, 0, 0, -1, stream);
 }
 
 /* Opts both element types' kernels with `keys`-key tiles in to their largest plan's shared
  * memory (or all the device allows). */
-template <int keys>
+template <int keys, bool tma>
 static cudaError_t ragged_attention_wgmma_opt_in(const ragvit_device_info *dev) {
     int bytes = ragged_attention_wgmma_smem_bytes(keys, RAGGED_ATTENTION_WGMMA_MAX_STAGES);
     if (bytes > dev->smem_per_block_optin)
         bytes = (int)dev->smem_per_block_optin;
-    cudaError_t err = cudaFuncSetAttribute(ragged_attention_wgmma_kernel<__half, keys>,
+    cudaError_t err = cudaFuncSetAttribute(ragged_attention_wgmma_kernel<__half, keys, tma>,
                                            cudaFuncAttributeMaxDynamicSharedMemorySize, bytes);
     if (err == cudaSuccess)
-        err = cudaFuncSetAttribute(ragged_attention_wgmma_kernel<__nv_bfloat16, keys>,
+        err = cudaFuncSetAttribute(ragged_attention_wgmma_kernel<__nv_bfloat16, keys, tma>,
                                    cudaFuncAttributeMaxDynamicSharedMemorySize, bytes);
     return err;
 }
@@ -877,8 +1071,17 @@ static ragvit_status ragged_attention_wgmma_init(const ragvit_device_info *dev) 
 #ifdef RAGVIT_HAS_SM90A
     if (dev->cc_major != 9 || dev->cc_minor != 0)
         return RAGVIT_STATUS_OK;
-    CUDA_TRY(ragged_attention_wgmma_opt_in<64>(dev));
-    CUDA_TRY(ragged_attention_wgmma_opt_in<128>(dev));
+    CUDA_TRY((ragged_attention_wgmma_opt_in<64, false>(dev)));
+    CUDA_TRY((ragged_attention_wgmma_opt_in<64, true>(dev)));
+    CUDA_TRY((ragged_attention_wgmma_opt_in<128, false>(dev)));
+    if (ragged_attention_wgmma_encode == NULL) {
+        void *fn = NULL;
+        cudaDriverEntryPointQueryResult found;
+        if (cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &fn, 12000,
+                                             cudaEnableDefault, &found) == cudaSuccess &&
+            found == cudaDriverEntryPointSuccess)
+            ragged_attention_wgmma_encode = (PFN_cuTensorMapEncodeTiled_v12000)fn;
+    }
 #else
     (void)dev;
 #endif
