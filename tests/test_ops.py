@@ -292,6 +292,31 @@ def test_attention_thin_last_query_tiles(device, dtype, layout, lengths, gen, se
 
 
 @pytest.mark.parametrize("device", devices())
+@pytest.mark.parametrize("dtype", dtype_params((torch.float16, torch.bfloat16)))
+@pytest.mark.parametrize("layout", ["qkv_view", "contiguous", "heads_major", "one_head"])
+def test_attention_long_sequences_any_layout(device, dtype, layout, gen, seed):
+    """Sequences past 256 tokens among short ones at head_dim 64, over more than one wave of
+    blocks: on Hopper every 64-key tile that lies wholly inside a sequence comes by TMA where
+    the layout allows it (token-major q/k/v, views of one qkv buffer or separate tensors, one
+    head or several), the partial last tile and the folded tail by cp.async; head-major k
+    and v ((H, T, D) tensors seen as (T, H, D)) cannot be described that way and take
+    cp.async throughout. Every layout must match the reference."""
+    lengths = [577, 300, 1, 64, 257, 256, 65, 0, 128, 449] * 2
+    total = sum(lengths) + 5
+    heads = 1 if layout == "one_head" else NUM_HEADS[device]
+    made = "qkv_view" if layout == "qkv_view" else "contiguous"
+    q, k, v = make_qkv(gen, total, heads, 64, dtype, device, layout=made)
+    if layout == "heads_major":
+        q, k, v = (t.transpose(0, 1).contiguous().transpose(0, 1) for t in (q, k, v))
+        assert k.stride(1) > k.stride(0)
+    cu_seqlens = make_cu_seqlens(lengths, device)
+    _poison_uncovered_rows(cu_seqlens, q, k, v)
+    out = poison(q.shape, dtype, device)
+    ragvit.attention(q, k, v, cu_seqlens, max(lengths), out=out)
+    _check_attention(out, q, k, v, cu_seqlens, seed=seed)
+
+
+@pytest.mark.parametrize("device", devices())
 @pytest.mark.parametrize("max_seqlen_kind", ["default", "exact", "loose"])
 def test_attention_max_seqlen(device, max_seqlen_kind, gen, seed):
     lengths = [5, 64, 0, 33, 1]
