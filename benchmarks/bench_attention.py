@@ -7,6 +7,9 @@ q/k/v are views of one (T, 3, H, D) qkv buffer, as a ViT block produces them.
 Correctness is checked first against a float64 per-sequence reference; then host time
 (Python → enqueued, median of 1000 calls) and GPU time (CUDA-graph replay) are measured
 for ragvit and every baseline in the same process, with the empty-kernel launch floor.
+On the GPU the contenders of a grid point are timed in sequential blocks (each alone,
+warmed up on its own graph), 3 rounds with the order rotating (timing.gpu_us_graphs), so
+no contender is always the one measured right after the previous grid point's load.
 ragvit and the floor are timed interleaved (alternating blocks, many rounds) and called
 with the same Python call shape (a method loading six attributes, one module global, a
 METH_FASTCALL call with five positional arguments, plus out= for the out= path), so the
@@ -232,18 +235,15 @@ def time_case(case: Case, row: dict, args, flusher) -> None:
         calls=args.calls,
         block=args.block,
     )
-    gpu = {"ragvit_out": timing.gpu_us_graph(case.ragvit_out, flusher=flusher, reps=args.reps)}
+    timed = {"ragvit_out": case.ragvit_out}
     for name in BASELINES:
         if available.get(name) != "ok":
             continue
-        fn = getattr(case, name)
+        fn = timed[name] = getattr(case, name)
         host[name] = timing.host_us(
             fn, args.calls if name != "nested" else max(50, args.calls // 20)
         )
-        try:
-            gpu[name] = timing.gpu_us_graph(fn, flusher=flusher, reps=args.reps)
-        except Exception:  # noqa: BLE001  (not capturable, e.g. NestedTensor)
-            torch.cuda.synchronize()
+    gpu = timing.gpu_us_graphs(timed, rounds=args.rounds, reps=args.reps, flusher=flusher)
     row["host_us"] = {k: vars(v) for k, v in host.items()}
     row["host_ratio"] = {k: vars(v) for k, v in ratios.items()}
     row["gpu_us"] = {k: vars(v) for k, v in gpu.items()}
@@ -265,7 +265,9 @@ def render(rows, env) -> str:
         "same Python call shape); host ratio = median over rounds of the per-round ratio "
         "of block medians, p10–p90 across rounds; the alloc ratio is against the floor "
         "called like the alloc call (no out=). "
-        "GPU µs = CUDA-graph replay per call (L2 flushed per replay). "
+        "GPU µs = CUDA-graph replay per call (L2 flushed per replay), median over "
+        f"{env['rounds']} rounds of one block of {env['reps']} replays per "
+        "contender (each warmed up alone for 50 ms), the order rotating each round. "
         "fastest = fastest correct baseline on the GPU among FA2 varlen, varlen_attn and "
         "masked padded SDPA.",
         "",
@@ -311,9 +313,13 @@ def main(argv=None):
     parser.add_argument("--calls", type=int, default=2000, help="host-time calls per figure")
     parser.add_argument("--block", type=int, default=50,
                         help="calls per interleaved block (ragvit vs floor); rounds = calls/block")
-    parser.add_argument("--reps", type=int, default=50, help="graph replays per GPU figure")
+    parser.add_argument("--reps", type=int, default=50, help="graph replays per GPU block")
+    parser.add_argument("--rounds", type=int, default=3,
+                        help="rotating rounds of GPU blocks (one block per contender each)")
     parser.add_argument("--out", default=None, help="write PREFIX.md and PREFIX.json")
     args = parser.parse_args(argv)
+    if args.reps < 1 or args.rounds < 1:
+        parser.error(f"--reps and --rounds must be >= 1, got {args.reps} and {args.rounds}")
     if not (torch.cuda.is_available() and ragvit.cuda_available()):
         parser.error("needs a CUDA device and a CUDA build of ragvit")
     grid = [
@@ -336,7 +342,7 @@ def main(argv=None):
     rows, bad = report.check_then_time(
         cases, check_case, lambda case, row: time_case(case, row, args, flusher),
         lambda row: row["ragvit_ok"])
-    return report.publish(rows, bad, render, args.out)
+    return report.publish(rows, bad, render, args.out, rounds=args.rounds, reps=args.reps)
 
 
 if __name__ == "__main__":

@@ -6,9 +6,12 @@ empty-launch floor) interleave the callables in alternating blocks over many rou
 clock drift and noise hit both sides alike; the ratio is the median of per-round ratios of
 block medians, with its spread across rounds. GPU time: the calls captured in a CUDA
 graph, replays timed with CUDA events on the current stream, warm-up by time, L2 flushed
-before each replay, median and p20/p80 over at least 50 replays. End to end: CUDA events
-around each forward, the pipelines of a row interleaved call by call (interleaved_ms).
-Never a single sample.
+before each replay, median and p20/p80 over at least 50 replays; contenders compared on
+the GPU (gpu_us_graphs) are timed in sequential blocks, one contender a block with its own
+warm-up, the order rotating over rounds, so none is always the one that inherits the
+clocks and temperature the block before left. End to end: CUDA events around each
+forward, the pipelines of a row interleaved call by call (interleaved_ms). Never a single
+sample.
 """
 
 from __future__ import annotations
@@ -132,39 +135,88 @@ class L2Flusher:
         self.buf.zero_()
 
 
+class GraphTimer:
+    """fn() captured `calls_per_graph` times in one CUDA graph (after three eager calls on a
+    side stream); each call of the timer replays it for `warmup_s` seconds, then times
+    `reps` replays with CUDA events (L2 flushed before each by `flusher`, if given) and
+    returns the GPU µs per fn() of each replay. Capture errors (a non-capturable fn)
+    propagate from the constructor."""
+
+    def __init__(self, fn, calls_per_graph: int = 20, warmup_s: float = 0.05,
+                 flusher: L2Flusher | None = None):
+        import torch
+
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            for _ in range(3):
+                fn()
+        torch.cuda.current_stream().wait_stream(stream)
+        torch.cuda.synchronize()
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph):
+            for _ in range(calls_per_graph):
+                fn()
+        self.calls_per_graph, self.warmup_s, self.flusher = calls_per_graph, warmup_s, flusher
+
+    def __call__(self, reps: int) -> list[float]:
+        import torch
+
+        deadline = time.perf_counter() + self.warmup_s
+        while time.perf_counter() < deadline:
+            self.graph.replay()
+        torch.cuda.synchronize()
+        start = torch.cuda.Event(enable_timing=True)
+        end = torch.cuda.Event(enable_timing=True)
+        samples = []
+        for _ in range(reps):
+            if self.flusher is not None:
+                self.flusher()
+            start.record()
+            self.graph.replay()
+            end.record()
+            end.synchronize()
+            samples.append(start.elapsed_time(end) * 1e3 / self.calls_per_graph)
+        return samples
+
+
 def gpu_us_graph(fn, calls_per_graph: int = 20, reps: int = 50, warmup_s: float = 0.05,
                  flusher: L2Flusher | None = None) -> Stats:
     """GPU µs per call of fn(), from CUDA-graph replays of `calls_per_graph` calls."""
+    return _stats(GraphTimer(fn, calls_per_graph, warmup_s, flusher)(reps))
+
+
+def rotated_blocks(timers: dict, rounds: int = 3, reps: int = 50) -> dict:
+    """Runs `rounds` rounds of one block per timer (name -> callable(reps) returning `reps`
+    samples), the order rotating by one each round, and returns {name: Stats} over each
+    timer's rounds x reps samples."""
+    if rounds < 1 or reps < 1:
+        raise ValueError(f"rotated_blocks: rounds and reps must be >= 1, got {rounds}, {reps}")
+    names = list(timers)
+    samples = {name: [] for name in names}
+    for r in range(rounds):
+        for i in range(len(names)):
+            name = names[(r + i) % len(names)]
+            samples[name] += timers[name](reps)
+    return {name: _stats(samples[name]) for name in names}
+
+
+def gpu_us_graphs(fns: dict, rounds: int = 3, reps: int = 50, calls_per_graph: int = 20,
+                  warmup_s: float = 0.05, flusher: L2Flusher | None = None) -> dict:
+    """GPU µs per call of each fn in `fns` (name -> callable) that a CUDA graph can capture,
+    compared side by side: each captured once (GraphTimer), then timed in `rounds` rotating
+    rounds of sequential blocks (rotated_blocks): within a block a fn runs alone, warmed up
+    for `warmup_s` on its own graph, as gpu_us_graph times it. A fn whose capture fails is
+    left out of the result (the caller reports it as not timed)."""
     import torch
 
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for _ in range(3):
-            fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(calls_per_graph):
-            fn()
-    deadline = time.perf_counter() + warmup_s
-    while time.perf_counter() < deadline:
-        graph.replay()
-    torch.cuda.synchronize()
-    start = torch.cuda.Event(enable_timing=True)
-    end = torch.cuda.Event(enable_timing=True)
-    samples = []
-    for _ in range(reps):
-        if flusher is not None:
-            flusher()
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        samples.append(start.elapsed_time(end) * 1e3 / calls_per_graph)
-    del graph
-    return _stats(samples)
+    timers = {}
+    for name, fn in fns.items():
+        try:
+            timers[name] = GraphTimer(fn, calls_per_graph, warmup_s, flusher)
+        except Exception:  # noqa: BLE001  (not capturable, e.g. NestedTensor)
+            torch.cuda.synchronize()
+    return rotated_blocks(timers, rounds, reps)
 
 
 def events_ms(fn, warmup: int = 10, reps: int = 50) -> Stats:

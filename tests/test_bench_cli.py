@@ -16,6 +16,7 @@ import subprocess
 import sys
 
 import pytest
+from conftest import requires_cuda
 
 pytest.importorskip("timm")
 
@@ -348,6 +349,53 @@ def test_interleaved_ms_burst_times_the_last_of_each_run():
     assert stats["a"].median > 100 * fast and stats["b"].median > 100 * fast
     with pytest.raises(ValueError, match="burst must be >= 1, got 0"):
         timing.interleaved_ms({"a": make("a")}, device="cpu", burst=0)
+
+
+def test_rotated_blocks_rotate_the_order_and_pool_every_round():
+    """benchmarks/timing.rotated_blocks (bench_attention's GPU comparison): one block per
+    timer per round, the order rotating by one each round, each timer's rounds x reps
+    samples pooled; rounds or reps < 1 is refused."""
+    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+    import timing
+
+    order = []
+
+    def make(name, value):
+        def timer(reps):
+            order.append((name, reps))
+            return [value + len(order)] * reps
+        return timer
+
+    stats = timing.rotated_blocks({"a": make("a", 0.0), "b": make("b", 100.0),
+                                   "c": make("c", 200.0)}, rounds=3, reps=4)
+    assert [n for n, _ in order] == ["a", "b", "c", "b", "c", "a", "c", "a", "b"]
+    assert all(reps == 4 for _, reps in order)
+    # a's blocks were calls 1, 6, 8: samples 1 x4, 6 x4, 8 x4 -> median 6
+    assert stats["a"].median == 6 and stats["a"].p10 == 1 and stats["a"].p90 == 8
+    assert stats["b"].median == 100 + 4 and stats["c"].median == 200 + 5  # calls 2, 4, 9; 3, 5, 7
+    for rounds, reps in ((0, 4), (3, 0)):
+        with pytest.raises(ValueError, match="rounds and reps must be >= 1"):
+            timing.rotated_blocks({"a": make("a", 0.0)}, rounds=rounds, reps=reps)
+
+
+@pytest.mark.gpu
+@requires_cuda
+def test_gpu_us_graphs_times_each_capturable_fn():
+    """benchmarks/timing.gpu_us_graphs on the GPU: a fn that sleeps 100x longer on the device
+    measures longer; a fn that cannot be captured is left out, not raised."""
+    import torch
+
+    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+    import timing
+
+    def not_capturable():
+        torch.cuda.synchronize()  # illegal while capturing
+
+    stats = timing.gpu_us_graphs(
+        {"short": lambda: torch.cuda._sleep(1000), "long": lambda: torch.cuda._sleep(100000),
+         "bad": not_capturable}, rounds=2, reps=5, calls_per_graph=2, warmup_s=0.01)
+    assert set(stats) == {"short", "long"}
+    assert stats["long"].median > 10 * stats["short"].median > 0
 
 
 def test_max_err_is_float64_max_abs_difference(gen):
