@@ -137,7 +137,9 @@ class L2Flusher:
 
 class GraphTimer:
     """fn() captured `calls_per_graph` times in one CUDA graph (after three eager calls on a
-    side stream); each call of the timer replays it for `warmup_s` seconds, then times
+    side stream); each call of the timer replays it for `warmup_s` seconds (each replay
+    waited for, so the warm-up is that much GPU time, not however many replays the host
+    can queue in it: seconds of backlog behind a slow fn), then times
     `reps` replays with CUDA events (L2 flushed before each by `flusher`, if given) and
     returns the GPU µs per fn() of each replay. Capture errors (a non-capturable fn)
     propagate from the constructor."""
@@ -163,9 +165,11 @@ class GraphTimer:
         import torch
 
         deadline = time.perf_counter() + self.warmup_s
-        while time.perf_counter() < deadline:
+        while True:
             self.graph.replay()
-        torch.cuda.synchronize()
+            torch.cuda.synchronize()
+            if time.perf_counter() >= deadline:
+                break
         start = torch.cuda.Event(enable_timing=True)
         end = torch.cuda.Event(enable_timing=True)
         samples = []
