@@ -48,15 +48,18 @@
  * of whose rows moved: 2-10% faster on 32 x 577 tokens in the self-test, no change in
  * benchmarks/bench_attention.py), K and V kept in the ring across a block's query tiles of one
  * sequence with one block a (sequence, head) pair (4% faster on 256 DeiT-B images at 50% keep,
- * 3-40% slower elsewhere), persistent blocks looping over sequences (up to 12% slower) and a
+ * 3-40% slower elsewhere), persistent blocks looping over sequences (up to 12% slower), a
  * warp-specialized block (two warpgroups on one mbarrier ring filled by a producer warp, 2
- * blocks an SM: 20-35% slower, 37-54% with the producer 3 copy groups ahead). Timed on 256
- * DeiT-B images of 197 tokens, where ncu reads 5 blocks an SM, issue slots 63% busy, L2 60%,
- * no pipe above 40%; at 577 tokens the board sits at its 700 W cap, this kernel at 1665-1710
- * MHz against unmasked SDPA's 1890-1905 (12% fewer clocks a call at the same time): what is
- * left there is energy per call. Covered by dev/test_attention_mma.cu (its launcher plans)
- * and tests/test_ops.py through the dispatcher. Not compiled for other targets (the kernel
- * body is sm_90a-only). */
+ * blocks an SM: 20-35% slower, 37-54% with the producer 3 copy groups ahead) and launching
+ * the blocks in clusters of two query tiles (1-2% slower at 577 tokens; with the thin tiles
+ * skipped, the bound of any thin-tile scheme, 158-161 us on 256 DeiT-B images of 197 tokens
+ * against 137 without clusters: a thin tile reading its neighbour's K and V over DSMEM
+ * could not pay). Timed on 256 DeiT-B images of 197 tokens, where ncu reads 5 blocks an SM,
+ * issue slots 63% busy, L2 60%, no pipe above 40%; at 577 tokens the board sits at its 700 W
+ * cap, this kernel (before TMA) at 1665-1710 MHz against unmasked SDPA's 1890-1905 (12%
+ * fewer clocks a call at the same time): what is left there is energy per call. Covered by
+ * dev/test_attention_mma.cu (its launcher plans) and tests/test_ops.py through the
+ * dispatcher. Not compiled for other targets (the kernel body is sm_90a-only). */
 #ifndef RAGVIT_RAGGED_ATTENTION_WGMMA_CUH
 #define RAGVIT_RAGGED_ATTENTION_WGMMA_CUH
 
