@@ -891,7 +891,8 @@ static bool ragged_attention_wgmma_supports(const ragvit_attention_args *a,
 #endif
 }
 
-/* cuTensorMapEncodeTiled, from the driver once (ragged_attention_wgmma_init); NULL: no TMA. */
+/* cuTensorMapEncodeTiled from the driver, set by ragged_attention_wgmma_init (device init
+ * runs under the GIL: never two writers); NULL: no TMA. */
 static PFN_cuTensorMapEncodeTiled_v12000 ragged_attention_wgmma_encode = NULL;
 
 /* The last descriptor a thread encoded for K (which 0) or V (1), and what for. */
