@@ -137,12 +137,11 @@ class L2Flusher:
 
 class GraphTimer:
     """fn() captured `calls_per_graph` times in one CUDA graph (after three eager calls on a
-    side stream); each call of the timer replays it for `warmup_s` seconds (each replay
-    waited for, so the warm-up is that much GPU time, not however many replays the host
-    can queue in it: seconds of backlog behind a slow fn), then times
-    `reps` replays with CUDA events (L2 flushed before each by `flusher`, if given) and
-    returns the GPU µs per fn() of each replay. Capture errors (a non-capturable fn)
-    propagate from the constructor."""
+    side stream). Each call of the timer replays it for `warmup_s` seconds, each replay
+    waited for (so the warm-up is that much GPU time, not however many replays the host can
+    queue in it: seconds of backlog behind a slow fn), then times `reps` replays with CUDA
+    events (L2 flushed before each by `flusher`, if given) and returns the GPU µs per fn()
+    of each replay. Capture errors (a non-capturable fn) propagate from the constructor."""
 
     def __init__(self, fn, calls_per_graph: int = 20, warmup_s: float = 0.05,
                  flusher: L2Flusher | None = None):
