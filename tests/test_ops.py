@@ -269,6 +269,16 @@ def test_attention_growing_row_maxima(device, dtype, ramp, gen, seed):
     _check_attention(out, q, k, v, cu_seqlens, seed=seed)
 
 
+def _check_with_exact_max_seqlen(q, k, v, lengths, seed):
+    """attention over sequences of `lengths` (rows past them NaN-poisoned in q/k/v) with
+    max_seqlen = max(lengths), into a poisoned out, checked against the reference."""
+    cu_seqlens = make_cu_seqlens(lengths, q.device)
+    _poison_uncovered_rows(cu_seqlens, q, k, v)
+    out = poison(q.shape, q.dtype, q.device)
+    ragvit.attention(q, k, v, cu_seqlens, max(lengths), out=out)
+    _check_attention(out, q, k, v, cu_seqlens, seed=seed)
+
+
 @pytest.mark.parametrize("device", devices())
 @pytest.mark.parametrize("dtype", dtype_params((torch.float16, torch.bfloat16)))
 @pytest.mark.parametrize("layout", LAYOUTS)
@@ -284,11 +294,7 @@ def test_attention_thin_last_query_tiles(device, dtype, layout, lengths, gen, se
     sequences that stop short of it, take the regular tiles."""
     total = sum(lengths) + 3
     q, k, v = make_qkv(gen, total, NUM_HEADS[device], 64, dtype, device, layout=layout)
-    cu_seqlens = make_cu_seqlens(lengths, device)
-    _poison_uncovered_rows(cu_seqlens, q, k, v)
-    out = poison(q.shape, dtype, device)
-    ragvit.attention(q, k, v, cu_seqlens, max(lengths), out=out)
-    _check_attention(out, q, k, v, cu_seqlens, seed=seed)
+    _check_with_exact_max_seqlen(q, k, v, lengths, seed)
 
 
 @pytest.mark.parametrize("device", devices())
@@ -309,11 +315,7 @@ def test_attention_long_sequences_any_layout(device, dtype, layout, gen, seed):
     if layout == "heads_major":
         q, k, v = (t.transpose(0, 1).contiguous().transpose(0, 1) for t in (q, k, v))
         assert k.stride(1) > k.stride(0)
-    cu_seqlens = make_cu_seqlens(lengths, device)
-    _poison_uncovered_rows(cu_seqlens, q, k, v)
-    out = poison(q.shape, dtype, device)
-    ragvit.attention(q, k, v, cu_seqlens, max(lengths), out=out)
-    _check_attention(out, q, k, v, cu_seqlens, seed=seed)
+    _check_with_exact_max_seqlen(q, k, v, lengths, seed)
 
 
 @pytest.mark.parametrize("device", devices())
