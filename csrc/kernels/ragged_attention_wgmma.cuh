@@ -137,6 +137,14 @@ static __device__ __forceinline__ void ragged_attention_wgmma_fence_proxy() {
     asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
 }
 
+/* Shared address of stage 0's mbarrier (TMA; stage s's at + 8 s): past Q, the ring of
+ * num_stages (V, K) slots and the folded tail's rows (ragged_attention_wgmma_smem_bytes). */
+static __device__ __forceinline__ uint32_t ragged_attention_wgmma_bars(uint32_t smem, int keys,
+                                                                      int num_stages) {
+    return smem + RAGGED_ATTENTION_WGMMA_TILE + 256 * keys * num_stages +
+           128 * (RAGGED_ATTENTION_WGMMA_TAIL + 16);
+}
+
 static __device__ __forceinline__ void ragged_attention_wgmma_mbar_init(uint32_t bar) {
     asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;\n" ::"r"(bar) : "memory");
 }
@@ -419,7 +427,7 @@ static __device__ __forceinline__ void ragged_attention_wgmma_tile(
     const int first_stage = has_tail ? (num_stages - num_tiles % num_stages) % num_stages : 0;
     const uint32_t s_q = smem, s_kv = smem + RAGGED_ATTENTION_WGMMA_TILE;
     const uint32_t s_x = s_kv + 2 * kTile * num_stages;
-    const uint32_t s_bar = s_x + 128 * (kTail + 16); /* with tma: one mbarrier a stage */
+    const uint32_t s_bar = ragged_attention_wgmma_bars(smem, keys, num_stages); /* with tma */
     const Elem *k_seq = static_cast<const Elem *>(a.k) + (int64_t)h * a.k_stride_head +
                         (int64_t)start * a.k_stride_token;
     const Elem *v_seq = static_cast<const Elem *>(a.v) + (int64_t)h * a.v_stride_head +
@@ -842,8 +850,7 @@ static __global__ void __launch_bounds__(128, ragged_attention_wgmma_min_blocks(
     uint32_t phases = 0; /* bit s: the parity stage s's mbarrier completes next */
     if constexpr (tma) {
         if (threadIdx.x == 0) {
-            const uint32_t s_bar = smem + RAGGED_ATTENTION_WGMMA_TILE + 256 * keys * num_stages +
-                                   128 * (RAGGED_ATTENTION_WGMMA_TAIL + 16);
+            const uint32_t s_bar = ragged_attention_wgmma_bars(smem, keys, num_stages);
             for (int st = 0; st < num_stages; ++st)
                 ragged_attention_wgmma_mbar_init(s_bar + 8 * st);
             asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
