@@ -5,7 +5,7 @@ mean keep in {1.0, 0.5, 0.2} of 196 patches + CLS with per-image lengths jittere
 (named distributions `deit224_keepXX`, seeded); plus 577-token images (`deit384_full`).
 q/k/v are views of one (T, 3, H, D) qkv buffer, as a ViT block produces them.
 Correctness is checked first against a float64 per-sequence reference; then host time
-(Python → enqueued, median of 1000 calls) and GPU time (CUDA-graph replay) are measured
+(Python → enqueued, median of --calls calls) and GPU time (CUDA-graph replay) are measured
 for ragvit and every baseline in the same process, with the empty-kernel launch floor.
 On the GPU the contenders of a grid point are timed in sequential blocks (each alone,
 warmed up on its own graph), 3 rounds with the order rotating (timing.gpu_us_graphs), so
@@ -13,7 +13,10 @@ no contender is always the one measured right after the previous grid point's lo
 ragvit and the floor are timed interleaved (alternating blocks, many rounds) and called
 with the same Python call shape (a method loading six attributes, one module global, a
 METH_FASTCALL call with five positional arguments, plus out= for the out= path), so the
-host ratio is the median of per-round ratios and its p10–p90 spread is reported.
+host ratio is the median of per-round ratios and its p10–p90 spread is reported. The
+ratio takes 200 rounds (--ratio-calls 10000): this host's vCPUs change speed for seconds at
+a time, and CPU-bound work (Python, torch, the allocator) slows more than a launch does,
+so with few rounds one transient stall could move a row's median.
 ``python benchmarks/bench_attention.py [--quick] [--out PREFIX]`` writes PREFIX.md/.json.
 """
 
@@ -232,7 +235,7 @@ def time_case(case: Case, row: dict, args, flusher) -> None:
         },
         {"ragvit_out": ("ragvit_out", "launch_floor"),
          "ragvit_alloc": ("ragvit_alloc", "launch_floor_alloc")},
-        calls=args.calls,
+        calls=args.ratio_calls,
         block=args.block,
     )
     timed = {"ragvit_out": case.ragvit_out}
@@ -261,7 +264,8 @@ def render(rows, env) -> str:
         f"driver {env['driver']}, CUDA {env['cuda']}, torch {env['torch']}, "
         f"ragvit {env['ragvit']} @ {env['git_sha']}; fp16, head_dim 64, q/k/v strided views "
         "of one (T, 3, H, D) buffer. Host µs = Python → enqueued (median of many calls); "
-        "ragvit and the empty-launch floor are timed interleaved (alternating blocks, "
+        "ragvit and the empty-launch floor are timed interleaved "
+        f"({env['ratio_rounds']} rounds of one block of {env['block']} calls each, "
         "same Python call shape); host ratio = median over rounds of the per-round ratio "
         "of block medians, p10–p90 across rounds; the alloc ratio is against the floor "
         "called like the alloc call (no out=). "
@@ -311,15 +315,20 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="a few grid points, fewer calls")
     parser.add_argument("--calls", type=int, default=2000, help="host-time calls per figure")
+    parser.add_argument("--ratio-calls", type=int, default=10000,
+                        help="calls per figure of the interleaved ragvit/floor timing")
     parser.add_argument("--block", type=int, default=50,
-                        help="calls per interleaved block (ragvit vs floor); rounds = calls/block")
+                        help="calls per interleaved block (ragvit vs floor); "
+                             "rounds = ratio-calls/block")
     parser.add_argument("--reps", type=int, default=50, help="graph replays per GPU block")
     parser.add_argument("--rounds", type=int, default=3,
                         help="rotating rounds of GPU blocks (one block per contender each)")
     parser.add_argument("--out", default=None, help="write PREFIX.md and PREFIX.json")
     args = parser.parse_args(argv)
-    if args.reps < 1 or args.rounds < 1:
-        parser.error(f"--reps and --rounds must be >= 1, got {args.reps} and {args.rounds}")
+    if min(args.reps, args.rounds, args.block, args.calls, args.ratio_calls) < 1:
+        parser.error("--reps, --rounds, --block, --calls and --ratio-calls must be >= 1, got "
+                     f"{args.reps}, {args.rounds}, {args.block}, {args.calls} and "
+                     f"{args.ratio_calls}")
     if not (torch.cuda.is_available() and ragvit.cuda_available()):
         parser.error("needs a CUDA device and a CUDA build of ragvit")
     grid = [
@@ -336,13 +345,15 @@ def main(argv=None):
             ("DeiT-B", "deit224_keep100", 256),
         ]
         args.calls = min(args.calls, 500)
+        args.ratio_calls = min(args.ratio_calls, 500)
         args.block = min(args.block, 25)
     flusher = timing.L2Flusher()
     cases = [Case(*g) for g in grid]
     rows, bad = report.check_then_time(
         cases, check_case, lambda case, row: time_case(case, row, args, flusher),
         lambda row: row["ragvit_ok"])
-    return report.publish(rows, bad, render, args.out, rounds=args.rounds, reps=args.reps)
+    return report.publish(rows, bad, render, args.out, rounds=args.rounds, reps=args.reps,
+                          ratio_rounds=max(2, args.ratio_calls // args.block), block=args.block)
 
 
 if __name__ == "__main__":

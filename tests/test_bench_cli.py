@@ -189,6 +189,16 @@ def test_bench_e2e_help():
         assert flag in r.stdout
 
 
+@pytest.mark.parametrize("flag", ["--block", "--ratio-calls", "--calls", "--reps", "--rounds"])
+def test_bench_attention_refuses_counts_below_one(flag):
+    """A zero count is argparse's usage error (exit 2) naming the flags, before any CUDA
+    check, so it runs on the CPU."""
+    r = run_script("bench_attention.py", flag, "0")
+    assert r.returncode == 2, r.stderr
+    assert "--reps, --rounds, --block, --calls and --ratio-calls must be >= 1" in r.stderr
+    assert "Traceback" not in r.stderr
+
+
 def test_bench_e2e_tiny_all_suites(tmp_path):
     """Every suite checks then times on the CPU and lands in one .md (a section each) and
     one .json that ragvit.bench.load_results reads."""
