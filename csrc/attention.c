@@ -26,7 +26,8 @@ static ragvit_status attention_check(const ragvit_tensor *out, const ragvit_tens
                                      const ragvit_tensor *v, const ragvit_tensor *cu_seqlens,
                                      const ragvit_tensor *bias, int32_t *device_type,
                                      int32_t *device_id) {
-    /* inputs first: the alias loop below compares the outputs against all[0 .. 4] */
+    /* inputs first: the alias checks below compare out against all[0 .. 4], cls_attn
+     * against all[0 .. 5] */
     const char *const names[] = {"q", "k", "v", "cu_seqlens", "bias", "out", "cls_attn"};
     const ragvit_tensor *const all[] = {q, k, v, cu_seqlens, bias, out, cls_attn};
     TRY(tensor_check_ndim(op, "q", q, 3));
@@ -75,11 +76,8 @@ static ragvit_status attention_check(const ragvit_tensor *out, const ragvit_tens
         TRY(tensor_check_shape(op, "bias", bias, 1, shape));
     }
     TRY(tensor_check_devices(op, names, all, 7, device_type, device_id));
-    for (int i = 0; i < 5; i++) {
-        TRY(tensor_check_no_alias(op, "out", out, names[i], all[i]));
-        TRY(tensor_check_no_alias(op, "cls_attn", cls_attn, names[i], all[i]));
-    }
-    return tensor_check_no_alias(op, "cls_attn", cls_attn, "out", out);
+    TRY(tensor_check_no_alias_any(op, "out", out, names, all, 5));
+    return tensor_check_no_alias_any(op, "cls_attn", cls_attn, names, all, 6); /* out too */
 }
 
 /* Host bias: its values on the tokens of every sequence, [cu_seqlens[0], cu_seqlens[S])

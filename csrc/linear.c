@@ -65,7 +65,7 @@ ragvit_status ragvit_linear_forward(ragvit_context *ctx, const ragvit_tensor *ou
         }
     }
     TRY(tensor_check_devices(op, names, all, 5, &device_type, &device_id));
-    for (int i = 0; i < 3; i++) TRY(tensor_check_no_alias(op, "out", out, names[i], all[i]));
+    TRY(tensor_check_no_alias_any(op, "out", out, names, all, 3));
     if (K == 0 && M > 0 && N > 0) {
         return ragvit_fail(RAGVIT_STATUS_INVALID_SHAPE,
                            "%s: x must have at least one column (in_features), got 0", op);

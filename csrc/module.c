@@ -8,7 +8,7 @@
  * Decision: the hot path (torch tensors) never calls into Python: a type
  * lookup in a small cache, one C call per tensor, one current-stream query.
  * Python objects live only in this file; every failing status becomes an
- * exception in raise_status() and nowhere else. */
+ * exception in raise_failure() (through raise_status()) and nowhere else. */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 
@@ -69,12 +69,10 @@ typedef struct {
 
 /* ---- errors ---- */
 
-/* The one place a ragvit_status becomes a Python exception. Returns -1. */
-static int raise_status(ragvit_status status) {
+/* The one place a failing ragvit_status becomes a Python exception. Returns -1. */
+static int raise_failure(ragvit_status status) {
     PyObject *type = PyExc_RuntimeError;
     switch (status) {
-    case RAGVIT_STATUS_OK:
-        return 0;
     case RAGVIT_STATUS_INVALID_SHAPE:
     case RAGVIT_STATUS_INVALID_VALUE:
     case RAGVIT_STATUS_INVALID_DEVICE:
@@ -101,6 +99,12 @@ static int raise_status(ragvit_status status) {
     return -1;
 }
 
+/* 0 for RAGVIT_STATUS_OK (inline: every import and call passes through here), else
+ * raise_failure. */
+static inline int raise_status(ragvit_status status) {
+    return status == RAGVIT_STATUS_OK ? 0 : raise_failure(status);
+}
+
 #define RAISE_IF(status_expr)                                       \
     do {                                                            \
         ragvit_status rs_ = (status_expr);                          \
@@ -113,6 +117,8 @@ static int raise_status(ragvit_status status) {
  * keywords, compared here without a call; anything else takes CPython's path. */
 static inline int keyword_is(PyObject *key, const char *name) {
     if (PyUnicode_IS_COMPACT_ASCII(key)) {
+        if (PyUnicode_GET_LENGTH(key) == 0 || *(const char *)PyUnicode_DATA(key) != name[0])
+            return 0; /* most names differ at the first letter */
         const size_t length = strlen(name);
         return (size_t)PyUnicode_GET_LENGTH(key) == length &&
                memcmp(PyUnicode_DATA(key), name, length) == 0;
@@ -209,19 +215,23 @@ done:
 
 /* ---- DLPack views ---- */
 
+#define DL_TYPE(code, bits) ((unsigned)(code) << 8 | (unsigned)(bits))
+
 static int dtype_from_dl(DLDataType dt, int32_t *dtype) {
-    int code = dt.code, bits = dt.bits;
-    if (code == kDLFloat && bits == 16) *dtype = RAGVIT_DTYPE_F16;
-    else if (code == kDLBfloat && bits == 16) *dtype = RAGVIT_DTYPE_BF16;
-    else if (code == kDLFloat && bits == 32) *dtype = RAGVIT_DTYPE_F32;
-    else if (code == kDLFloat && bits == 64) *dtype = RAGVIT_DTYPE_F64;
-    else if (code == kDLInt && bits == 32) *dtype = RAGVIT_DTYPE_I32;
-    else if (code == kDLInt && bits == 64) *dtype = RAGVIT_DTYPE_I64;
-    else if (code == kDLUInt && bits == 8) *dtype = RAGVIT_DTYPE_U8;
-    else if (code == kDLBool && bits == 8) *dtype = RAGVIT_DTYPE_BOOL;
-    else return 0;
-    return 1;
+    switch (DL_TYPE(dt.code, dt.bits)) {
+    case DL_TYPE(kDLFloat, 16): *dtype = RAGVIT_DTYPE_F16; return 1;
+    case DL_TYPE(kDLBfloat, 16): *dtype = RAGVIT_DTYPE_BF16; return 1;
+    case DL_TYPE(kDLFloat, 32): *dtype = RAGVIT_DTYPE_F32; return 1;
+    case DL_TYPE(kDLFloat, 64): *dtype = RAGVIT_DTYPE_F64; return 1;
+    case DL_TYPE(kDLInt, 32): *dtype = RAGVIT_DTYPE_I32; return 1;
+    case DL_TYPE(kDLInt, 64): *dtype = RAGVIT_DTYPE_I64; return 1;
+    case DL_TYPE(kDLUInt, 8): *dtype = RAGVIT_DTYPE_U8; return 1;
+    case DL_TYPE(kDLBool, 8): *dtype = RAGVIT_DTYPE_BOOL; return 1;
+    default: return 0;
+    }
 }
+
+#undef DL_TYPE
 
 static DLDataType dtype_to_dl(int32_t dtype) {
     static const DLDataType table[RAGVIT_DTYPE_COUNT] = {

@@ -74,10 +74,8 @@ static ragvit_status pack_check_outputs(const char *op, const char *x_name,
     }
     const char *const names[] = {x_name, "keep", "cu_seqlens"};
     const ragvit_tensor *const ins[] = {x, keep, cu_seqlens};
-    for (int i = 0; i < 3; i++) {
-        TRY(tensor_check_no_alias(op, "out", out, names[i], ins[i]));
-        TRY(tensor_check_no_alias(op, indices_name, indices_out, names[i], ins[i]));
-    }
+    TRY(tensor_check_no_alias_any(op, "out", out, names, ins, 3));
+    TRY(tensor_check_no_alias_any(op, indices_name, indices_out, names, ins, 3));
     return tensor_check_no_alias(op, indices_name, indices_out, "out", out);
 }
 
@@ -378,7 +376,7 @@ static ragvit_status unpack_run(const char *op, ragvit_context *ctx, const ragvi
         TRY(tensor_check_dtype(op, "indices", indices, RAGVIT_DTYPE_I32));
     }
     TRY(tensor_check_devices(op, names, all, 4, &device_type, &device_id));
-    for (int i = 0; i < 3; i++) TRY(tensor_check_no_alias(op, "out", out, names[i], all[i]));
+    TRY(tensor_check_no_alias_any(op, "out", out, names, all, 3));
     if (device_type == RAGVIT_DEVICE_CPU) {
         TRY(tensor_check_cu_seqlens_host(op, cu_seqlens, packed->shape[0],
                                          is_prefix ? -1 : out->shape[1], "N", NULL));

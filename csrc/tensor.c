@@ -98,17 +98,23 @@ static int byte_extent(const ragvit_tensor *t, uintptr_t *lo, uintptr_t *hi) {
     return 1;
 }
 
-ragvit_status tensor_check_no_alias_extents(const char *op, const char *name,
-                                            const ragvit_tensor *out, const char *in_name,
-                                            const ragvit_tensor *in) {
+ragvit_status tensor_check_no_alias_any(const char *op, const char *name,
+                                        const ragvit_tensor *out, const char *const *names,
+                                        const ragvit_tensor *const *ins, int count) {
     uintptr_t out_lo, out_hi, in_lo, in_hi;
-    if (!byte_extent(out, &out_lo, &out_hi) || !byte_extent(in, &in_lo, &in_hi)) {
-        return RAGVIT_STATUS_OK;
+    if (!out->is_present || !byte_extent(out, &out_lo, &out_hi)) return RAGVIT_STATUS_OK;
+    for (int i = 0; i < count; i++) {
+        const ragvit_tensor *in = ins[i];
+        if (!in->is_present || in->device_type != out->device_type ||
+            in->device_id != out->device_id || !byte_extent(in, &in_lo, &in_hi) ||
+            out_hi <= in_lo || in_hi <= out_lo) {
+            continue;
+        }
+        return ragvit_fail(RAGVIT_STATUS_INVALID_SHAPE,
+                           "%s: %s must not alias (overlap) %s, got overlapping memory", op,
+                           name, names[i]);
     }
-    if (out_hi <= in_lo || in_hi <= out_lo) return RAGVIT_STATUS_OK;
-    return ragvit_fail(RAGVIT_STATUS_INVALID_SHAPE,
-                       "%s: %s must not alias (overlap) %s, got overlapping memory", op, name,
-                       in_name);
+    return RAGVIT_STATUS_OK;
 }
 
 static const char *device_name(int32_t type) {

@@ -39,10 +39,11 @@ ragvit_status tensor_fail_same_dtype(const char *op, const char *name, const rag
 ragvit_status tensor_fail_last_contiguous(const char *op, const char *name,
                                           const ragvit_tensor *t);
 ragvit_status tensor_fail_writable(const char *op, const char *name, const ragvit_tensor *t);
-/* Byte-extent overlap test of two present views on one device. */
-ragvit_status tensor_check_no_alias_extents(const char *op, const char *name,
-                                            const ragvit_tensor *out, const char *in_name,
-                                            const ragvit_tensor *in);
+/* out must share no byte with any present ins[i] on its device (named names[i]);
+ * conservative: compares byte extents, out's computed once. */
+ragvit_status tensor_check_no_alias_any(const char *op, const char *name,
+                                        const ragvit_tensor *out, const char *const *names,
+                                        const ragvit_tensor *const *ins, int count);
 
 static inline ragvit_status tensor_check_ndim(const char *op, const char *name,
                                               const ragvit_tensor *t, int32_t ndim) {
@@ -92,10 +93,7 @@ static inline ragvit_status tensor_check_no_alias(const char *op, const char *na
                                                   const ragvit_tensor *out, const char *in_name,
                                                   const ragvit_tensor *in) {
     if (!out->is_present || !in->is_present) return RAGVIT_STATUS_OK;
-    if (out->device_type != in->device_type || out->device_id != in->device_id) {
-        return RAGVIT_STATUS_OK;
-    }
-    return tensor_check_no_alias_extents(op, name, out, in_name, in);
+    return tensor_check_no_alias_any(op, name, out, &in_name, &in, 1);
 }
 
 /* All present tensors on one CPU or CUDA device; *device_type, *device_id out. */
