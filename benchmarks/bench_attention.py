@@ -14,9 +14,10 @@ ragvit and the floor are timed interleaved (alternating blocks, many rounds) and
 with the same Python call shape (a method loading six attributes, one module global, a
 METH_FASTCALL call with five positional arguments, plus out= for the out= path), so the
 host ratio is the median of per-round ratios and its p10–p90 spread is reported. The
-ratio takes 200 rounds (--ratio-calls 10000): this host's vCPUs change speed for seconds at
-a time, and CPU-bound work (Python, torch, the allocator) slows more than a launch does,
-so with few rounds one transient stall could move a row's median.
+ratio takes 200 rounds (--ratio-calls 10000): a shared host's vCPUs can change speed for
+seconds at a time (the H200 host's do), and CPU-bound work (Python, torch, the allocator)
+slows more than a launch does, so with few rounds one transient stall could move a row's
+median.
 ``python benchmarks/bench_attention.py [--quick] [--out PREFIX]`` writes PREFIX.md/.json.
 """
 
