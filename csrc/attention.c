@@ -116,8 +116,8 @@ ragvit_status ragvit_attention_forward(ragvit_context *ctx, const ragvit_tensor 
     }
     double scale = scale_or_null ? *scale_or_null : 1.0 / sqrt((double)q->shape[2]);
     if (!(scale > 0.0) || isinf(scale)) {
-        return ragvit_fail(RAGVIT_STATUS_INVALID_VALUE,
-                           "%s: scale must be finite and > 0, got %g", op, scale);
+        return ragvit_fail(RAGVIT_STATUS_INVALID_VALUE, "%s: scale must be finite and > 0, got %g",
+                           op, scale);
     }
     if (device_type == RAGVIT_DEVICE_CPU) {
         int64_t longest = 0;

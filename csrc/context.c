@@ -56,16 +56,16 @@ ragvit_status ragvit_context_check_device(ragvit_context *ctx, int32_t device_id
     TRY(ragvit_context_device(ctx, device_id, &dev));
     TRY(ragvit_cuda_read_error_flag(dev, stream, &bits));
     if (bits == 0) return RAGVIT_STATUS_OK;
-    return ragvit_fail(RAGVIT_STATUS_DEVICE_ASSERT,
-                       "%s: device contents must be valid, got%s%s%s%s%s (debug check, flag 0x%x)",
-                       op,
-                       bits & RAGVIT_ERROR_BAD_CU_SEQLENS
-                           ? " cu_seqlens negative, decreasing or past total_tokens;" : "",
-                       bits & RAGVIT_ERROR_SEQLEN_OVER_MAX
-                           ? " a cu_seqlens length above max_seqlen or N;" : "",
-                       bits & RAGVIT_ERROR_CAPACITY ? " more kept tokens than out can hold;" : "",
-                       bits & RAGVIT_ERROR_BAD_INDEX ? " indices outside [0, N);" : "",
-                       bits & RAGVIT_ERROR_SHORT_SEQ ? " a sequence shorter than k;" : "", bits);
+    return ragvit_fail(
+        RAGVIT_STATUS_DEVICE_ASSERT,
+        "%s: device contents must be valid, got%s%s%s%s%s (debug check, flag 0x%x)", op,
+        bits & RAGVIT_ERROR_BAD_CU_SEQLENS
+            ? " cu_seqlens negative, decreasing or past total_tokens;"
+            : "",
+        bits & RAGVIT_ERROR_SEQLEN_OVER_MAX ? " a cu_seqlens length above max_seqlen or N;" : "",
+        bits & RAGVIT_ERROR_CAPACITY ? " more kept tokens than out can hold;" : "",
+        bits & RAGVIT_ERROR_BAD_INDEX ? " indices outside [0, N);" : "",
+        bits & RAGVIT_ERROR_SHORT_SEQ ? " a sequence shorter than k;" : "", bits);
 #else
     (void)ctx;
     (void)device_id;

@@ -1,6 +1,6 @@
 /* cpu_backend.c — attention, pack/repack, unpack/gather_prefix, segment_mean,
- * linear/layer_norm/gelu and topk_index in plain C for host tensors (the CPU backend and the tests' second opinion),
- * taking kernels/launch.h's structs: element strides, last dim contiguous,
+ * linear/layer_norm/gelu and topk_index in plain C for host tensors (the CPU backend and the tests'
+ * second opinion), taking kernels/launch.h's structs: element strides, last dim contiguous,
  * fp16/bf16 converted here (nearest even).
  * Decision: each (sequence, head) converts K (transposed to D x L) and V once
  * into float scratch, so every inner loop is a contiguous float axpy that gcc
@@ -21,30 +21,26 @@
 
 /* ---- element conversion ---- */
 
-static inline uint32_t float_bits(float f)
-{
+static inline uint32_t float_bits(float f) {
     uint32_t u;
     memcpy(&u, &f, sizeof u);
     return u;
 }
 
-static inline float bits_float(uint32_t u)
-{
+static inline float bits_float(uint32_t u) {
     float f;
     memcpy(&f, &u, sizeof f);
     return f;
 }
 
-static inline float f16_to_float(uint16_t h)
-{
+static inline float f16_to_float(uint16_t h) {
     uint32_t sign = (uint32_t)(h & 0x8000u) << 16;
     uint32_t exponent = (h >> 10) & 0x1Fu;
     uint32_t mantissa = h & 0x3FFu;
     if (exponent == 0x1Fu) /* Inf, NaN (payload kept) */
         return bits_float(sign | 0x7F800000u | (mantissa << 13));
     if (exponent == 0) {
-        if (mantissa == 0)
-            return bits_float(sign);
+        if (mantissa == 0) return bits_float(sign);
         /* Subnormal: normalize; 2^-14 is float exponent field 113. */
         uint32_t e = 113;
         while ((mantissa & 0x400u) == 0) {
@@ -56,8 +52,7 @@ static inline float f16_to_float(uint16_t h)
     return bits_float(sign | ((exponent + 112u) << 23) | (mantissa << 13));
 }
 
-static inline uint16_t float_to_f16(float f)
-{
+static inline uint16_t float_to_f16(float f) {
     uint32_t x = float_bits(f);
     uint32_t sign = (x >> 16) & 0x8000u;
     uint32_t ax = x & 0x7FFFFFFFu;
@@ -83,13 +78,9 @@ static inline uint16_t float_to_f16(float f)
     return (uint16_t)(sign | r);
 }
 
-static inline float bf16_to_float(uint16_t h)
-{
-    return bits_float((uint32_t)h << 16);
-}
+static inline float bf16_to_float(uint16_t h) { return bits_float((uint32_t)h << 16); }
 
-static inline uint16_t float_to_bf16(float f)
-{
+static inline uint16_t float_to_bf16(float f) {
     uint32_t x = float_bits(f);
     if ((x & 0x7FFFFFFFu) > 0x7F800000u) /* NaN: keep it quiet and NaN */
         return (uint16_t)((x >> 16) | 0x40u);
@@ -99,21 +90,16 @@ static inline uint16_t float_to_bf16(float f)
 
 /* Rounds to float with round-to-odd, so that a second rounding to fp16/bf16
  * (far fewer mantissa bits) equals one correct rounding of the double. */
-static float double_to_float_odd(double d)
-{
+static float double_to_float_odd(double d) {
     float f = (float)d;
-    if (isnan(d) || (double)f == d)
-        return f;
-    if (isinf(f))
-        f = copysignf(FLT_MAX, f);
+    if (isnan(d) || (double)f == d) return f;
+    if (isinf(f)) f = copysignf(FLT_MAX, f);
     uint32_t u = float_bits(f);
-    if ((u & 1u) == 0)
-        u = fabs(d) > fabs((double)f) ? u + 1u : u - 1u;
+    if ((u & 1u) == 0) u = fabs(d) > fabs((double)f) ? u + 1u : u - 1u;
     return bits_float(u);
 }
 
-static inline int64_t dtype_size(int32_t dtype)
-{
+static inline int64_t dtype_size(int32_t dtype) {
     switch (dtype) {
     case RAGVIT_DTYPE_F16:
     case RAGVIT_DTYPE_BF16:
@@ -126,8 +112,7 @@ static inline int64_t dtype_size(int32_t dtype)
 }
 
 /* Element i of a row of dtype (F16, BF16, F32). */
-static inline float load_elem(const void *row, int64_t i, int32_t dtype)
-{
+static inline float load_elem(const void *row, int64_t i, int32_t dtype) {
     switch (dtype) {
     case RAGVIT_DTYPE_F16:
         return f16_to_float(((const uint16_t *)row)[i]);
@@ -138,8 +123,7 @@ static inline float load_elem(const void *row, int64_t i, int32_t dtype)
     }
 }
 
-static inline void store_elem(void *row, int64_t i, int32_t dtype, float value)
-{
+static inline void store_elem(void *row, int64_t i, int32_t dtype, float value) {
     switch (dtype) {
     case RAGVIT_DTYPE_F16:
         ((uint16_t *)row)[i] = float_to_f16(value);
@@ -154,31 +138,22 @@ static inline void store_elem(void *row, int64_t i, int32_t dtype, float value)
 }
 
 /* dtype is loop-invariant: gcc -O3 unswitches these into three plain loops. */
-static void load_row(float *restrict dst, const void *src, int64_t n, int32_t dtype)
-{
-    for (int64_t i = 0; i < n; i++)
-        dst[i] = load_elem(src, i, dtype);
+static void load_row(float *restrict dst, const void *src, int64_t n, int32_t dtype) {
+    for (int64_t i = 0; i < n; i++) dst[i] = load_elem(src, i, dtype);
 }
 
 static void store_row(void *dst, const float *restrict src, float factor, int64_t n,
-                      int32_t dtype)
-{
-    for (int64_t i = 0; i < n; i++)
-        store_elem(dst, i, dtype, src[i] * factor);
+                      int32_t dtype) {
+    for (int64_t i = 0; i < n; i++) store_elem(dst, i, dtype, src[i] * factor);
 }
 
-static inline int64_t round_up_tile(int64_t n)
-{
-    return (n + TILE - 1) / TILE * TILE;
-}
+static inline int64_t round_up_tile(int64_t n) { return (n + TILE - 1) / TILE * TILE; }
 
-static inline const void *elem_at(const void *base, int64_t index, int64_t size)
-{
+static inline const void *elem_at(const void *base, int64_t index, int64_t size) {
     return (const char *)base + index * size;
 }
 
-static inline void *elem_at_mut(void *base, int64_t index, int64_t size)
-{
+static inline void *elem_at_mut(void *base, int64_t index, int64_t size) {
     return (char *)base + index * size;
 }
 
@@ -187,8 +162,7 @@ static inline void *elem_at_mut(void *base, int64_t index, int64_t size)
 /* 1 when sequence s has in-bounds, short-enough contents; otherwise 0, and
  * the reason goes to msg (when not NULL) unless a message is already there. */
 static int attention_seq_is_valid(const ragvit_attention_args *a, int32_t s, int64_t *start,
-                                  int64_t *end, char *msg)
-{
+                                  int64_t *end, char *msg) {
     *start = a->cu_seqlens[s];
     *end = a->cu_seqlens[s + 1];
     if (*start < 0 || *end < *start || *end > a->total_tokens) {
@@ -214,9 +188,8 @@ static int attention_seq_is_valid(const ragvit_attention_args *a, int32_t s, int
  * loops keep their accumulators in vector registers; each output still sums
  * over d (or j) in order, exactly like the plain loop. */
 static void attention_seq_head(const ragvit_attention_args *a, int64_t start, int64_t len,
-                               int64_t h, float *restrict kt, float *restrict vf,
-                               float *restrict p, float *restrict qf, float *restrict acc)
-{
+                               int64_t h, float *restrict kt, float *restrict vf, float *restrict p,
+                               float *restrict qf, float *restrict acc) {
     const int64_t D = a->head_dim;
     const int64_t lp = round_up_tile(len);
     const int64_t es = dtype_size(a->dtype);
@@ -227,13 +200,11 @@ static void attention_seq_head(const ragvit_attention_args *a, int64_t start, in
         const int64_t t = start + j;
         const void *krow = elem_at(a->k, t * a->k_stride_token + h * a->k_stride_head, es);
         const void *vrow = elem_at(a->v, t * a->v_stride_token + h * a->v_stride_head, es);
-        for (int64_t d = 0; d < D; d++)
-            kt[d * lp + j] = load_elem(krow, d, dtype);
+        for (int64_t d = 0; d < D; d++) kt[d * lp + j] = load_elem(krow, d, dtype);
         load_row(vf + j * D, vrow, D, dtype);
     }
     for (int64_t d = 0; d < D; d++)
-        for (int64_t j = len; j < lp; j++)
-            kt[d * lp + j] = 0.0f;
+        for (int64_t j = len; j < lp; j++) kt[d * lp + j] = 0.0f;
 
     for (int64_t i = 0; i < len; i++) {
         const int64_t t = start + i;
@@ -244,11 +215,9 @@ static void attention_seq_head(const ragvit_attention_args *a, int64_t start, in
             for (int64_t d = 0; d < D; d++) {
                 const float qd = qf[d];
                 const float *restrict kd = kt + d * lp + j0;
-                for (int u = 0; u < TILE; u++)
-                    dots[u] += qd * kd[u];
+                for (int u = 0; u < TILE; u++) dots[u] += qd * kd[u];
             }
-            for (int u = 0; u < TILE; u++)
-                p[j0 + u] = dots[u];
+            for (int u = 0; u < TILE; u++) p[j0 + u] = dots[u];
         }
 
         float row_max = -INFINITY;
@@ -272,16 +241,13 @@ static void attention_seq_head(const ragvit_attention_args *a, int64_t start, in
             for (int64_t j = 0; j < len; j++) {
                 const float pj = p[j];
                 const float *restrict vj = vf + j * D + d0;
-                for (int u = 0; u < TILE; u++)
-                    sums[u] += pj * vj[u];
+                for (int u = 0; u < TILE; u++) sums[u] += pj * vj[u];
             }
-            for (int u = 0; u < TILE; u++)
-                acc[d0 + u] = sums[u];
+            for (int u = 0; u < TILE; u++) acc[d0 + u] = sums[u];
         }
         for (int64_t d = d0; d < D; d++) {
             float sum_d = 0.0f;
-            for (int64_t j = 0; j < len; j++)
-                sum_d += p[j] * vf[j * D + d];
+            for (int64_t j = 0; j < len; j++) sum_d += p[j] * vf[j * D + d];
             acc[d] = sum_d;
         }
         store_row(elem_at_mut(a->out, t * a->out_stride_token + h * a->out_stride_head, es), acc,
@@ -294,22 +260,19 @@ static void attention_seq_head(const ragvit_attention_args *a, int64_t start, in
                 float *c = a->cls_attn + (start + j) * cs;
                 const float prob = p[j] * inv_sum;
                 *c = h == 0 ? prob : *c + prob;
-                if (h == a->num_heads - 1)
-                    *c /= (float)a->num_heads;
+                if (h == a->num_heads - 1) *c /= (float)a->num_heads;
             }
         }
     }
 }
 
-ragvit_status ragvit_cpu_attention(const ragvit_attention_args *a)
-{
+ragvit_status ragvit_cpu_attention(const ragvit_attention_args *a) {
     char msg[MESSAGE_SIZE] = "";
     if (dtype_size(a->dtype) == 0)
         return ragvit_fail(RAGVIT_STATUS_INVALID_DTYPE,
                            "attention: q must be float16, bfloat16 or float32, got dtype code %d",
                            (int)a->dtype);
-    if (a->num_seqs <= 0 || a->num_heads <= 0 || a->head_dim < 0)
-        return RAGVIT_STATUS_OK;
+    if (a->num_seqs <= 0 || a->num_heads <= 0 || a->head_dim < 0) return RAGVIT_STATUS_OK;
 
     /* Size scratch by the longest valid sequence, not by max_seqlen: the
      * latter is only an upper bound and may be far too generous. */
@@ -325,9 +288,10 @@ ragvit_status ragvit_cpu_attention(const ragvit_attention_args *a)
         const uint64_t L = (uint64_t)round_up_tile(longest);
         const uint64_t limit = SIZE_MAX / sizeof(float);
         if (L > (limit - 2 * D) / (2 * D + 1))
-            return ragvit_fail(RAGVIT_STATUS_OUT_OF_MEMORY,
-                               "attention: scratch for a length of %lld with head_dim=%d is too large",
-                               (long long)longest, (int)a->head_dim);
+            return ragvit_fail(
+                RAGVIT_STATUS_OUT_OF_MEMORY,
+                "attention: scratch for a length of %lld with head_dim=%d is too large",
+                (long long)longest, (int)a->head_dim);
         const uint64_t count = 2 * L * D + L + 2 * D;
         float *scratch = malloc((size_t)count * sizeof(float));
         if (scratch == NULL)
@@ -342,16 +306,14 @@ ragvit_status ragvit_cpu_attention(const ragvit_attention_args *a)
 
         for (int32_t s = 0; s < a->num_seqs; s++) {
             int64_t start, end;
-            if (!attention_seq_is_valid(a, s, &start, &end, NULL) || end == start)
-                continue;
+            if (!attention_seq_is_valid(a, s, &start, &end, NULL) || end == start) continue;
             for (int64_t h = 0; h < a->num_heads; h++)
                 attention_seq_head(a, start, end - start, h, kt, vf, p, qf, acc);
         }
         free(scratch);
     }
 
-    if (msg[0] != '\0')
-        return ragvit_fail(RAGVIT_STATUS_INVALID_VALUE, "%s", msg);
+    if (msg[0] != '\0') return ragvit_fail(RAGVIT_STATUS_INVALID_VALUE, "%s", msg);
     return RAGVIT_STATUS_OK;
 }
 
@@ -360,12 +322,10 @@ ragvit_status ragvit_cpu_attention(const ragvit_attention_args *a)
 /* Rows [start, start + len) of image b: pack reads all N rows of x[b]; repack
  * reads rows [cu_in[b], cu_in[b+1]) of the packed x, and an image whose range
  * is negative, decreasing or past T is read as empty (returns 0). */
-static int pack_image_range(const ragvit_pack_args *a, int64_t b, int64_t *start, int64_t *len)
-{
+static int pack_image_range(const ragvit_pack_args *a, int64_t b, int64_t *start, int64_t *len) {
     *start = 0;
     *len = a->seqlen;
-    if (a->cu_seqlens_in == NULL)
-        return 1;
+    if (a->cu_seqlens_in == NULL) return 1;
     const int64_t s = a->cu_seqlens_in[b * a->cu_seqlens_in_stride];
     const int64_t e = a->cu_seqlens_in[(b + 1) * a->cu_seqlens_in_stride];
     if (s < 0 || e < s || e > a->seqlen) {
@@ -377,13 +337,11 @@ static int pack_image_range(const ragvit_pack_args *a, int64_t b, int64_t *start
     return 1;
 }
 
-static inline int pack_is_kept(const ragvit_pack_args *a, int64_t b, int64_t n)
-{
+static inline int pack_is_kept(const ragvit_pack_args *a, int64_t b, int64_t n) {
     return a->keep[b * a->keep_stride_b + n * a->keep_stride_n] != 0;
 }
 
-ragvit_status ragvit_cpu_pack_count(const ragvit_pack_args *a)
-{
+ragvit_status ragvit_cpu_pack_count(const ragvit_pack_args *a) {
     if (a->batch < 0 || a->seqlen < 0)
         return ragvit_fail(RAGVIT_STATUS_INVALID_SHAPE,
                            "pack: x must have non-negative B and N, got B=%lld, N=%lld",
@@ -400,8 +358,7 @@ ragvit_status ragvit_cpu_pack_count(const ragvit_pack_args *a)
     for (int64_t b = 0; b < a->batch; b++) {
         int64_t start, len;
         is_bad |= !pack_image_range(a, b, &start, &len);
-        for (int64_t n = start; n < start + len; n++)
-            total += pack_is_kept(a, b, n);
+        for (int64_t n = start; n < start + len; n++) total += pack_is_kept(a, b, n);
         total += a->is_fusing; /* the fused token */
         a->cu_seqlens[(b + 1) * a->cu_seqlens_stride] = (int32_t)total;
     }
@@ -416,28 +373,23 @@ ragvit_status ragvit_cpu_pack_count(const ragvit_pack_args *a)
  * over its dropped rows in float32 (zeros when sum(w) == 0), into out_row.
  * acc and row are C floats of scratch. */
 static void pack_fuse_row(const ragvit_pack_args *a, int64_t b, int64_t start, int64_t len,
-                          void *out_row, float *acc, float *row)
-{
+                          void *out_row, float *acc, float *row) {
     const int64_t C = a->channels;
     float weight_sum = 0.0f;
     memset(acc, 0, (size_t)C * sizeof *acc);
     for (int64_t n = start; n < start + len; n++) {
-        if (pack_is_kept(a, b, n))
-            continue;
+        if (pack_is_kept(a, b, n)) continue;
         const float w = a->fuse_weights[n * a->fuse_weights_stride];
         weight_sum += w;
         load_row(row, elem_at(a->x, b * a->x_stride_b + n * a->x_stride_n, a->elem_size), C,
                  a->dtype);
-        for (int64_t c = 0; c < C; c++)
-            acc[c] += w * row[c];
+        for (int64_t c = 0; c < C; c++) acc[c] += w * row[c];
     }
-    for (int64_t c = 0; c < C; c++)
-        acc[c] = weight_sum != 0.0f ? acc[c] / weight_sum : 0.0f;
+    for (int64_t c = 0; c < C; c++) acc[c] = weight_sum != 0.0f ? acc[c] / weight_sum : 0.0f;
     store_row(out_row, acc, 1.0f, C, a->dtype);
 }
 
-ragvit_status ragvit_cpu_pack_gather(const ragvit_pack_args *a)
-{
+ragvit_status ragvit_cpu_pack_gather(const ragvit_pack_args *a) {
     char msg[MESSAGE_SIZE] = "";
     const int64_t es = a->elem_size;
     if (es <= 0)
@@ -468,28 +420,23 @@ ragvit_status ragvit_cpu_pack_gather(const ragvit_pack_args *a)
         }
         pack_image_range(a, b, &start, &len);
         for (int64_t n = start; n < start + len; n++) {
-            if (!pack_is_kept(a, b, n))
-                continue;
+            if (!pack_is_kept(a, b, n)) continue;
             if (pos < a->capacity) {
                 memcpy(elem_at_mut(a->out, pos * a->out_stride_token, es),
                        elem_at(a->x, b * a->x_stride_b + n * a->x_stride_n, es), row_bytes);
-                if (a->indices_out != NULL)
-                    a->indices_out[pos * a->indices_stride] = (int32_t)n;
+                if (a->indices_out != NULL) a->indices_out[pos * a->indices_stride] = (int32_t)n;
             }
             pos++;
         }
         if (scratch != NULL) {
             if (pos < a->capacity) {
-                pack_fuse_row(a, b, start, len,
-                              elem_at_mut(a->out, pos * a->out_stride_token, es), scratch,
-                              scratch + a->channels);
-                if (a->indices_out != NULL)
-                    a->indices_out[pos * a->indices_stride] = -1;
+                pack_fuse_row(a, b, start, len, elem_at_mut(a->out, pos * a->out_stride_token, es),
+                              scratch, scratch + a->channels);
+                if (a->indices_out != NULL) a->indices_out[pos * a->indices_stride] = -1;
             }
             pos++;
         }
-        if (pos > needed)
-            needed = pos;
+        if (pos > needed) needed = pos;
     }
     free(scratch);
 
@@ -498,29 +445,24 @@ ragvit_status ragvit_cpu_pack_gather(const ragvit_pack_args *a)
                  "pack: out must have room for every kept token (capacity %lld), "
                  "got %lld kept tokens",
                  (long long)a->capacity, (long long)needed);
-    if (msg[0] != '\0')
-        return ragvit_fail(RAGVIT_STATUS_INVALID_VALUE, "%s", msg);
+    if (msg[0] != '\0') return ragvit_fail(RAGVIT_STATUS_INVALID_VALUE, "%s", msg);
     return RAGVIT_STATUS_OK;
 }
 
 /* ---- unpack ---- */
 
 /* Stores `count` copies of one element whose bit pattern is `bits`. */
-static void unpack_fill_row(void *row, int64_t count, int64_t es, uint32_t bits)
-{
+static void unpack_fill_row(void *row, int64_t count, int64_t es, uint32_t bits) {
     if (es == 4) {
         uint32_t *r = row;
-        for (int64_t c = 0; c < count; c++)
-            r[c] = bits;
+        for (int64_t c = 0; c < count; c++) r[c] = bits;
     } else {
         uint16_t *r = row;
-        for (int64_t c = 0; c < count; c++)
-            r[c] = (uint16_t)bits;
+        for (int64_t c = 0; c < count; c++) r[c] = (uint16_t)bits;
     }
 }
 
-ragvit_status ragvit_cpu_unpack(const ragvit_unpack_args *a)
-{
+ragvit_status ragvit_cpu_unpack(const ragvit_unpack_args *a) {
     char msg[MESSAGE_SIZE] = "";
     const int64_t es = dtype_size(a->dtype);
     uint32_t fill_bits;
@@ -571,8 +513,7 @@ ragvit_status ragvit_cpu_unpack(const ragvit_unpack_args *a)
                              (long long)N, (long long)len, (long long)b);
                 len = N;
             }
-            if (a->indices == NULL)
-                copied = len;
+            if (a->indices == NULL) copied = len;
         }
 
         for (int64_t j = 0; j < copied; j++)
@@ -582,8 +523,7 @@ ragvit_status ragvit_cpu_unpack(const ragvit_unpack_args *a)
             unpack_fill_row(elem_at_mut(a->out, b * a->out_stride_b + j * a->out_stride_n, es), C,
                             es, fill_bits);
 
-        if (a->indices == NULL)
-            continue;
+        if (a->indices == NULL) continue;
         for (int64_t t = start; t < start + len; t++) {
             const int64_t n = a->indices[t * a->indices_stride];
             if (n < 0 || n >= N) {
@@ -598,15 +538,13 @@ ragvit_status ragvit_cpu_unpack(const ragvit_unpack_args *a)
         }
     }
 
-    if (msg[0] != '\0')
-        return ragvit_fail(RAGVIT_STATUS_INVALID_VALUE, "%s", msg);
+    if (msg[0] != '\0') return ragvit_fail(RAGVIT_STATUS_INVALID_VALUE, "%s", msg);
     return RAGVIT_STATUS_OK;
 }
 
 /* ---- segment mean ---- */
 
-ragvit_status ragvit_cpu_segment_mean(const ragvit_segment_mean_args *a)
-{
+ragvit_status ragvit_cpu_segment_mean(const ragvit_segment_mean_args *a) {
     const int64_t es = dtype_size(a->dtype), C = a->channels;
     if (es == 0)
         return ragvit_fail(RAGVIT_STATUS_INVALID_DTYPE,
@@ -632,8 +570,7 @@ ragvit_status ragvit_cpu_segment_mean(const ragvit_segment_mean_args *a)
             count = end - first;
         for (int64_t t = first; t < first + count; t++) {
             load_row(row, elem_at(a->packed, t * a->packed_stride_token, es), C, a->dtype);
-            for (int64_t c = 0; c < C; c++)
-                acc[c] += row[c];
+            for (int64_t c = 0; c < C; c++) acc[c] += row[c];
         }
         store_row(elem_at_mut(a->out, b * a->out_stride_b, es), acc,
                   count > 0 ? 1.0f / (float)count : 0.0f, C, a->dtype);
@@ -649,20 +586,18 @@ ragvit_status ragvit_cpu_segment_mean(const ragvit_segment_mean_args *a)
 /* ---- linear, layer_norm, gelu (dense per-row ops of a block) ---- */
 
 /* Rounds a double once to dtype (F16/BF16 through a round-to-odd float). */
-static void store_elem_double(void *row, int64_t i, int32_t dtype, double value)
-{
-    store_elem(row, i, dtype, dtype == RAGVIT_DTYPE_F32 ? (float)value : double_to_float_odd(value));
+static void store_elem_double(void *row, int64_t i, int32_t dtype, double value) {
+    store_elem(row, i, dtype,
+               dtype == RAGVIT_DTYPE_F32 ? (float)value : double_to_float_odd(value));
 }
 
-static ragvit_status cpu_scratch_fail(const char *op, int64_t count)
-{
+static ragvit_status cpu_scratch_fail(const char *op, int64_t count) {
     return ragvit_fail(RAGVIT_STATUS_OUT_OF_MEMORY,
                        "%s: scratch must be allocatable, got no memory for %lld floats", op,
                        (long long)count);
 }
 
-ragvit_status ragvit_cpu_linear(const ragvit_linear_args *a)
-{
+ragvit_status ragvit_cpu_linear(const ragvit_linear_args *a) {
     const int64_t es = dtype_size(a->dtype), M = a->rows, N = a->cols, K = a->inner;
     if (es == 0)
         return ragvit_fail(RAGVIT_STATUS_INVALID_DTYPE,
@@ -685,53 +620,43 @@ ragvit_status ragvit_cpu_linear(const ragvit_linear_args *a)
         for (int64_t n = 0; n < N; n++) {
             const float *wrow = w + n * K;
             double sum = 0.0;
-            for (int64_t k = 0; k < K; k++)
-                sum += (double)xrow[k] * (double)wrow[k];
-            if (a->bias != NULL)
-                sum += load_elem(a->bias, n * a->bias_stride, a->dtype);
+            for (int64_t k = 0; k < K; k++) sum += (double)xrow[k] * (double)wrow[k];
+            if (a->bias != NULL) sum += load_elem(a->bias, n * a->bias_stride, a->dtype);
             acc[n] = sum;
         }
         /* residual is read before out is written: residual == out works in place */
         if (a->residual != NULL) {
             const void *rrow = elem_at(a->residual, m * a->residual_stride, es);
-            for (int64_t n = 0; n < N; n++)
-                acc[n] += load_elem(rrow, n, a->dtype);
+            for (int64_t n = 0; n < N; n++) acc[n] += load_elem(rrow, n, a->dtype);
         }
         void *orow = elem_at_mut(a->out, m * a->out_stride, es);
-        for (int64_t n = 0; n < N; n++)
-            store_elem_double(orow, n, a->dtype, acc[n]);
+        for (int64_t n = 0; n < N; n++) store_elem_double(orow, n, a->dtype, acc[n]);
     }
     free(w);
     free(acc);
     return RAGVIT_STATUS_OK;
 }
 
-ragvit_status ragvit_cpu_layer_norm(const ragvit_rowwise_args *a)
-{
+ragvit_status ragvit_cpu_layer_norm(const ragvit_rowwise_args *a) {
     const int64_t es = dtype_size(a->dtype), C = a->channels;
     if (es == 0)
         return ragvit_fail(RAGVIT_STATUS_INVALID_DTYPE,
                            "layer_norm: x must be float16, bfloat16 or float32, got dtype code %d",
                            (int)a->dtype);
     float *row = malloc((size_t)(C > 0 ? C : 1) * sizeof *row);
-    if (row == NULL)
-        return cpu_scratch_fail("layer_norm", C);
+    if (row == NULL) return cpu_scratch_fail("layer_norm", C);
     for (int64_t m = 0; m < a->rows; m++) {
         load_row(row, elem_at(a->x, m * a->x_stride, es), C, a->dtype);
         double mean = 0.0, var = 0.0;
-        for (int64_t c = 0; c < C; c++)
-            mean += row[c];
+        for (int64_t c = 0; c < C; c++) mean += row[c];
         mean /= (double)C;
-        for (int64_t c = 0; c < C; c++)
-            var += ((double)row[c] - mean) * ((double)row[c] - mean);
+        for (int64_t c = 0; c < C; c++) var += ((double)row[c] - mean) * ((double)row[c] - mean);
         const double rstd = 1.0 / sqrt(var / (double)C + (double)a->eps);
         void *orow = elem_at_mut(a->out, m * a->out_stride, es);
         for (int64_t c = 0; c < C; c++) {
             double y = ((double)row[c] - mean) * rstd;
-            if (a->weight != NULL)
-                y *= load_elem(a->weight, c * a->weight_stride, a->dtype);
-            if (a->bias != NULL)
-                y += load_elem(a->bias, c * a->bias_stride, a->dtype);
+            if (a->weight != NULL) y *= load_elem(a->weight, c * a->weight_stride, a->dtype);
+            if (a->bias != NULL) y += load_elem(a->bias, c * a->bias_stride, a->dtype);
             store_elem_double(orow, c, a->dtype, y);
         }
     }
@@ -739,8 +664,7 @@ ragvit_status ragvit_cpu_layer_norm(const ragvit_rowwise_args *a)
     return RAGVIT_STATUS_OK;
 }
 
-ragvit_status ragvit_cpu_gelu(const ragvit_rowwise_args *a)
-{
+ragvit_status ragvit_cpu_gelu(const ragvit_rowwise_args *a) {
     const int64_t es = dtype_size(a->dtype);
     if (es == 0)
         return ragvit_fail(RAGVIT_STATUS_INVALID_DTYPE,
@@ -765,23 +689,17 @@ typedef struct {
 } topk_entry;
 
 /* Order-preserving key of a score (topk_key.h, shared with the kernel). */
-static inline uint32_t topk_key(float score)
-{
-    return topk_key_from_bits(float_bits(score));
-}
+static inline uint32_t topk_key(float score) { return topk_key_from_bits(float_bits(score)); }
 
 /* qsort order: key descending, then column ascending (a total order, so the
  * result does not depend on the sort's stability). */
-static int topk_entry_order(const void *pa, const void *pb)
-{
+static int topk_entry_order(const void *pa, const void *pb) {
     const topk_entry *a = pa, *b = pb;
-    if (a->key != b->key)
-        return a->key > b->key ? -1 : 1;
+    if (a->key != b->key) return a->key > b->key ? -1 : 1;
     return (a->column > b->column) - (a->column < b->column);
 }
 
-ragvit_status ragvit_cpu_topk_index(const ragvit_topk_index_args *a)
-{
+ragvit_status ragvit_cpu_topk_index(const ragvit_topk_index_args *a) {
     const int64_t es = dtype_size(a->dtype), L = a->cols, P = a->prefix, k = a->k, n = L - P;
     if (es == 0)
         return ragvit_fail(RAGVIT_STATUS_INVALID_DTYPE,
@@ -817,20 +735,17 @@ ragvit_status ragvit_cpu_topk_index(const ragvit_topk_index_args *a)
                 entries[i].column = (int32_t)(P + i);
             }
             qsort(entries, (size_t)n, sizeof *entries, topk_entry_order);
-            for (int64_t j = 0; j < k; j++)
-                is_kept[entries[j].column] = 1;
+            for (int64_t j = 0; j < k; j++) is_kept[entries[j].column] = 1;
         }
         int64_t pos = 0;
         if (a->out_dtype == RAGVIT_DTYPE_I32) {
             int32_t *out = (int32_t *)a->out + b * a->out_stride_b;
             for (int64_t c = 0; c < L; c++)
-                if (is_kept[c])
-                    out[pos++] = (int32_t)c;
+                if (is_kept[c]) out[pos++] = (int32_t)c;
         } else {
             int64_t *out = (int64_t *)a->out + b * a->out_stride_b;
             for (int64_t c = 0; c < L; c++)
-                if (is_kept[c])
-                    out[pos++] = c;
+                if (is_kept[c]) out[pos++] = c;
         }
     }
     free(entries);

@@ -25,7 +25,7 @@
 #define MAX_IMPORTS 8
 
 typedef struct {
-    PyTypeObject *type; /* strong reference */
+    PyTypeObject *type;           /* strong reference */
     const DLPackExchangeAPI *api; /* NULL: the type has none */
 } api_cache_entry;
 
@@ -50,8 +50,8 @@ typedef struct {
     int kind;
     PyTypeObject *type; /* borrowed: the argument outlives the call */
     const DLPackExchangeAPI *api;
-    PyObject *capsule;          /* renamed "used_*" capsule whose tensor we must delete */
-    DLManagedTensor *legacy;    /* owned through capsule */
+    PyObject *capsule;       /* renamed "used_*" capsule whose tensor we must delete */
+    DLManagedTensor *legacy; /* owned through capsule */
     DLManagedTensorVersioned *versioned;
 } import_slot;
 
@@ -105,10 +105,13 @@ static inline int raise_status(ragvit_status status) {
     return status == RAGVIT_STATUS_OK ? 0 : raise_failure(status);
 }
 
-#define RAISE_IF(status_expr)                                       \
-    do {                                                            \
-        ragvit_status rs_ = (status_expr);                          \
-        if (rs_ != RAGVIT_STATUS_OK) { raise_status(rs_); goto done; } \
+#define RAISE_IF(status_expr)                                                                      \
+    do {                                                                                           \
+        ragvit_status rs_ = (status_expr);                                                         \
+        if (rs_ != RAGVIT_STATUS_OK) {                                                             \
+            raise_status(rs_);                                                                     \
+            goto done;                                                                             \
+        }                                                                                          \
     } while (0)
 
 /* ---- argument parsing (METH_FASTCALL | METH_KEYWORDS) ---- */
@@ -128,13 +131,13 @@ static inline int keyword_is(PyObject *key, const char *name) {
 
 /* Fills values[i] for each name (NULL when absent or None). The first
  * max_positional names may be positional; the first required must be given. */
-static int parse_args(const char *op, PyObject *const *args, Py_ssize_t nargs,
-                      PyObject *kwnames, const char *const *names, int count,
-                      int max_positional, int required, PyObject **values) {
+static int parse_args(const char *op, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames,
+                      const char *const *names, int count, int max_positional, int required,
+                      PyObject **values) {
     for (int i = 0; i < count; i++) values[i] = NULL;
     if (nargs > max_positional) {
-        PyErr_Format(PyExc_TypeError, "%s() takes at most %d positional arguments (%zd given)",
-                     op, max_positional, nargs);
+        PyErr_Format(PyExc_TypeError, "%s() takes at most %d positional arguments (%zd given)", op,
+                     max_positional, nargs);
         return -1;
     }
     for (Py_ssize_t i = 0; i < nargs; i++) values[i] = args[i];
@@ -185,8 +188,8 @@ static int parse_stream(call_state *cs, PyObject *obj) {
         if (method == NULL) {
             PyErr_Clear();
             ragvit_fail(RAGVIT_STATUS_INVALID_TYPE,
-                        "%s: stream must be an int handle or have __cuda_stream__, got %s",
-                        cs->op, Py_TYPE(obj)->tp_name);
+                        "%s: stream must be an int handle or have __cuda_stream__, got %s", cs->op,
+                        Py_TYPE(obj)->tp_name);
             raise_status(RAGVIT_STATUS_INVALID_TYPE);
             goto done;
         }
@@ -219,15 +222,32 @@ done:
 
 static int dtype_from_dl(DLDataType dt, int32_t *dtype) {
     switch (DL_TYPE(dt.code, dt.bits)) {
-    case DL_TYPE(kDLFloat, 16): *dtype = RAGVIT_DTYPE_F16; return 1;
-    case DL_TYPE(kDLBfloat, 16): *dtype = RAGVIT_DTYPE_BF16; return 1;
-    case DL_TYPE(kDLFloat, 32): *dtype = RAGVIT_DTYPE_F32; return 1;
-    case DL_TYPE(kDLFloat, 64): *dtype = RAGVIT_DTYPE_F64; return 1;
-    case DL_TYPE(kDLInt, 32): *dtype = RAGVIT_DTYPE_I32; return 1;
-    case DL_TYPE(kDLInt, 64): *dtype = RAGVIT_DTYPE_I64; return 1;
-    case DL_TYPE(kDLUInt, 8): *dtype = RAGVIT_DTYPE_U8; return 1;
-    case DL_TYPE(kDLBool, 8): *dtype = RAGVIT_DTYPE_BOOL; return 1;
-    default: return 0;
+    case DL_TYPE(kDLFloat, 16):
+        *dtype = RAGVIT_DTYPE_F16;
+        return 1;
+    case DL_TYPE(kDLBfloat, 16):
+        *dtype = RAGVIT_DTYPE_BF16;
+        return 1;
+    case DL_TYPE(kDLFloat, 32):
+        *dtype = RAGVIT_DTYPE_F32;
+        return 1;
+    case DL_TYPE(kDLFloat, 64):
+        *dtype = RAGVIT_DTYPE_F64;
+        return 1;
+    case DL_TYPE(kDLInt, 32):
+        *dtype = RAGVIT_DTYPE_I32;
+        return 1;
+    case DL_TYPE(kDLInt, 64):
+        *dtype = RAGVIT_DTYPE_I64;
+        return 1;
+    case DL_TYPE(kDLUInt, 8):
+        *dtype = RAGVIT_DTYPE_U8;
+        return 1;
+    case DL_TYPE(kDLBool, 8):
+        *dtype = RAGVIT_DTYPE_BOOL;
+        return 1;
+    default:
+        return 0;
     }
 }
 
@@ -257,8 +277,9 @@ static ragvit_status view_from_dl(ragvit_tensor *t, const DLTensor *dl, int is_r
                            op, name, (unsigned)dl->dtype.code, (unsigned)dl->dtype.bits);
     }
     if (dl->ndim < 0 || dl->ndim > RAGVIT_MAX_DIMS) {
-        return ragvit_fail(RAGVIT_STATUS_INVALID_SHAPE, "%s: %s must have at most %d dimensions, got %d",
-                           op, name, RAGVIT_MAX_DIMS, (int)dl->ndim);
+        return ragvit_fail(RAGVIT_STATUS_INVALID_SHAPE,
+                           "%s: %s must have at most %d dimensions, got %d", op, name,
+                           RAGVIT_MAX_DIMS, (int)dl->ndim);
     }
     switch (dl->device.device_type) {
     case kDLCPU:
@@ -312,9 +333,9 @@ static const DLPackExchangeAPI *exchange_api_for(module_state *st, PyTypeObject 
         }
         /* The table must outlive the process (spec), so the capsule may go. */
         Py_DECREF(attr);
-        if (api && (api->header.version.major != RAGVIT_DLPACK_MAJOR ||
-                    api->current_work_stream == NULL ||
-                    api->managed_tensor_from_py_object_no_sync == NULL)) {
+        if (api &&
+            (api->header.version.major != RAGVIT_DLPACK_MAJOR || api->current_work_stream == NULL ||
+             api->managed_tensor_from_py_object_no_sync == NULL)) {
             api = NULL;
         }
     }
@@ -366,13 +387,27 @@ static int import_numpy(call_state *cs, PyObject *obj, const char *name, ragvit_
     int32_t dtype;
     slot->kind = IMPORT_NUMPY;
     switch (PyArray_TYPE(arr)) {
-    case NPY_FLOAT16: dtype = RAGVIT_DTYPE_F16; break;
-    case NPY_FLOAT32: dtype = RAGVIT_DTYPE_F32; break;
-    case NPY_FLOAT64: dtype = RAGVIT_DTYPE_F64; break;
-    case NPY_INT32: dtype = RAGVIT_DTYPE_I32; break;
-    case NPY_INT64: dtype = RAGVIT_DTYPE_I64; break;
-    case NPY_UINT8: dtype = RAGVIT_DTYPE_U8; break;
-    case NPY_BOOL: dtype = RAGVIT_DTYPE_BOOL; break;
+    case NPY_FLOAT16:
+        dtype = RAGVIT_DTYPE_F16;
+        break;
+    case NPY_FLOAT32:
+        dtype = RAGVIT_DTYPE_F32;
+        break;
+    case NPY_FLOAT64:
+        dtype = RAGVIT_DTYPE_F64;
+        break;
+    case NPY_INT32:
+        dtype = RAGVIT_DTYPE_I32;
+        break;
+    case NPY_INT64:
+        dtype = RAGVIT_DTYPE_I64;
+        break;
+    case NPY_UINT8:
+        dtype = RAGVIT_DTYPE_U8;
+        break;
+    case NPY_BOOL:
+        dtype = RAGVIT_DTYPE_BOOL;
+        break;
     default:
         ragvit_fail(RAGVIT_STATUS_INVALID_DTYPE,
                     "%s: %s must be float16, float32, int32, uint8 or bool, got numpy dtype %s",
@@ -521,8 +556,8 @@ static int cai_dtype(const char *typestr, int32_t *dtype) {
         const char *typestr;
         int32_t dtype;
     } table[] = {
-        {"<f2", RAGVIT_DTYPE_F16}, {"<f4", RAGVIT_DTYPE_F32}, {"<f8", RAGVIT_DTYPE_F64},
-        {"<i4", RAGVIT_DTYPE_I32}, {"<i8", RAGVIT_DTYPE_I64}, {"|u1", RAGVIT_DTYPE_U8},
+        {"<f2", RAGVIT_DTYPE_F16}, {"<f4", RAGVIT_DTYPE_F32},  {"<f8", RAGVIT_DTYPE_F64},
+        {"<i4", RAGVIT_DTYPE_I32}, {"<i8", RAGVIT_DTYPE_I64},  {"|u1", RAGVIT_DTYPE_U8},
         {"<u1", RAGVIT_DTYPE_U8},  {"|b1", RAGVIT_DTYPE_BOOL}, {"<b1", RAGVIT_DTYPE_BOOL},
     };
     for (size_t i = 0; i < sizeof table / sizeof table[0]; i++) {
@@ -590,10 +625,10 @@ static int import_cai(call_state *cs, PyObject *obj, PyObject *cai, const char *
     int ndim = read_int_tuple(cs, name, "shape", shape, t->shape, -1);
     if (ndim < 0) return -1;
     t->ndim = ndim;
-    int64_t elem = (t->dtype == RAGVIT_DTYPE_F16) ? 2
+    int64_t elem = (t->dtype == RAGVIT_DTYPE_F16)                                   ? 2
                    : (t->dtype == RAGVIT_DTYPE_F64 || t->dtype == RAGVIT_DTYPE_I64) ? 8
                    : (t->dtype == RAGVIT_DTYPE_U8 || t->dtype == RAGVIT_DTYPE_BOOL) ? 1
-                                                                                   : 4;
+                                                                                    : 4;
     if (strides && strides != Py_None) {
         if (read_int_tuple(cs, name, "strides", strides, t->strides, ndim) < 0) return -1;
         for (int i = 0; i < ndim; i++) {
@@ -832,8 +867,8 @@ static int parse_count(call_state *cs, PyObject *obj, const char *name, long lon
     *value = PyLong_AsLongLongAndOverflow(obj, &overflow);
     if (*value == -1 && PyErr_Occurred()) return -1;
     if (overflow || *value < 0 || *value > INT32_MAX) {
-        ragvit_fail(RAGVIT_STATUS_INVALID_VALUE, "%s: %s must be in [0, 2**31), got %s%lld",
-                    cs->op, name, overflow ? "an int beyond " : "",
+        ragvit_fail(RAGVIT_STATUS_INVALID_VALUE, "%s: %s must be in [0, 2**31), got %s%lld", cs->op,
+                    name, overflow ? "an int beyond " : "",
                     overflow ? (overflow > 0 ? (long long)INT64_MAX : (long long)INT64_MIN)
                              : *value);
         return raise_status(RAGVIT_STATUS_INVALID_VALUE);
@@ -843,12 +878,11 @@ static int parse_count(call_state *cs, PyObject *obj, const char *name, long lon
 
 /* -1 with ValueError unless packed is (T, C) and cu_seqlens (B+1,) (for
  * sizing an output before the core checks everything else). */
-static int check_packed_dims(call_state *cs, const ragvit_tensor *packed,
-                             const ragvit_tensor *cu) {
+static int check_packed_dims(call_state *cs, const ragvit_tensor *packed, const ragvit_tensor *cu) {
     if (packed->ndim == 2 && cu->ndim == 1) return 0;
     ragvit_fail(RAGVIT_STATUS_INVALID_SHAPE,
-                "%s: packed must be (T, C) and cu_seqlens (B+1,), got %d and %d dimensions",
-                cs->op, packed->ndim, cu->ndim);
+                "%s: packed must be (T, C) and cu_seqlens (B+1,), got %d and %d dimensions", cs->op,
+                packed->ndim, cu->ndim);
     return raise_status(RAGVIT_STATUS_INVALID_SHAPE);
 }
 
@@ -861,8 +895,8 @@ static PyObject *sequence_output(call_state *cs, PyObject *given, const ragvit_t
     if (given != NULL) {
         if (rows >= 0 && out->ndim == 3 && out->shape[1] != rows) {
             ragvit_fail(RAGVIT_STATUS_INVALID_SHAPE,
-                        "%s: out must have %s=%lld rows per sequence, got %lld", cs->op,
-                        rows_name, rows, (long long)out->shape[1]);
+                        "%s: out must have %s=%lld rows per sequence, got %lld", cs->op, rows_name,
+                        rows, (long long)out->shape[1]);
             raise_status(RAGVIT_STATUS_INVALID_SHAPE);
             return NULL;
         }
@@ -875,44 +909,45 @@ static PyObject *sequence_output(call_state *cs, PyObject *given, const ragvit_t
     return alloc_like(cs, 0, packed, "out", packed->dtype, rows >= 0 ? 3 : 2, shape, out);
 }
 
-PyDoc_STRVAR(attention_doc,
-"attention(q, k, v, cu_seqlens, max_seqlen=None, *, scale=None, out=None, cls_attn=None,\n"
-"          bias=None, stream=None) -> out\n"
-"\n"
-"Per-sequence bidirectional softmax attention over packed tokens.\n"
-"\n"
-"Args:\n"
-"    q, k, v: (T, H, D) float16, bfloat16 or float32 arrays of one dtype, head dim\n"
-"        contiguous, any token/head strides (views of a (T, 3, H, D) qkv buffer\n"
-"        are read in place). D in {32, 64, 80, 96, 128}.\n"
-"    cu_seqlens: (S+1,) int32 on the same device: exclusive prefix sums of the\n"
-"        lengths; cu_seqlens[S] <= T, rows past it are left untouched.\n"
-"    max_seqlen: upper bound on every length; sizes the grid and is never read\n"
-"        back from the device. Default: read from cu_seqlens on the CPU, T on CUDA\n"
-"        (pass it on CUDA: a tight bound launches far fewer blocks).\n"
-"    scale: softmax scale, default 1/sqrt(D); finite and > 0.\n"
-"    out: (T, H, D) output of q's dtype. When omitted it is allocated by q's\n"
-"        library (DLPack exchange API, e.g. torch) or NumPy for host arrays.\n"
-"    cls_attn: optional (T,) float32; receives, for each sequence, the head-mean\n"
-"        softmax probabilities of its first query token over its keys (bias\n"
-"        included: it is the same softmax).\n"
-"    bias: optional (T,) float32, any stride, on the same device, not sharing\n"
-"        memory with out or cls_attn: added to every logit of key j of j's\n"
-"        sequence, for all heads and queries: logits[i, j] = scale q_i.k_j +\n"
-"        bias[j] (ToMe proportional attention: log(size_j)). Must be finite on\n"
-"        the tokens of every sequence; checked on the CPU (ValueError), not on\n"
-"        CUDA (that would sync), where a NaN or inf propagates into the rows\n"
-"        and cls_attn entries of its sequence.\n"
-"    stream: int cudaStream_t handle or object with __cuda_stream__; default: the\n"
-"        producer's current stream (torch.cuda.current_stream()).\n"
-"\n"
-"Returns:\n"
-"    out.\n"
-"\n"
-"Raises:\n"
-"    TypeError (dtype, non-array argument), ValueError (shape, value, device,\n"
-"    read-only or aliased output; debug-mode device checks), BufferError\n"
-"    (unimportable array), MemoryError, RuntimeError (CUDA failure).");
+PyDoc_STRVAR(
+    attention_doc,
+    "attention(q, k, v, cu_seqlens, max_seqlen=None, *, scale=None, out=None, cls_attn=None,\n"
+    "          bias=None, stream=None) -> out\n"
+    "\n"
+    "Per-sequence bidirectional softmax attention over packed tokens.\n"
+    "\n"
+    "Args:\n"
+    "    q, k, v: (T, H, D) float16, bfloat16 or float32 arrays of one dtype, head dim\n"
+    "        contiguous, any token/head strides (views of a (T, 3, H, D) qkv buffer\n"
+    "        are read in place). D in {32, 64, 80, 96, 128}.\n"
+    "    cu_seqlens: (S+1,) int32 on the same device: exclusive prefix sums of the\n"
+    "        lengths; cu_seqlens[S] <= T, rows past it are left untouched.\n"
+    "    max_seqlen: upper bound on every length; sizes the grid and is never read\n"
+    "        back from the device. Default: read from cu_seqlens on the CPU, T on CUDA\n"
+    "        (pass it on CUDA: a tight bound launches far fewer blocks).\n"
+    "    scale: softmax scale, default 1/sqrt(D); finite and > 0.\n"
+    "    out: (T, H, D) output of q's dtype. When omitted it is allocated by q's\n"
+    "        library (DLPack exchange API, e.g. torch) or NumPy for host arrays.\n"
+    "    cls_attn: optional (T,) float32; receives, for each sequence, the head-mean\n"
+    "        softmax probabilities of its first query token over its keys (bias\n"
+    "        included: it is the same softmax).\n"
+    "    bias: optional (T,) float32, any stride, on the same device, not sharing\n"
+    "        memory with out or cls_attn: added to every logit of key j of j's\n"
+    "        sequence, for all heads and queries: logits[i, j] = scale q_i.k_j +\n"
+    "        bias[j] (ToMe proportional attention: log(size_j)). Must be finite on\n"
+    "        the tokens of every sequence; checked on the CPU (ValueError), not on\n"
+    "        CUDA (that would sync), where a NaN or inf propagates into the rows\n"
+    "        and cls_attn entries of its sequence.\n"
+    "    stream: int cudaStream_t handle or object with __cuda_stream__; default: the\n"
+    "        producer's current stream (torch.cuda.current_stream()).\n"
+    "\n"
+    "Returns:\n"
+    "    out.\n"
+    "\n"
+    "Raises:\n"
+    "    TypeError (dtype, non-array argument), ValueError (shape, value, device,\n"
+    "    read-only or aliased output; debug-mode device checks), BufferError\n"
+    "    (unimportable array), MemoryError, RuntimeError (CUDA failure).");
 
 static PyObject *py_attention(PyObject *module, PyObject *const *args, Py_ssize_t nargs,
                               PyObject *kwnames) {
@@ -936,9 +971,9 @@ static PyObject *py_attention(PyObject *module, PyObject *const *args, Py_ssize_
         goto done;
     }
     if (!out.is_present) {
-        if (q.ndim != 3) RAISE_IF(ragvit_fail(RAGVIT_STATUS_INVALID_SHAPE,
-                                              "attention: q must have 3 dimensions, got %d",
-                                              q.ndim));
+        if (q.ndim != 3)
+            RAISE_IF(ragvit_fail(RAGVIT_STATUS_INVALID_SHAPE,
+                                 "attention: q must have 3 dimensions, got %d", q.ndim));
         out_obj = alloc_like(&cs, 0, &q, "out", q.dtype, 3, q.shape, &out);
         if (out_obj == NULL) goto done;
     } else {
@@ -946,8 +981,8 @@ static PyObject *py_attention(PyObject *module, PyObject *const *args, Py_ssize_
         Py_INCREF(out_obj);
     }
     if (finish_streams(&cs)) goto done;
-    RAISE_IF(ragvit_attention_forward(&cs.st->ctx, &out, &cls, &q, &k, &v, &cu, &bias,
-                                      max_seqlen, values[5] ? &scale : NULL, cs.stream));
+    RAISE_IF(ragvit_attention_forward(&cs.st->ctx, &out, &cls, &q, &k, &v, &cu, &bias, max_seqlen,
+                                      values[5] ? &scale : NULL, cs.stream));
     result = out_obj;
     out_obj = NULL;
 done:
@@ -957,22 +992,22 @@ done:
 }
 
 PyDoc_STRVAR(pack_doc,
-"pack(x, keep, *, stream=None) -> (packed, cu_seqlens, indices)\n"
-"\n"
-"Gather the kept tokens of a padded batch into packed rows, in order.\n"
-"\n"
-"Args:\n"
-"    x: (B, N, C) float16, bfloat16 or float32, channels contiguous.\n"
-"    keep: (B, N) bool or uint8 on x's device; nonzero keeps the token.\n"
-"    stream: as for attention.\n"
-"\n"
-"Returns:\n"
-"    packed (T, C) of x's dtype, cu_seqlens (B+1,) int32 and indices (T,) int32\n"
-"    (each packed token's position n within its image), in x's library.\n"
-"    On CUDA this synchronizes the stream once to learn T; pack_into does not.\n"
-"\n"
-"Raises:\n"
-"    TypeError, ValueError, BufferError, MemoryError, RuntimeError as attention.");
+             "pack(x, keep, *, stream=None) -> (packed, cu_seqlens, indices)\n"
+             "\n"
+             "Gather the kept tokens of a padded batch into packed rows, in order.\n"
+             "\n"
+             "Args:\n"
+             "    x: (B, N, C) float16, bfloat16 or float32, channels contiguous.\n"
+             "    keep: (B, N) bool or uint8 on x's device; nonzero keeps the token.\n"
+             "    stream: as for attention.\n"
+             "\n"
+             "Returns:\n"
+             "    packed (T, C) of x's dtype, cu_seqlens (B+1,) int32 and indices (T,) int32\n"
+             "    (each packed token's position n within its image), in x's library.\n"
+             "    On CUDA this synchronizes the stream once to learn T; pack_into does not.\n"
+             "\n"
+             "Raises:\n"
+             "    TypeError, ValueError, BufferError, MemoryError, RuntimeError as attention.");
 
 static PyObject *py_pack(PyObject *module, PyObject *const *args, Py_ssize_t nargs,
                          PyObject *kwnames) {
@@ -1015,24 +1050,24 @@ done:
 }
 
 PyDoc_STRVAR(pack_into_doc,
-"pack_into(x, keep, out, cu_seqlens, *, indices=None, stream=None) -> None\n"
-"\n"
-"pack() into caller-sized capacity buffers, with no host sync and no\n"
-"allocation (CUDA-graph capturable); the total is cu_seqlens[B] on the device.\n"
-"On CUDA the count and the gather are one kernel launch.\n"
-"\n"
-"Args:\n"
-"    x: (B, N, C) float16, bfloat16 or float32, channels contiguous.\n"
-"    keep: (B, N) bool or uint8.\n"
-"    out: (capacity, C) of x's dtype; rows past the kept total are untouched.\n"
-"        Kept tokens beyond capacity are dropped (CPU: ValueError; CUDA: flagged,\n"
-"        raised in debug mode).\n"
-"    cu_seqlens: (B+1,) int32, receives the prefix sums of the kept counts.\n"
-"    indices: optional (capacity,) int32, receives each token's position n.\n"
-"    stream: as for attention.\n"
-"\n"
-"Raises:\n"
-"    TypeError, ValueError, BufferError, RuntimeError as attention.");
+             "pack_into(x, keep, out, cu_seqlens, *, indices=None, stream=None) -> None\n"
+             "\n"
+             "pack() into caller-sized capacity buffers, with no host sync and no\n"
+             "allocation (CUDA-graph capturable); the total is cu_seqlens[B] on the device.\n"
+             "On CUDA the count and the gather are one kernel launch.\n"
+             "\n"
+             "Args:\n"
+             "    x: (B, N, C) float16, bfloat16 or float32, channels contiguous.\n"
+             "    keep: (B, N) bool or uint8.\n"
+             "    out: (capacity, C) of x's dtype; rows past the kept total are untouched.\n"
+             "        Kept tokens beyond capacity are dropped (CPU: ValueError; CUDA: flagged,\n"
+             "        raised in debug mode).\n"
+             "    cu_seqlens: (B+1,) int32, receives the prefix sums of the kept counts.\n"
+             "    indices: optional (capacity,) int32, receives each token's position n.\n"
+             "    stream: as for attention.\n"
+             "\n"
+             "Raises:\n"
+             "    TypeError, ValueError, BufferError, RuntimeError as attention.");
 
 static PyObject *py_pack_into(PyObject *module, PyObject *const *args, Py_ssize_t nargs,
                               PyObject *kwnames) {
@@ -1045,8 +1080,7 @@ static PyObject *py_pack_into(PyObject *module, PyObject *const *args, Py_ssize_
     if (parse_args(cs.op, args, nargs, kwnames, names, 6, 4, 4, values)) return NULL;
     if (parse_stream(&cs, values[5])) return NULL;
     if (import_arg(&cs, values[0], "x", &x) || import_arg(&cs, values[1], "keep", &keep) ||
-        import_arg(&cs, values[2], "out", &out) ||
-        import_arg(&cs, values[3], "cu_seqlens", &cu) ||
+        import_arg(&cs, values[2], "out", &out) || import_arg(&cs, values[3], "cu_seqlens", &cu) ||
         import_arg(&cs, values[4], "indices", &idx)) {
         goto done;
     }
@@ -1059,26 +1093,27 @@ done:
     return result;
 }
 
-PyDoc_STRVAR(unpack_doc,
-"unpack(packed, cu_seqlens, N, *, indices=None, fill=0.0, out=None, stream=None) -> out\n"
-"\n"
-"Scatter packed tokens back to a padded (B, N, C) batch.\n"
-"\n"
-"Args:\n"
-"    packed: (T, C) float16, bfloat16 or float32, channels contiguous.\n"
-"    cu_seqlens: (B+1,) int32; every length must be <= N.\n"
-"    N: tokens per padded image.\n"
-"    indices: optional (T,) int32 target position of each packed token (e.g.\n"
-"        the indices pack returned); default: the first len rows of each image.\n"
-"    fill: value of every row not written from packed.\n"
-"    out: optional (B, N, C) output of packed's dtype.\n"
-"    stream: as for attention.\n"
-"\n"
-"Returns:\n"
-"    out.\n"
-"\n"
-"Raises:\n"
-"    TypeError, ValueError, BufferError, MemoryError, RuntimeError as attention.");
+PyDoc_STRVAR(
+    unpack_doc,
+    "unpack(packed, cu_seqlens, N, *, indices=None, fill=0.0, out=None, stream=None) -> out\n"
+    "\n"
+    "Scatter packed tokens back to a padded (B, N, C) batch.\n"
+    "\n"
+    "Args:\n"
+    "    packed: (T, C) float16, bfloat16 or float32, channels contiguous.\n"
+    "    cu_seqlens: (B+1,) int32; every length must be <= N.\n"
+    "    N: tokens per padded image.\n"
+    "    indices: optional (T,) int32 target position of each packed token (e.g.\n"
+    "        the indices pack returned); default: the first len rows of each image.\n"
+    "    fill: value of every row not written from packed.\n"
+    "    out: optional (B, N, C) output of packed's dtype.\n"
+    "    stream: as for attention.\n"
+    "\n"
+    "Returns:\n"
+    "    out.\n"
+    "\n"
+    "Raises:\n"
+    "    TypeError, ValueError, BufferError, MemoryError, RuntimeError as attention.");
 
 static PyObject *py_unpack(PyObject *module, PyObject *const *args, Py_ssize_t nargs,
                            PyObject *kwnames) {
@@ -1113,26 +1148,26 @@ done:
 }
 
 PyDoc_STRVAR(gather_prefix_doc,
-"gather_prefix(packed, cu_seqlens, k, *, out=None, stream=None) -> out\n"
-"\n"
-"The first k tokens of every sequence (CLS / distillation tokens) as (B, k, C).\n"
-"\n"
-"Args:\n"
-"    packed: (T, C) float16, bfloat16 or float32, channels contiguous.\n"
-"    cu_seqlens: (B+1,) int32 on packed's device; every length must be >= k.\n"
-"    k: tokens per sequence to gather, an int in [0, 2**31).\n"
-"    out: optional (B, k, C) output of packed's dtype, channels contiguous;\n"
-"        allocated like packed when omitted.\n"
-"    stream: as for attention.\n"
-"\n"
-"Returns:\n"
-"    out, out[b, j] = packed[cu_seqlens[b] + j].\n"
-"\n"
-"Raises:\n"
-"    ValueError: a sequence shorter than k on the CPU (nothing is written). On\n"
-"        CUDA lengths cannot be read without a sync: a short sequence's missing\n"
-"        rows are zeros and the device flag is set (raised in debug mode).\n"
-"    TypeError, BufferError, MemoryError, RuntimeError as attention.");
+             "gather_prefix(packed, cu_seqlens, k, *, out=None, stream=None) -> out\n"
+             "\n"
+             "The first k tokens of every sequence (CLS / distillation tokens) as (B, k, C).\n"
+             "\n"
+             "Args:\n"
+             "    packed: (T, C) float16, bfloat16 or float32, channels contiguous.\n"
+             "    cu_seqlens: (B+1,) int32 on packed's device; every length must be >= k.\n"
+             "    k: tokens per sequence to gather, an int in [0, 2**31).\n"
+             "    out: optional (B, k, C) output of packed's dtype, channels contiguous;\n"
+             "        allocated like packed when omitted.\n"
+             "    stream: as for attention.\n"
+             "\n"
+             "Returns:\n"
+             "    out, out[b, j] = packed[cu_seqlens[b] + j].\n"
+             "\n"
+             "Raises:\n"
+             "    ValueError: a sequence shorter than k on the CPU (nothing is written). On\n"
+             "        CUDA lengths cannot be read without a sync: a short sequence's missing\n"
+             "        rows are zeros and the device flag is set (raised in debug mode).\n"
+             "    TypeError, BufferError, MemoryError, RuntimeError as attention.");
 
 /* gather_prefix (is_prefix: required k) and segment_mean (optional skip):
  * (packed, cu_seqlens, <count>, *, out=None, stream=None) -> out. */
@@ -1156,13 +1191,12 @@ static PyObject *sequence_op(PyObject *module, PyObject *const *args, Py_ssize_t
         import_arg(&cs, values[1], "cu_seqlens", &cu) || import_arg(&cs, values[3], "out", &out)) {
         goto done;
     }
-    out_obj = sequence_output(&cs, values[3], &packed, &cu, is_prefix ? count : -1, count_name,
-                              &out);
+    out_obj =
+        sequence_output(&cs, values[3], &packed, &cu, is_prefix ? count : -1, count_name, &out);
     if (out_obj == NULL) goto done;
     if (finish_streams(&cs)) goto done;
-    RAISE_IF(is_prefix
-                 ? ragvit_gather_prefix(&cs.st->ctx, &out, &packed, &cu, cs.stream)
-                 : ragvit_segment_mean(&cs.st->ctx, &out, &packed, &cu, count, cs.stream));
+    RAISE_IF(is_prefix ? ragvit_gather_prefix(&cs.st->ctx, &out, &packed, &cu, cs.stream)
+                       : ragvit_segment_mean(&cs.st->ctx, &out, &packed, &cu, count, cs.stream));
     result = out_obj;
     out_obj = NULL;
 done:
@@ -1177,27 +1211,27 @@ static PyObject *py_gather_prefix(PyObject *module, PyObject *const *args, Py_ss
 }
 
 PyDoc_STRVAR(segment_mean_doc,
-"segment_mean(packed, cu_seqlens, *, skip=0, out=None, stream=None) -> out\n"
-"\n"
-"Mean of each sequence's tokens after its first `skip` (global average pooling).\n"
-"\n"
-"Args:\n"
-"    packed: (T, C) float16, bfloat16 or float32, channels contiguous.\n"
-"    cu_seqlens: (B+1,) int32 on packed's device.\n"
-"    skip: leading tokens of each sequence to leave out (e.g. 1 for a CLS\n"
-"        token), an int in [0, 2**31).\n"
-"    out: optional (B, C) output of packed's dtype, channels contiguous;\n"
-"        allocated like packed when omitted.\n"
-"    stream: as for attention.\n"
-"\n"
-"Returns:\n"
-"    out, out[b] = mean(packed[cu_seqlens[b] + skip : cu_seqlens[b+1]]), summed in\n"
-"    float32 and rounded once to packed's dtype. A sequence with no token past\n"
-"    `skip` gives a row of zeros (not NaN), so the op needs no host-side lengths.\n"
-"\n"
-"Raises:\n"
-"    ValueError: bad cu_seqlens contents on the CPU (on CUDA: zeros, flagged).\n"
-"    TypeError, BufferError, MemoryError, RuntimeError as attention.");
+             "segment_mean(packed, cu_seqlens, *, skip=0, out=None, stream=None) -> out\n"
+             "\n"
+             "Mean of each sequence's tokens after its first `skip` (global average pooling).\n"
+             "\n"
+             "Args:\n"
+             "    packed: (T, C) float16, bfloat16 or float32, channels contiguous.\n"
+             "    cu_seqlens: (B+1,) int32 on packed's device.\n"
+             "    skip: leading tokens of each sequence to leave out (e.g. 1 for a CLS\n"
+             "        token), an int in [0, 2**31).\n"
+             "    out: optional (B, C) output of packed's dtype, channels contiguous;\n"
+             "        allocated like packed when omitted.\n"
+             "    stream: as for attention.\n"
+             "\n"
+             "Returns:\n"
+             "    out, out[b] = mean(packed[cu_seqlens[b] + skip : cu_seqlens[b+1]]), summed in\n"
+             "    float32 and rounded once to packed's dtype. A sequence with no token past\n"
+             "    `skip` gives a row of zeros (not NaN), so the op needs no host-side lengths.\n"
+             "\n"
+             "Raises:\n"
+             "    ValueError: bad cu_seqlens contents on the CPU (on CUDA: zeros, flagged).\n"
+             "    TypeError, BufferError, MemoryError, RuntimeError as attention.");
 
 static PyObject *py_segment_mean(PyObject *module, PyObject *const *args, Py_ssize_t nargs,
                                  PyObject *kwnames) {
@@ -1205,35 +1239,35 @@ static PyObject *py_segment_mean(PyObject *module, PyObject *const *args, Py_ssi
 }
 
 PyDoc_STRVAR(topk_index_doc,
-"topk_index(scores, k, *, prefix=0, out=None, stream=None) -> out\n"
-"\n"
-"Per row of a score matrix: the `prefix` leading columns and the k\n"
-"highest-scoring columns after them, in ascending column order (the kept\n"
-"token indices of a top-k pruning policy), in one launch with no host sync\n"
-"(CUDA-graph capturable).\n"
-"\n"
-"Args:\n"
-"    scores: (B, L) float16, bfloat16 or float32, unit column stride, any row\n"
-"        stride (a view of a wider matrix is read in place); L <= 8192.\n"
-"    k: columns to choose among [prefix, L), an int in [0, L - prefix].\n"
-"    prefix: leading columns always kept (CLS / distillation tokens), an int\n"
-"        in [0, L]; their scores are never read.\n"
-"    out: optional (B, prefix + k) int32 or int64, unit column stride, rows not\n"
-"        overlapping, not sharing memory with scores; allocated as int64 like\n"
-"        scores when omitted.\n"
-"    stream: as for attention.\n"
-"\n"
-"Returns:\n"
-"    out: row b is the ascending union of 0..prefix-1 and the k columns c >=\n"
-"    prefix ranked highest by scores[b, c]. Ranking: score descending; ties\n"
-"    keep the lower column; NaN ranks above every number (as torch.topk);\n"
-"    -0.0 equals +0.0. The same on the CPU and on CUDA, bit for bit. B = 0 or\n"
-"    prefix + k = 0 launches nothing.\n"
-"\n"
-"Raises:\n"
-"    ValueError (shapes, L > 8192, k or prefix out of range, k + prefix > L,\n"
-"    strides, aliasing, devices), TypeError (dtype, k or prefix not an int),\n"
-"    BufferError, MemoryError, RuntimeError (CUDA failure).");
+             "topk_index(scores, k, *, prefix=0, out=None, stream=None) -> out\n"
+             "\n"
+             "Per row of a score matrix: the `prefix` leading columns and the k\n"
+             "highest-scoring columns after them, in ascending column order (the kept\n"
+             "token indices of a top-k pruning policy), in one launch with no host sync\n"
+             "(CUDA-graph capturable).\n"
+             "\n"
+             "Args:\n"
+             "    scores: (B, L) float16, bfloat16 or float32, unit column stride, any row\n"
+             "        stride (a view of a wider matrix is read in place); L <= 8192.\n"
+             "    k: columns to choose among [prefix, L), an int in [0, L - prefix].\n"
+             "    prefix: leading columns always kept (CLS / distillation tokens), an int\n"
+             "        in [0, L]; their scores are never read.\n"
+             "    out: optional (B, prefix + k) int32 or int64, unit column stride, rows not\n"
+             "        overlapping, not sharing memory with scores; allocated as int64 like\n"
+             "        scores when omitted.\n"
+             "    stream: as for attention.\n"
+             "\n"
+             "Returns:\n"
+             "    out: row b is the ascending union of 0..prefix-1 and the k columns c >=\n"
+             "    prefix ranked highest by scores[b, c]. Ranking: score descending; ties\n"
+             "    keep the lower column; NaN ranks above every number (as torch.topk);\n"
+             "    -0.0 equals +0.0. The same on the CPU and on CUDA, bit for bit. B = 0 or\n"
+             "    prefix + k = 0 launches nothing.\n"
+             "\n"
+             "Raises:\n"
+             "    ValueError (shapes, L > 8192, k or prefix out of range, k + prefix > L,\n"
+             "    strides, aliasing, devices), TypeError (dtype, k or prefix not an int),\n"
+             "    BufferError, MemoryError, RuntimeError (CUDA failure).");
 
 static PyObject *py_topk_index(PyObject *module, PyObject *const *args, Py_ssize_t nargs,
                                PyObject *kwnames) {
@@ -1273,8 +1307,8 @@ done:
 
 /* New reference to the given out, or a new (rows, cols) array allocated like
  * the argument in slot 0 (x); NULL with an exception. */
-static PyObject *rows_output(call_state *cs, PyObject *given, const ragvit_tensor *x,
-                             int64_t cols, ragvit_tensor *out) {
+static PyObject *rows_output(call_state *cs, PyObject *given, const ragvit_tensor *x, int64_t cols,
+                             ragvit_tensor *out) {
     if (given != NULL) {
         Py_INCREF(given);
         return given;
@@ -1290,38 +1324,38 @@ static PyObject *rows_output(call_state *cs, PyObject *given, const ragvit_tenso
 }
 
 PyDoc_STRVAR(linear_doc,
-"linear(x, weight, bias=None, *, residual=None, out=None, stream=None) -> out\n"
-"\n"
-"nn.Linear on packed rows with an optional fused residual add:\n"
-"out = x @ weight.T + bias + residual, accumulated in float32 and rounded once.\n"
-"\n"
-"Args:\n"
-"    x: (M, K) float16, bfloat16 or float32, unit column stride, any row stride\n"
-"        (a view of a wider buffer is read in place).\n"
-"    weight: (N, K) of x's dtype, as nn.Linear stores it; unit column stride.\n"
-"    bias: optional (N,) of x's dtype, contiguous.\n"
-"    residual: optional (M, N) of x's dtype, unit column stride; may be out\n"
-"        itself (in place, same strides): a transformer block's x + proj(h).\n"
-"    out: optional (M, N) output of x's dtype, unit column stride, not sharing\n"
-"        memory with x, weight or bias; allocated like x when omitted.\n"
-"    stream: as for attention.\n"
-"\n"
-"Returns:\n"
-"    out.\n"
-"\n"
-"CUDA: cuBLASLt, loaded on the first call (libcublasLt.so from the soname or\n"
-"the path the build found), bias in the GEMM epilogue, residual as beta = 1;\n"
-"float32 inputs run in full float32 (no TF32). The first call on a device and\n"
-"stream allocates a 32 MiB workspace (a stream first seen while capturing a\n"
-"CUDA graph gets a workspace-free algorithm instead); each new shape costs one\n"
-"cuBLASLt heuristic query on the host, cached. No host sync (the one-time\n"
-"workspace cudaMalloc aside).\n"
-"CPU: plain C, double accumulation (slow; for tests and small models).\n"
-"\n"
-"Raises:\n"
-"    ValueError (shapes, strides, aliasing, devices), TypeError (dtype),\n"
-"    BufferError, MemoryError, RuntimeError (CUDA or cuBLASLt failure,\n"
-"    cuBLASLt not loadable).");
+             "linear(x, weight, bias=None, *, residual=None, out=None, stream=None) -> out\n"
+             "\n"
+             "nn.Linear on packed rows with an optional fused residual add:\n"
+             "out = x @ weight.T + bias + residual, accumulated in float32 and rounded once.\n"
+             "\n"
+             "Args:\n"
+             "    x: (M, K) float16, bfloat16 or float32, unit column stride, any row stride\n"
+             "        (a view of a wider buffer is read in place).\n"
+             "    weight: (N, K) of x's dtype, as nn.Linear stores it; unit column stride.\n"
+             "    bias: optional (N,) of x's dtype, contiguous.\n"
+             "    residual: optional (M, N) of x's dtype, unit column stride; may be out\n"
+             "        itself (in place, same strides): a transformer block's x + proj(h).\n"
+             "    out: optional (M, N) output of x's dtype, unit column stride, not sharing\n"
+             "        memory with x, weight or bias; allocated like x when omitted.\n"
+             "    stream: as for attention.\n"
+             "\n"
+             "Returns:\n"
+             "    out.\n"
+             "\n"
+             "CUDA: cuBLASLt, loaded on the first call (libcublasLt.so from the soname or\n"
+             "the path the build found), bias in the GEMM epilogue, residual as beta = 1;\n"
+             "float32 inputs run in full float32 (no TF32). The first call on a device and\n"
+             "stream allocates a 32 MiB workspace (a stream first seen while capturing a\n"
+             "CUDA graph gets a workspace-free algorithm instead); each new shape costs one\n"
+             "cuBLASLt heuristic query on the host, cached. No host sync (the one-time\n"
+             "workspace cudaMalloc aside).\n"
+             "CPU: plain C, double accumulation (slow; for tests and small models).\n"
+             "\n"
+             "Raises:\n"
+             "    ValueError (shapes, strides, aliasing, devices), TypeError (dtype),\n"
+             "    BufferError, MemoryError, RuntimeError (CUDA or cuBLASLt failure,\n"
+             "    cuBLASLt not loadable).");
 
 static PyObject *py_linear(PyObject *module, PyObject *const *args, Py_ssize_t nargs,
                            PyObject *kwnames) {
@@ -1334,8 +1368,8 @@ static PyObject *py_linear(PyObject *module, PyObject *const *args, Py_ssize_t n
     if (parse_args(cs.op, args, nargs, kwnames, names, 6, 3, 2, values)) return NULL;
     if (parse_stream(&cs, values[5])) return NULL;
     if (import_arg(&cs, values[0], "x", &x) || import_arg(&cs, values[1], "weight", &w) ||
-        import_arg(&cs, values[2], "bias", &bias) ||
-        import_arg(&cs, values[3], "residual", &res) || import_arg(&cs, values[4], "out", &out)) {
+        import_arg(&cs, values[2], "bias", &bias) || import_arg(&cs, values[3], "residual", &res) ||
+        import_arg(&cs, values[4], "out", &out)) {
         goto done;
     }
     if (values[4] == NULL && w.ndim != 2) {
@@ -1355,48 +1389,48 @@ done:
 }
 
 PyDoc_STRVAR(layer_norm_doc,
-"layer_norm(x, weight=None, bias=None, *, eps=1e-5, out=None, stream=None) -> out\n"
-"\n"
-"LayerNorm over the last dim of packed rows (nn.LayerNorm on (M, C)).\n"
-"\n"
-"Args:\n"
-"    x: (M, C) float16, bfloat16 or float32, unit column stride, any row stride.\n"
-"    weight, bias: optional (C,) of x's dtype (absent: 1 and 0).\n"
-"    eps: added to the variance, finite and in (0, 1].\n"
-"    out: optional (M, C) of x's dtype, unit column stride; may be x itself\n"
-"        (in place, same strides), else must not share memory with x, weight\n"
-"        or bias; allocated like x when omitted.\n"
-"    stream: as for attention.\n"
-"\n"
-"Returns:\n"
-"    out: (x - mean) / sqrt(var + eps) * weight + bias per row, biased variance,\n"
-"    statistics in float32 on CUDA (double on the CPU), rounded once.\n"
-"\n"
-"Raises:\n"
-"    ValueError (shapes, strides, aliasing, devices, eps), TypeError (dtype),\n"
-"    BufferError, MemoryError, RuntimeError (CUDA failure).");
+             "layer_norm(x, weight=None, bias=None, *, eps=1e-5, out=None, stream=None) -> out\n"
+             "\n"
+             "LayerNorm over the last dim of packed rows (nn.LayerNorm on (M, C)).\n"
+             "\n"
+             "Args:\n"
+             "    x: (M, C) float16, bfloat16 or float32, unit column stride, any row stride.\n"
+             "    weight, bias: optional (C,) of x's dtype (absent: 1 and 0).\n"
+             "    eps: added to the variance, finite and in (0, 1].\n"
+             "    out: optional (M, C) of x's dtype, unit column stride; may be x itself\n"
+             "        (in place, same strides), else must not share memory with x, weight\n"
+             "        or bias; allocated like x when omitted.\n"
+             "    stream: as for attention.\n"
+             "\n"
+             "Returns:\n"
+             "    out: (x - mean) / sqrt(var + eps) * weight + bias per row, biased variance,\n"
+             "    statistics in float32 on CUDA (double on the CPU), rounded once.\n"
+             "\n"
+             "Raises:\n"
+             "    ValueError (shapes, strides, aliasing, devices, eps), TypeError (dtype),\n"
+             "    BufferError, MemoryError, RuntimeError (CUDA failure).");
 
 PyDoc_STRVAR(gelu_doc,
-"gelu(x, *, out=None, stream=None) -> out\n"
-"\n"
-"Exact (erf) GELU of packed rows, x * Phi(x), as nn.GELU() computes it.\n"
-"\n"
-"Args:\n"
-"    x: (M, C) float16, bfloat16 or float32, unit column stride, any row stride.\n"
-"    out: optional (M, C) of x's dtype, unit column stride; may be x itself (in\n"
-"        place, same strides), else must not share memory with x; allocated\n"
-"        like x when omitted.\n"
-"    stream: as for attention.\n"
-"\n"
-"Returns:\n"
-"    out, computed in float32 (double on the CPU) and rounded once. On CUDA,\n"
-"    float16/bfloat16 data get Phi from a rational erfc (within 4e-7 of the\n"
-"    float64 GELU, far under their rounding; fewer instructions than erff),\n"
-"    float32 data from erff.\n"
-"\n"
-"Raises:\n"
-"    ValueError (shapes, strides, aliasing), TypeError (dtype), BufferError,\n"
-"    MemoryError, RuntimeError (CUDA failure).");
+             "gelu(x, *, out=None, stream=None) -> out\n"
+             "\n"
+             "Exact (erf) GELU of packed rows, x * Phi(x), as nn.GELU() computes it.\n"
+             "\n"
+             "Args:\n"
+             "    x: (M, C) float16, bfloat16 or float32, unit column stride, any row stride.\n"
+             "    out: optional (M, C) of x's dtype, unit column stride; may be x itself (in\n"
+             "        place, same strides), else must not share memory with x; allocated\n"
+             "        like x when omitted.\n"
+             "    stream: as for attention.\n"
+             "\n"
+             "Returns:\n"
+             "    out, computed in float32 (double on the CPU) and rounded once. On CUDA,\n"
+             "    float16/bfloat16 data get Phi from a rational erfc (within 4e-7 of the\n"
+             "    float64 GELU, far under their rounding; fewer instructions than erff),\n"
+             "    float32 data from erff.\n"
+             "\n"
+             "Raises:\n"
+             "    ValueError (shapes, strides, aliasing), TypeError (dtype), BufferError,\n"
+             "    MemoryError, RuntimeError (CUDA failure).");
 
 /* layer_norm (has_affine) and gelu: (x, [weight, bias,] *, [eps,] out, stream). */
 static PyObject *rowwise_op(PyObject *module, PyObject *const *args, Py_ssize_t nargs,
@@ -1450,37 +1484,36 @@ static PyObject *py_gelu(PyObject *module, PyObject *const *args, Py_ssize_t nar
 }
 
 PyDoc_STRVAR(repack_doc,
-"repack(packed, cu_seqlens, keep, *, fuse_weights=None, stream=None)\n"
-"    -> (packed2, cu_seqlens2, src)\n"
-"\n"
-"Drop tokens of already packed sequences (second and later pruning stages).\n"
-"\n"
-"Args:\n"
-"    packed: (T, C) float16, bfloat16 or float32, channels contiguous.\n"
-"    cu_seqlens: (B+1,) int32 on packed's device.\n"
-"    keep: (T,) bool or uint8 over the rows of packed; nonzero keeps the row.\n"
-"        Rows outside every sequence are ignored.\n"
-"    fuse_weights: optional (T,) float32 (EViT inattentive-token fusion): each\n"
-"        sequence gets one extra row after its kept rows, sum(w x) / sum(w) over\n"
-"        its dropped rows, accumulated in float32. It is always appended (zeros\n"
-"        when sum(w) == 0, e.g. nothing dropped), so every count grows by\n"
-"        exactly 1 and a capacity of T + B always suffices; its src is -1.\n"
-"    stream: as for attention.\n"
-"\n"
-"Returns:\n"
-"    packed2 (T2, C) of packed's dtype (kept rows, in order), cu_seqlens2 (B+1,)\n"
-"    int32 and src (T2,) int32 (each kept row's index into packed), in packed's\n"
-"    library. On CUDA this synchronizes the stream once to learn T2;\n"
-"    repack_into does not.\n"
-"\n"
-"Raises:\n"
-"    ValueError: bad cu_seqlens contents on the CPU.\n"
-"    TypeError, BufferError, MemoryError, RuntimeError as attention.");
+             "repack(packed, cu_seqlens, keep, *, fuse_weights=None, stream=None)\n"
+             "    -> (packed2, cu_seqlens2, src)\n"
+             "\n"
+             "Drop tokens of already packed sequences (second and later pruning stages).\n"
+             "\n"
+             "Args:\n"
+             "    packed: (T, C) float16, bfloat16 or float32, channels contiguous.\n"
+             "    cu_seqlens: (B+1,) int32 on packed's device.\n"
+             "    keep: (T,) bool or uint8 over the rows of packed; nonzero keeps the row.\n"
+             "        Rows outside every sequence are ignored.\n"
+             "    fuse_weights: optional (T,) float32 (EViT inattentive-token fusion): each\n"
+             "        sequence gets one extra row after its kept rows, sum(w x) / sum(w) over\n"
+             "        its dropped rows, accumulated in float32. It is always appended (zeros\n"
+             "        when sum(w) == 0, e.g. nothing dropped), so every count grows by\n"
+             "        exactly 1 and a capacity of T + B always suffices; its src is -1.\n"
+             "    stream: as for attention.\n"
+             "\n"
+             "Returns:\n"
+             "    packed2 (T2, C) of packed's dtype (kept rows, in order), cu_seqlens2 (B+1,)\n"
+             "    int32 and src (T2,) int32 (each kept row's index into packed), in packed's\n"
+             "    library. On CUDA this synchronizes the stream once to learn T2;\n"
+             "    repack_into does not.\n"
+             "\n"
+             "Raises:\n"
+             "    ValueError: bad cu_seqlens contents on the CPU.\n"
+             "    TypeError, BufferError, MemoryError, RuntimeError as attention.");
 
 static PyObject *py_repack(PyObject *module, PyObject *const *args, Py_ssize_t nargs,
                            PyObject *kwnames) {
-    static const char *const names[] = {"packed", "cu_seqlens", "keep", "fuse_weights",
-                                        "stream"};
+    static const char *const names[] = {"packed", "cu_seqlens", "keep", "fuse_weights", "stream"};
     PyObject *values[5];
     PyObject *cu2_obj = NULL, *out_obj = NULL, *src_obj = NULL, *result = NULL;
     ragvit_tensor packed, cu, keep, weights, cu2, out, src;
@@ -1519,32 +1552,31 @@ done:
 }
 
 PyDoc_STRVAR(repack_into_doc,
-"repack_into(packed, cu_seqlens, keep, out, cu_seqlens_out, *, src=None,\n"
-"            fuse_weights=None, stream=None) -> None\n"
-"\n"
-"repack() into caller-sized capacity buffers, with no host sync and no\n"
-"allocation (CUDA-graph capturable); the total is cu_seqlens_out[B] on the device.\n"
-"On CUDA the count, the gather and any fusion are one kernel launch.\n"
-"\n"
-"Args:\n"
-"    packed, cu_seqlens, keep: as for repack.\n"
-"    out: (capacity, C) of packed's dtype; rows past the kept total are\n"
-"        untouched. Kept rows beyond capacity are dropped and never written\n"
-"        (CPU: ValueError before any row is written; CUDA: flagged, raised in\n"
-"        debug mode).\n"
-"    cu_seqlens_out: (B+1,) int32, receives the prefix sums of the kept counts.\n"
-"    src: optional (capacity,) int32, receives each kept row's index into packed.\n"
-"    fuse_weights: optional (T,) float32, as for repack (fused in the same launch).\n"
-"    stream: as for attention.\n"
-"\n"
-"Raises:\n"
-"    TypeError, ValueError, BufferError, RuntimeError as attention.");
+             "repack_into(packed, cu_seqlens, keep, out, cu_seqlens_out, *, src=None,\n"
+             "            fuse_weights=None, stream=None) -> None\n"
+             "\n"
+             "repack() into caller-sized capacity buffers, with no host sync and no\n"
+             "allocation (CUDA-graph capturable); the total is cu_seqlens_out[B] on the device.\n"
+             "On CUDA the count, the gather and any fusion are one kernel launch.\n"
+             "\n"
+             "Args:\n"
+             "    packed, cu_seqlens, keep: as for repack.\n"
+             "    out: (capacity, C) of packed's dtype; rows past the kept total are\n"
+             "        untouched. Kept rows beyond capacity are dropped and never written\n"
+             "        (CPU: ValueError before any row is written; CUDA: flagged, raised in\n"
+             "        debug mode).\n"
+             "    cu_seqlens_out: (B+1,) int32, receives the prefix sums of the kept counts.\n"
+             "    src: optional (capacity,) int32, receives each kept row's index into packed.\n"
+             "    fuse_weights: optional (T,) float32, as for repack (fused in the same launch).\n"
+             "    stream: as for attention.\n"
+             "\n"
+             "Raises:\n"
+             "    TypeError, ValueError, BufferError, RuntimeError as attention.");
 
 static PyObject *py_repack_into(PyObject *module, PyObject *const *args, Py_ssize_t nargs,
                                 PyObject *kwnames) {
-    static const char *const names[] = {"packed", "cu_seqlens",     "keep",
-                                        "out",    "cu_seqlens_out", "src",
-                                        "fuse_weights", "stream"};
+    static const char *const names[] = {"packed",         "cu_seqlens", "keep",         "out",
+                                        "cu_seqlens_out", "src",        "fuse_weights", "stream"};
     PyObject *values[8];
     PyObject *result = NULL;
     ragvit_tensor packed, cu, keep, out, cu2, src, weights;
@@ -1610,8 +1642,8 @@ static PyObject *py_launch_empty(PyObject *module, PyObject *const *args, Py_ssi
         int index = keyword_is(key, "device") ? 0 : keyword_is(key, "stream") ? 1 : -1;
         if (index < 0) continue;
         if (index < nargs) {
-            PyErr_Format(PyExc_TypeError,
-                         "launch_empty() got multiple values for argument '%U'", key);
+            PyErr_Format(PyExc_TypeError, "launch_empty() got multiple values for argument '%U'",
+                         key);
             return NULL;
         }
         *(index == 0 ? &device_obj : &stream_obj) = args[nargs + j];
@@ -1631,14 +1663,12 @@ static PyMethodDef module_methods[] = {
     {"pack", (PyCFunction)(void (*)(void))py_pack, METH_FASTCALL | METH_KEYWORDS, pack_doc},
     {"pack_into", (PyCFunction)(void (*)(void))py_pack_into, METH_FASTCALL | METH_KEYWORDS,
      pack_into_doc},
-    {"unpack", (PyCFunction)(void (*)(void))py_unpack, METH_FASTCALL | METH_KEYWORDS,
-     unpack_doc},
-    {"repack", (PyCFunction)(void (*)(void))py_repack, METH_FASTCALL | METH_KEYWORDS,
-     repack_doc},
+    {"unpack", (PyCFunction)(void (*)(void))py_unpack, METH_FASTCALL | METH_KEYWORDS, unpack_doc},
+    {"repack", (PyCFunction)(void (*)(void))py_repack, METH_FASTCALL | METH_KEYWORDS, repack_doc},
     {"repack_into", (PyCFunction)(void (*)(void))py_repack_into, METH_FASTCALL | METH_KEYWORDS,
      repack_into_doc},
-    {"gather_prefix", (PyCFunction)(void (*)(void))py_gather_prefix,
-     METH_FASTCALL | METH_KEYWORDS, gather_prefix_doc},
+    {"gather_prefix", (PyCFunction)(void (*)(void))py_gather_prefix, METH_FASTCALL | METH_KEYWORDS,
+     gather_prefix_doc},
     {"segment_mean", (PyCFunction)(void (*)(void))py_segment_mean, METH_FASTCALL | METH_KEYWORDS,
      segment_mean_doc},
     {"linear", (PyCFunction)(void (*)(void))py_linear, METH_FASTCALL | METH_KEYWORDS, linear_doc},

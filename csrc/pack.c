@@ -58,8 +58,8 @@ static ragvit_status pack_count_check(const char *op, ragvit_pack_args *a,
  * input x and the other inputs (no aliasing). */
 static ragvit_status pack_check_outputs(const char *op, const char *x_name,
                                         const char *indices_name, const ragvit_tensor *out,
-                                        const ragvit_tensor *indices_out,
-                                        const ragvit_tensor *x, const ragvit_tensor *keep,
+                                        const ragvit_tensor *indices_out, const ragvit_tensor *x,
+                                        const ragvit_tensor *keep,
                                         const ragvit_tensor *cu_seqlens) {
     const int64_t out_shape[2] = {-1, x->shape[x->ndim - 1]};
     TRY(tensor_check_shape(op, "out", out, 2, out_shape));
@@ -158,9 +158,12 @@ static ragvit_status pack_run(const char *op, ragvit_context *ctx, const ragvit_
     TRY(ragvit_context_device(ctx, device_id, &dev));
     ragvit_pack_args launch = *a;
     launch.error_flag = dev->error_flag;
-    if (steps == PACK_COUNT) TRY(ragvit_cuda_pack_count(&launch, dev, stream));
-    else if (steps == PACK_GATHER) TRY(ragvit_cuda_pack_gather(&launch, dev, stream));
-    else TRY(ragvit_cuda_pack_fused(&launch, dev, stream));
+    if (steps == PACK_COUNT)
+        TRY(ragvit_cuda_pack_count(&launch, dev, stream));
+    else if (steps == PACK_GATHER)
+        TRY(ragvit_cuda_pack_gather(&launch, dev, stream));
+    else
+        TRY(ragvit_cuda_pack_fused(&launch, dev, stream));
     return ragvit_context_finish(ctx, device_id, stream, op);
 #else
     (void)ctx;
@@ -197,16 +200,17 @@ ragvit_status ragvit_pack_gather(ragvit_context *ctx, const ragvit_tensor *out,
 }
 
 ragvit_status ragvit_pack_into(ragvit_context *ctx, const ragvit_tensor *out,
-                               const ragvit_tensor *indices_out, const ragvit_tensor *cu_seqlens_out,
-                               const ragvit_tensor *x, const ragvit_tensor *keep, void *stream) {
+                               const ragvit_tensor *indices_out,
+                               const ragvit_tensor *cu_seqlens_out, const ragvit_tensor *x,
+                               const ragvit_tensor *keep, void *stream) {
     static const char op[] = "pack_into";
     const char *const names[] = {"x", "keep", "out", "cu_seqlens", "indices"};
     const ragvit_tensor *const all[] = {x, keep, out, cu_seqlens_out, indices_out};
     int32_t device_type = 0, device_id = 0;
     ragvit_pack_args a = {0};
     TRY(pack_gather_check(op, &a, out, indices_out, x, keep, cu_seqlens_out));
-    TRY(pack_check_count_output(op, "x", "indices", "cu_seqlens", cu_seqlens_out, out,
-                                indices_out, x, keep));
+    TRY(pack_check_count_output(op, "x", "indices", "cu_seqlens", cu_seqlens_out, out, indices_out,
+                                x, keep));
     TRY(tensor_check_devices(op, names, all, 5, &device_type, &device_id));
     return pack_run(op, ctx, &a, PACK_COUNT | PACK_GATHER, device_type, device_id, stream);
 }

@@ -23,17 +23,17 @@ extern "C" {
 
 typedef enum {
     RAGVIT_STATUS_OK = 0,
-    RAGVIT_STATUS_INVALID_SHAPE,   /* rank, extent, stride, aliasing -> ValueError */
-    RAGVIT_STATUS_INVALID_VALUE,   /* scalar arguments, tensor contents -> ValueError */
-    RAGVIT_STATUS_INVALID_DTYPE,   /* -> TypeError */
-    RAGVIT_STATUS_INVALID_DEVICE,  /* device type/index disagreement -> ValueError */
-    RAGVIT_STATUS_NOT_IMPORTABLE,  /* unsupported device, lanes, capsule -> BufferError */
-    RAGVIT_STATUS_READ_ONLY,       /* output flagged read-only -> ValueError */
-    RAGVIT_STATUS_NO_CUDA,         /* CUDA tensor but a CPU-only build -> RuntimeError */
-    RAGVIT_STATUS_OUT_OF_MEMORY,   /* -> MemoryError */
-    RAGVIT_STATUS_CUDA_ERROR,      /* CUDA runtime failure -> RuntimeError */
-    RAGVIT_STATUS_DEVICE_ASSERT,   /* debug flag: a kernel saw bad contents -> ValueError */
-    RAGVIT_STATUS_INVALID_TYPE,    /* an argument of the wrong kind of object -> TypeError */
+    RAGVIT_STATUS_INVALID_SHAPE,  /* rank, extent, stride, aliasing -> ValueError */
+    RAGVIT_STATUS_INVALID_VALUE,  /* scalar arguments, tensor contents -> ValueError */
+    RAGVIT_STATUS_INVALID_DTYPE,  /* -> TypeError */
+    RAGVIT_STATUS_INVALID_DEVICE, /* device type/index disagreement -> ValueError */
+    RAGVIT_STATUS_NOT_IMPORTABLE, /* unsupported device, lanes, capsule -> BufferError */
+    RAGVIT_STATUS_READ_ONLY,      /* output flagged read-only -> ValueError */
+    RAGVIT_STATUS_NO_CUDA,        /* CUDA tensor but a CPU-only build -> RuntimeError */
+    RAGVIT_STATUS_OUT_OF_MEMORY,  /* -> MemoryError */
+    RAGVIT_STATUS_CUDA_ERROR,     /* CUDA runtime failure -> RuntimeError */
+    RAGVIT_STATUS_DEVICE_ASSERT,  /* debug flag: a kernel saw bad contents -> ValueError */
+    RAGVIT_STATUS_INVALID_TYPE,   /* an argument of the wrong kind of object -> TypeError */
     RAGVIT_STATUS_COUNT
 } ragvit_status;
 
@@ -50,7 +50,7 @@ typedef enum {
 } ragvit_dtype;
 
 typedef enum {
-    RAGVIT_DEVICE_CPU = 1,  /* same values as DLPack's kDLCPU / kDLCUDA */
+    RAGVIT_DEVICE_CPU = 1, /* same values as DLPack's kDLCPU / kDLCUDA */
     RAGVIT_DEVICE_CUDA = 2
 } ragvit_device_type;
 
@@ -64,17 +64,17 @@ typedef struct {
     int32_t ndim;
     int32_t device_type; /* ragvit_device_type */
     int32_t device_id;
-    int32_t dtype;       /* ragvit_dtype */
+    int32_t dtype; /* ragvit_dtype */
     int32_t is_read_only;
     int32_t is_present;
 } ragvit_tensor;
 
 /* Bits of the device-side error flag (RAGVIT_DEBUG / ragvit.set_debug). */
-#define RAGVIT_ERROR_BAD_CU_SEQLENS 1u /* negative, decreasing, or past total_tokens */
+#define RAGVIT_ERROR_BAD_CU_SEQLENS 1u  /* negative, decreasing, or past total_tokens */
 #define RAGVIT_ERROR_SEQLEN_OVER_MAX 2u /* a length exceeds max_seqlen */
-#define RAGVIT_ERROR_CAPACITY 4u       /* packed output smaller than the kept tokens */
-#define RAGVIT_ERROR_BAD_INDEX 8u      /* scatter index outside [0, N) */
-#define RAGVIT_ERROR_SHORT_SEQ 16u     /* gather_prefix: a sequence shorter than k */
+#define RAGVIT_ERROR_CAPACITY 4u        /* packed output smaller than the kept tokens */
+#define RAGVIT_ERROR_BAD_INDEX 8u       /* scatter index outside [0, N) */
+#define RAGVIT_ERROR_SHORT_SEQ 16u      /* gather_prefix: a sequence shorter than k */
 
 /* Op families for ragvit_device_info.pdl_ops (sm_90+; RAGVIT_PDL overrides, see README). */
 #define RAGVIT_PDL_ATTENTION 1u
@@ -92,7 +92,7 @@ typedef struct {
     int32_t cc_major;
     int32_t cc_minor;
     int64_t smem_per_block_optin;
-    uint32_t pdl_ops; /* RAGVIT_PDL_* ops launched with programmatic dependent launch */
+    uint32_t pdl_ops;         /* RAGVIT_PDL_* ops launched with programmatic dependent launch */
     unsigned int *error_flag; /* device pointer, one word, zeroed */
 } ragvit_device_info;
 
@@ -167,8 +167,9 @@ ragvit_status ragvit_pack_gather(ragvit_context *ctx, const ragvit_tensor *out,
                                  void *stream);
 /* Both steps into caller-sized buffers, validated once, no host sync. */
 ragvit_status ragvit_pack_into(ragvit_context *ctx, const ragvit_tensor *out,
-                               const ragvit_tensor *indices_out, const ragvit_tensor *cu_seqlens_out,
-                               const ragvit_tensor *x, const ragvit_tensor *keep, void *stream);
+                               const ragvit_tensor *indices_out,
+                               const ragvit_tensor *cu_seqlens_out, const ragvit_tensor *x,
+                               const ragvit_tensor *keep, void *stream);
 /* out (B, N, C) from packed (T, C) and cu_seqlens (B+1,): row j < len of image
  * b is packed[cu_seqlens[b] + j], or, when indices (T,) int32 is present,
  * packed token t lands at out[b, indices[t]]; every other row is `fill`. */

@@ -36,8 +36,8 @@ static const char *format_shape(char *buf, size_t size, int32_t ndim, const int6
 ragvit_status tensor_fail_ndim(const char *op, const char *name, const ragvit_tensor *t,
                                int32_t ndim) {
     char got[128];
-    return ragvit_fail(RAGVIT_STATUS_INVALID_SHAPE, "%s: %s must have %d dimensions, got %d %s",
-                       op, name, ndim, t->ndim, format_shape(got, sizeof got, t->ndim, t->shape));
+    return ragvit_fail(RAGVIT_STATUS_INVALID_SHAPE, "%s: %s must have %d dimensions, got %d %s", op,
+                       name, ndim, t->ndim, format_shape(got, sizeof got, t->ndim, t->shape));
 }
 
 ragvit_status tensor_fail_shape(const char *op, const char *name, const ragvit_tensor *t,
@@ -89,8 +89,10 @@ static int byte_extent(const ragvit_tensor *t, uintptr_t *lo, uintptr_t *hi) {
     for (int32_t i = 0; i < t->ndim; i++) {
         if (t->shape[i] == 0) return 0;
         int64_t span = (t->shape[i] - 1) * t->strides[i];
-        if (span < 0) first += span;
-        else last += span;
+        if (span < 0)
+            first += span;
+        else
+            last += span;
     }
     int64_t size = tensor_dtype_size(t->dtype);
     *lo = (uintptr_t)t->data + (uintptr_t)(first * size);
@@ -98,9 +100,9 @@ static int byte_extent(const ragvit_tensor *t, uintptr_t *lo, uintptr_t *hi) {
     return 1;
 }
 
-ragvit_status tensor_check_no_alias_any(const char *op, const char *name,
-                                        const ragvit_tensor *out, const char *const *names,
-                                        const ragvit_tensor *const *ins, int count) {
+ragvit_status tensor_check_no_alias_any(const char *op, const char *name, const ragvit_tensor *out,
+                                        const char *const *names, const ragvit_tensor *const *ins,
+                                        int count) {
     uintptr_t out_lo, out_hi, in_lo, in_hi;
     if (!out->is_present || !byte_extent(out, &out_lo, &out_hi)) return RAGVIT_STATUS_OK;
     for (int i = 0; i < count; i++) {
@@ -111,8 +113,8 @@ ragvit_status tensor_check_no_alias_any(const char *op, const char *name,
             continue;
         }
         return ragvit_fail(RAGVIT_STATUS_INVALID_SHAPE,
-                           "%s: %s must not alias (overlap) %s, got overlapping memory", op,
-                           name, names[i]);
+                           "%s: %s must not alias (overlap) %s, got overlapping memory", op, name,
+                           names[i]);
     }
     return RAGVIT_STATUS_OK;
 }
@@ -193,8 +195,7 @@ ragvit_status tensor_check_cu_seqlens_host(const char *op, const ragvit_tensor *
     int64_t last = cu[num_seqs * stride];
     if (last > total_tokens) {
         return ragvit_fail(RAGVIT_STATUS_INVALID_VALUE,
-                           "%s: cu_seqlens[-1] must be <= total_tokens (%" PRId64
-                           "), got %" PRId64,
+                           "%s: cu_seqlens[-1] must be <= total_tokens (%" PRId64 "), got %" PRId64,
                            op, total_tokens, last);
     }
     if (longest) *longest = best;

@@ -6,17 +6,17 @@
 
 #include "ragvit.h"
 
-#define TRY(x)                                   \
-    do {                                         \
-        ragvit_status s_ = (x);                  \
-        if (s_ != RAGVIT_STATUS_OK) return s_;   \
+#define TRY(x)                                                                                     \
+    do {                                                                                           \
+        ragvit_status s_ = (x);                                                                    \
+        if (s_ != RAGVIT_STATUS_OK) return s_;                                                     \
     } while (0)
 
 const char *tensor_dtype_name(int32_t dtype);
 static inline int32_t tensor_dtype_size(int32_t dtype) { /* bytes; 0 for an unknown dtype */
     static const int32_t sizes[RAGVIT_DTYPE_COUNT] = {
-        [RAGVIT_DTYPE_F16] = 2, [RAGVIT_DTYPE_BF16] = 2, [RAGVIT_DTYPE_F32] = 4,
-        [RAGVIT_DTYPE_I32] = 4, [RAGVIT_DTYPE_I64] = 8,  [RAGVIT_DTYPE_U8] = 1,
+        [RAGVIT_DTYPE_F16] = 2,  [RAGVIT_DTYPE_BF16] = 2, [RAGVIT_DTYPE_F32] = 4,
+        [RAGVIT_DTYPE_I32] = 4,  [RAGVIT_DTYPE_I64] = 8,  [RAGVIT_DTYPE_U8] = 1,
         [RAGVIT_DTYPE_BOOL] = 1, [RAGVIT_DTYPE_F64] = 8,
     };
     return (dtype < 0 || dtype >= RAGVIT_DTYPE_COUNT) ? 0 : sizes[dtype];
@@ -36,14 +36,13 @@ ragvit_status tensor_fail_dtype(const char *op, const char *name, const ragvit_t
                                 int32_t dtype);
 ragvit_status tensor_fail_same_dtype(const char *op, const char *name, const ragvit_tensor *t,
                                      const char *ref_name, const ragvit_tensor *ref);
-ragvit_status tensor_fail_last_contiguous(const char *op, const char *name,
-                                          const ragvit_tensor *t);
+ragvit_status tensor_fail_last_contiguous(const char *op, const char *name, const ragvit_tensor *t);
 ragvit_status tensor_fail_writable(const char *op, const char *name, const ragvit_tensor *t);
 /* out must share no byte with any present ins[i] on its device (named names[i]);
  * conservative: compares byte extents, out's computed once. */
-ragvit_status tensor_check_no_alias_any(const char *op, const char *name,
-                                        const ragvit_tensor *out, const char *const *names,
-                                        const ragvit_tensor *const *ins, int count);
+ragvit_status tensor_check_no_alias_any(const char *op, const char *name, const ragvit_tensor *out,
+                                        const char *const *names, const ragvit_tensor *const *ins,
+                                        int count);
 
 static inline ragvit_status tensor_check_ndim(const char *op, const char *name,
                                               const ragvit_tensor *t, int32_t ndim) {

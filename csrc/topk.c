@@ -28,8 +28,7 @@ ragvit_status ragvit_topk_index(ragvit_context *ctx, const ragvit_tensor *out,
     }
     if (prefix < 0 || prefix > L) {
         return ragvit_fail(RAGVIT_STATUS_INVALID_VALUE,
-                           "%s: prefix must be in [0, L=%" PRId64 "], got %" PRId64, op, L,
-                           prefix);
+                           "%s: prefix must be in [0, L=%" PRId64 "], got %" PRId64, op, L, prefix);
     }
     if (k < 0 || k > L - prefix) {
         return ragvit_fail(RAGVIT_STATUS_INVALID_VALUE,

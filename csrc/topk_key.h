@@ -16,10 +16,8 @@
 
 /* bits: the IEEE-754 binary32 bits of the score (a float16/bfloat16 score widened first). */
 RAGVIT_TOPK_KEY_FN uint32_t topk_key_from_bits(uint32_t bits) {
-    if ((bits & 0x7FFFFFFFu) > 0x7F800000u)
-        return 0xFFFFFFFFu;
-    if ((bits & 0x7FFFFFFFu) == 0)
-        bits = 0;
+    if ((bits & 0x7FFFFFFFu) > 0x7F800000u) return 0xFFFFFFFFu;
+    if ((bits & 0x7FFFFFFFu) == 0) bits = 0;
     return (bits & 0x80000000u) ? ~bits : (bits | 0x80000000u);
 }
 

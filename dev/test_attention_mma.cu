@@ -37,8 +37,7 @@
 
 // ---- link stand-ins (status.c / cuda_common.cu are not part of this program) ----
 
-extern "C" ragvit_status ragvit_cuda_fail(int error, const char *expr, const char *file,
-                                          int line) {
+extern "C" ragvit_status ragvit_cuda_fail(int error, const char *expr, const char *file, int line) {
     fprintf(stderr, "CUDA error %s: %s (%s @ %s:%d)\n", cudaGetErrorName((cudaError_t)error),
             cudaGetErrorString((cudaError_t)error), expr, file, line);
     return RAGVIT_STATUS_CUDA_ERROR;
@@ -56,14 +55,14 @@ extern "C" ragvit_status ragvit_fail(ragvit_status status, const char *fmt, ...)
 
 // ---- host helpers ----
 
-#define CHECK_CUDA(x)                                                                      \
-    do {                                                                                   \
-        cudaError_t e_ = (x);                                                              \
-        if (e_ != cudaSuccess) {                                                           \
-            fprintf(stderr, "%s failed: %s (%s:%d)\n", #x, cudaGetErrorString(e_), __FILE__, \
-                    __LINE__);                                                             \
-            exit(2);                                                                       \
-        }                                                                                  \
+#define CHECK_CUDA(x)                                                                              \
+    do {                                                                                           \
+        cudaError_t e_ = (x);                                                                      \
+        if (e_ != cudaSuccess) {                                                                   \
+            fprintf(stderr, "%s failed: %s (%s:%d)\n", #x, cudaGetErrorString(e_), __FILE__,       \
+                    __LINE__);                                                                     \
+            exit(2);                                                                               \
+        }                                                                                          \
     } while (0)
 
 static const uint16_t kPoison16 = 0xFFFFu;     /* NaN in fp16 and in bf16 */
@@ -97,10 +96,10 @@ struct test_case {
     int dtype;
     int head_dim;
     int num_heads;
-    bool is_qkv_view;       /* q, k, v are views of one (T, 3, H, D) buffer; out is padded */
-    std::vector<int> cu;    /* cu_seqlens as given to the kernel (may be invalid) */
-    int64_t total_tokens;   /* T */
-    int max_seqlen;         /* as passed in the args */
+    bool is_qkv_view;     /* q, k, v are views of one (T, 3, H, D) buffer; out is padded */
+    std::vector<int> cu;  /* cu_seqlens as given to the kernel (may be invalid) */
+    int64_t total_tokens; /* T */
+    int max_seqlen;       /* as passed in the args */
     float scale;
     float q_gain;           /* q ~ q_gain * N(0, 1): larger -> peakier softmax */
     float k_ramp;           /* k of a sequence's token i ~ (1 + k_ramp i / len) N(0, 1) */
@@ -178,15 +177,13 @@ static reference compute_reference(const test_case &c, const layout &l, const in
     const std::vector<int> seqs = valid_seqs(c);
     std::vector<std::pair<int, int>> tasks;
     for (int s : seqs)
-        for (int h = 0; h < H; ++h)
-            tasks.push_back({s, h});
+        for (int h = 0; h < H; ++h) tasks.push_back({s, h});
     std::atomic<size_t> next(0);
     auto worker = [&]() {
         std::vector<double> Q, K, V, logits;
         for (;;) {
             const size_t i = next++;
-            if (i >= tasks.size())
-                return;
+            if (i >= tasks.size()) return;
             const int s = tasks[i].first, h = tasks[i].second;
             const int start = c.cu[s], len = c.cu[s + 1] - c.cu[s];
             Q.resize((size_t)len * D);
@@ -205,8 +202,7 @@ static reference compute_reference(const test_case &c, const layout &l, const in
                 double mx = -INFINITY;
                 for (int j = 0; j < len; ++j) {
                     double acc = 0.0;
-                    for (int d = 0; d < D; ++d)
-                        acc += Q[(size_t)qi * D + d] * K[(size_t)j * D + d];
+                    for (int d = 0; d < D; ++d) acc += Q[(size_t)qi * D + d] * K[(size_t)j * D + d];
                     logits[(size_t)j] = acc * (double)c.scale;
                     mx = logits[(size_t)j] > mx ? logits[(size_t)j] : mx;
                 }
@@ -218,10 +214,8 @@ static reference compute_reference(const test_case &c, const layout &l, const in
                 double *o = &r.out[(size_t)(((int64_t)(start + qi) * H + h) * D)];
                 for (int j = 0; j < len; ++j) {
                     const double p = logits[(size_t)j] / sum;
-                    for (int d = 0; d < D; ++d)
-                        o[d] += p * V[(size_t)j * D + d];
-                    if (qi == 0)
-                        p0[(size_t)((int64_t)(start + j) * H + h)] = p;
+                    for (int d = 0; d < D; ++d) o[d] += p * V[(size_t)j * D + d];
+                    if (qi == 0) p0[(size_t)((int64_t)(start + j) * H + h)] = p;
                 }
             }
         }
@@ -229,15 +223,12 @@ static reference compute_reference(const test_case &c, const layout &l, const in
     unsigned n = std::thread::hardware_concurrency();
     n = n == 0 ? 4 : (n > 32 ? 32 : n);
     std::vector<std::thread> pool;
-    for (unsigned i = 0; i < n; ++i)
-        pool.emplace_back(worker);
-    for (auto &t : pool)
-        t.join();
+    for (unsigned i = 0; i < n; ++i) pool.emplace_back(worker);
+    for (auto &t : pool) t.join();
     for (int s : seqs)
         for (int t = c.cu[s]; t < c.cu[s + 1]; ++t) {
             double acc = 0.0;
-            for (int h = 0; h < H; ++h)
-                acc += p0[(size_t)((int64_t)t * H + h)];
+            for (int h = 0; h < H; ++h) acc += p0[(size_t)((int64_t)t * H + h)];
             r.cls[(size_t)t] = acc / H;
         }
     return r;
@@ -324,13 +315,12 @@ static run_result run_kernel(const test_case &c, const layout &l, const device_b
             ragged_attention_mma_make_plan(&a, &dev, shape.num_warps, shape.num_stages);
         const bool is_auto = (shape.num_warps == 0 && shape.num_stages == 0) ||
                              (shape.num_warps < 0 && !ragged_attention_wgmma_supports(&a, &dev));
-        const ragvit_status st =
-            is_auto ? ragged_attention_mma_launch(&a, &dev, 0)
-            : shape.num_warps < 0
-                ? ragged_attention_wgmma_launch_plan(&a, &dev, shape.num_warps == -2 ? 128 : 64,
-                                                     shape.num_stages,
-                                                     shape.num_warps == -3 ? 1 : 0, 0)
-                : ragged_attention_mma_launch_plan(&a, &plan, &dev, 0);
+        const ragvit_status st = is_auto ? ragged_attention_mma_launch(&a, &dev, 0)
+                                 : shape.num_warps < 0
+                                     ? ragged_attention_wgmma_launch_plan(
+                                           &a, &dev, shape.num_warps == -2 ? 128 : 64,
+                                           shape.num_stages, shape.num_warps == -3 ? 1 : 0, 0)
+                                     : ragged_attention_mma_launch_plan(&a, &plan, &dev, 0);
         if (st != RAGVIT_STATUS_OK) {
             fprintf(stderr, "launch returned status %d\n", (int)st);
             exit(2);
@@ -346,16 +336,15 @@ static run_result run_kernel(const test_case &c, const layout &l, const device_b
     }
     CHECK_CUDA(cudaMemcpy(&r.flag, b.flag, sizeof(unsigned), cudaMemcpyDeviceToHost));
     CHECK_CUDA(cudaFree(out));
-    if (cls != nullptr)
-        CHECK_CUDA(cudaFree(cls));
+    if (cls != nullptr) CHECK_CUDA(cudaFree(cls));
     return r;
 }
 
 struct check_stats {
-    double max_err = 0.0;      /* max |got - ref| over the valid output */
-    double max_cls_err = 0.0;  /* max |got - ref| over cls_attn */
-    int64_t bad_values = 0;    /* outside tolerance, or not finite */
-    int64_t bad_poison = 0;    /* written outside the valid region */
+    double max_err = 0.0;     /* max |got - ref| over the valid output */
+    double max_cls_err = 0.0; /* max |got - ref| over cls_attn */
+    int64_t bad_values = 0;   /* outside tolerance, or not finite */
+    int64_t bad_poison = 0;   /* written outside the valid region */
     int64_t bad_cls = 0;
     int64_t nondeterministic = 0;
     bool bad_flag = false;
@@ -380,47 +369,38 @@ static void check_run(const test_case &c, const layout &l, const reference &ref,
             is_valid_token[(size_t)t] = 1;
             for (int h = 0; h < H; ++h)
                 for (int d = 0; d < D; ++d) {
-                    const int64_t e = (int64_t)t * l.out_stride_token +
-                                      (int64_t)h * l.out_stride_head + d;
+                    const int64_t e =
+                        (int64_t)t * l.out_stride_token + (int64_t)h * l.out_stride_head + d;
                     is_valid_elem[(size_t)e] = 1;
                     const double got = from_bits(r.out[(size_t)e], c.dtype);
                     const double want = ref.out[(size_t)(((int64_t)t * H + h) * D + d)];
                     const double err = fabs(got - want);
-                    if (!std::isfinite(got) || !(err <= atol + rtol * fabs(want)))
-                        ++st->bad_values;
-                    if (std::isfinite(err) && err > st->max_err)
-                        st->max_err = err;
+                    if (!std::isfinite(got) || !(err <= atol + rtol * fabs(want))) ++st->bad_values;
+                    if (std::isfinite(err) && err > st->max_err) st->max_err = err;
                 }
         }
     for (int64_t e = 0; e < l.out_elems; ++e) {
-        if (!is_valid_elem[(size_t)e] && r.out[(size_t)e] != kPoison16)
-            ++st->bad_poison;
-        if (r.out[(size_t)e] != again.out[(size_t)e])
-            ++st->nondeterministic;
+        if (!is_valid_elem[(size_t)e] && r.out[(size_t)e] != kPoison16) ++st->bad_poison;
+        if (r.out[(size_t)e] != again.out[(size_t)e]) ++st->nondeterministic;
     }
     if (with_cls) {
         for (int64_t i = 0; i < T * l.cls_stride; ++i) {
             const bool is_slot =
                 i % l.cls_stride == 0 && is_valid_token[(size_t)(i / l.cls_stride)];
-            if (r.cls[(size_t)i] != again.cls[(size_t)i])
-                ++st->nondeterministic;
+            if (r.cls[(size_t)i] != again.cls[(size_t)i]) ++st->nondeterministic;
             if (!is_slot) {
-                if (r.cls[(size_t)i] != kPoison32)
-                    ++st->bad_poison;
+                if (r.cls[(size_t)i] != kPoison32) ++st->bad_poison;
                 continue;
             }
             float got;
             memcpy(&got, &r.cls[(size_t)i], 4);
             const double want = ref.cls[(size_t)(i / l.cls_stride)];
             const double err = fabs((double)got - want);
-            if (!std::isfinite(got) || !(err <= 1e-6 + 1e-4 * fabs(want)))
-                ++st->bad_cls;
-            if (std::isfinite(err) && err > st->max_cls_err)
-                st->max_cls_err = err;
+            if (!std::isfinite(got) || !(err <= 1e-6 + 1e-4 * fabs(want))) ++st->bad_cls;
+            if (std::isfinite(err) && err > st->max_cls_err) st->max_cls_err = err;
         }
     }
-    if (r.flag != c.expected_flag || again.flag != c.expected_flag)
-        st->bad_flag = true;
+    if (r.flag != c.expected_flag || again.flag != c.expected_flag) st->bad_flag = true;
 }
 
 static void fill_inputs(const test_case &c, const layout &l, inputs *in) {
@@ -445,8 +425,7 @@ static void fill_inputs(const test_case &c, const layout &l, inputs *in) {
     std::vector<uint16_t> &kb = c.is_qkv_view ? in->q : in->k;
     std::vector<uint16_t> &vb = c.is_qkv_view ? in->q : in->v;
     for (int64_t t = 0; t < T; ++t) {
-        if (!is_used[(size_t)t])
-            continue;
+        if (!is_used[(size_t)t]) continue;
         for (int64_t h = 0; h < H; ++h)
             for (int64_t d = 0; d < D; ++d) {
                 const int64_t e = t * l.in_stride_token + h * l.in_stride_head + d;
@@ -474,18 +453,17 @@ static int run_case(const test_case &c) {
         CHECK_CUDA(cudaMemcpy(b.in_v, in.v.data(), in_bytes, cudaMemcpyHostToDevice));
     }
     CHECK_CUDA(cudaMalloc(&b.cu, c.cu.size() * sizeof(int32_t)));
-    CHECK_CUDA(cudaMemcpy(b.cu, c.cu.data(), c.cu.size() * sizeof(int32_t),
-                          cudaMemcpyHostToDevice));
+    CHECK_CUDA(
+        cudaMemcpy(b.cu, c.cu.data(), c.cu.size() * sizeof(int32_t), cudaMemcpyHostToDevice));
     CHECK_CUDA(cudaMalloc(&b.flag, sizeof(unsigned)));
 
     const std::vector<launch_shape> shapes =
         g_is_quick
             ? std::vector<launch_shape>{{132, 0, 0},  {132, 1, 3},  {132, 4, 2},
                                         {132, -1, 3}, {132, -2, 3}, {132, -3, 3}}
-            : std::vector<launch_shape>{{132, 0, 0},  {1000000, 0, 0}, {132, 4, 2},
-                                        {132, 4, 3},  {132, 3, 4},     {132, 2, 3},
-                                        {132, 1, 2},  {132, 1, 4},     {132, -1, 2},
-                                        {132, -1, 3}, {132, -1, 5},    {132, -2, 2},
+            : std::vector<launch_shape>{{132, 0, 0},  {1000000, 0, 0}, {132, 4, 2},  {132, 4, 3},
+                                        {132, 3, 4},  {132, 2, 3},     {132, 1, 2},  {132, 1, 4},
+                                        {132, -1, 2}, {132, -1, 3},    {132, -1, 5}, {132, -2, 2},
                                         {132, -2, 5}, {132, -3, 2},    {132, -3, 5}};
     int failures = 0;
     for (int with_cls = 0; with_cls < 2; ++with_cls) {
@@ -508,25 +486,22 @@ static int run_case(const test_case &c) {
                 printf("    ^ sm_count=%d warps=%d stages=%d: bad_values=%lld bad_poison=%lld "
                        "bad_cls=%lld nondet=%lld flag=%u/%u (want %u)%s\n",
                        sh.sm_count, sh.num_warps, sh.num_stages, (long long)one.bad_values,
-                       (long long)one.bad_poison,
-                       (long long)one.bad_cls, (long long)one.nondeterministic, r.flag,
-                       again.flag, c.expected_flag, one.not_launched ? " NOT LAUNCHED" : "");
+                       (long long)one.bad_poison, (long long)one.bad_cls,
+                       (long long)one.nondeterministic, r.flag, again.flag, c.expected_flag,
+                       one.not_launched ? " NOT LAUNCHED" : "");
         }
-        const bool is_ok = !(st.bad_values || st.bad_poison || st.bad_cls ||
-                             st.nondeterministic || st.bad_flag || st.not_launched);
+        const bool is_ok = !(st.bad_values || st.bad_poison || st.bad_cls || st.nondeterministic ||
+                             st.bad_flag || st.not_launched);
         printf("%-4s %-34s %s D=%3d H=%2d %s cls=%d  max_err=%.3e  max_cls_err=%.3e  seed=%u\n",
-               is_ok ? "ok" : "FAIL", c.name.c_str(),
-               c.dtype == RAGVIT_DTYPE_F16 ? "f16 " : "bf16", c.head_dim, c.num_heads,
-               c.is_qkv_view ? "qkv-view" : "contig  ", with_cls, st.max_err, st.max_cls_err,
-               c.seed);
+               is_ok ? "ok" : "FAIL", c.name.c_str(), c.dtype == RAGVIT_DTYPE_F16 ? "f16 " : "bf16",
+               c.head_dim, c.num_heads, c.is_qkv_view ? "qkv-view" : "contig  ", with_cls,
+               st.max_err, st.max_cls_err, c.seed);
         fflush(stdout);
         failures += is_ok ? 0 : 1;
     }
     CHECK_CUDA(cudaFree(b.in_q));
-    if (b.in_k != nullptr)
-        CHECK_CUDA(cudaFree(b.in_k));
-    if (b.in_v != nullptr)
-        CHECK_CUDA(cudaFree(b.in_v));
+    if (b.in_k != nullptr) CHECK_CUDA(cudaFree(b.in_k));
+    if (b.in_v != nullptr) CHECK_CUDA(cudaFree(b.in_v));
     CHECK_CUDA(cudaFree(b.cu));
     CHECK_CUDA(cudaFree(b.flag));
     return failures;
@@ -581,18 +556,19 @@ static int check_supports(void) {
     dev.sm_count = 132;
     int failures = 0;
     /* one check of a supports predicate (name: how it prints) */
-    auto expect_of = [&](const char *name, bool (*supports)(const ragvit_attention_args *,
-                                                            const ragvit_device_info *),
-                         const char *what, const ragvit_attention_args &x,
-                         const ragvit_device_info &d, bool want) {
-        const bool got = supports(&x, &d);
-        if (got != want) {
-            printf("FAIL %s(%s) = %d, want %d\n", name, what, (int)got, (int)want);
-            ++failures;
-        }
-    };
-    auto expect = [&](const char *what, const ragvit_attention_args &x,
-                      const ragvit_device_info &d, bool want) {
+    auto expect_of =
+        [&](const char *name,
+            bool (*supports)(const ragvit_attention_args *, const ragvit_device_info *),
+            const char *what, const ragvit_attention_args &x, const ragvit_device_info &d,
+            bool want) {
+            const bool got = supports(&x, &d);
+            if (got != want) {
+                printf("FAIL %s(%s) = %d, want %d\n", name, what, (int)got, (int)want);
+                ++failures;
+            }
+        };
+    auto expect = [&](const char *what, const ragvit_attention_args &x, const ragvit_device_info &d,
+                      bool want) {
         expect_of("supports", ragged_attention_mma_supports, what, x, d, want);
     };
     expect("aligned f16 D=64", a, dev, true);
@@ -692,8 +668,7 @@ static void bench(const char *only, bool is_wgmma_only) {
     printf("bench (fp16, D=64, GPU us per launch, median of 5 x 200 launches; wNsM = forced "
            "warps/stages, kKsS = wgmma keys/stages):\n");
     for (const shape &sh : shapes) {
-        if (only != nullptr && strstr(sh.name, only) == nullptr)
-            continue;
+        if (only != nullptr && strstr(sh.name, only) == nullptr) continue;
         std::mt19937 rng(99);
         const int spread = sh.batch == 1 || sh.is_fixed ? 0 : sh.mean_len / 5; /* +-20% */
         std::uniform_int_distribution<int> len_dist(sh.mean_len - spread, sh.mean_len + spread);
@@ -719,8 +694,7 @@ static void bench(const char *only, bool is_wgmma_only) {
         CHECK_CUDA(cudaMemset(flag, 0, 4));
         std::vector<uint16_t> host((size_t)(T * 3 * H * D));
         std::normal_distribution<float> normal(0.0f, 1.0f);
-        for (auto &x : host)
-            x = to_bits(normal(rng), RAGVIT_DTYPE_F16);
+        for (auto &x : host) x = to_bits(normal(rng), RAGVIT_DTYPE_F16);
         CHECK_CUDA(cudaMemcpy(qkv, host.data(), host.size() * 2, cudaMemcpyHostToDevice));
         CHECK_CUDA(cudaMemcpy(cu_d, cu.data(), cu.size() * 4, cudaMemcpyHostToDevice));
         ragvit_attention_args a;
@@ -758,13 +732,11 @@ static void bench(const char *only, bool is_wgmma_only) {
         /* median of 5 x 200 launches, in us per launch */
         auto time_launch = [&](auto launch) {
             for (int i = 0; i < 50; ++i)
-                if (launch() != RAGVIT_STATUS_OK)
-                    exit(2);
+                if (launch() != RAGVIT_STATUS_OK) exit(2);
             std::vector<float> reps;
             for (int r = 0; r < 5; ++r) {
                 CHECK_CUDA(cudaEventRecord(e0));
-                for (int i = 0; i < 200; ++i)
-                    (void)launch();
+                for (int i = 0; i < 200; ++i) (void)launch();
                 CHECK_CUDA(cudaEventRecord(e1));
                 CHECK_CUDA(cudaEventSynchronize(e1));
                 float ms = 0.0f;
@@ -776,7 +748,8 @@ static void bench(const char *only, bool is_wgmma_only) {
             return (double)reps[2];
         };
         auto time_plan = [&](const ragged_attention_mma_plan &plan) {
-            return time_launch([&] { return ragged_attention_mma_launch_plan(&a, &plan, &dev, 0); });
+            return time_launch(
+                [&] { return ragged_attention_mma_launch_plan(&a, &plan, &dev, 0); });
         };
         a.cls_attn = nullptr;
         const ragged_attention_mma_plan best = ragged_attention_mma_make_plan(&a, &dev, 0, 0);
@@ -792,16 +765,16 @@ static void bench(const char *only, bool is_wgmma_only) {
         const int forced[][2] = {{1, 2}, {1, 4}, {2, 2}, {2, 4}, {4, 2}, {4, 4}};
         for (const auto &f : forced)
             if (!is_wgmma_only)
-            printf(" w%ds%d %.2f", f[0], f[1],
-                   time_plan(ragged_attention_mma_make_plan(&a, &dev, f[0], f[1])));
+                printf(" w%ds%d %.2f", f[0], f[1],
+                       time_plan(ragged_attention_mma_make_plan(&a, &dev, f[0], f[1])));
         if (ragged_attention_wgmma_supports(&a, &dev)) { /* the sm_90a path, what auto runs */
             printf(" | wgmma %.2f",
                    time_launch([&] { return ragged_attention_wgmma_launch(&a, &dev, 0); }));
             for (int keys = 64; keys <= 128 && g_is_sweep; keys *= 2)
                 for (int stages = 2; stages <= RAGGED_ATTENTION_WGMMA_MAX_STAGES; ++stages)
                     printf(" k%ds%d %.2f", keys, stages, time_launch([&] {
-                               return ragged_attention_wgmma_launch_plan(&a, &dev, keys, stages,
-                                                                         -1, 0);
+                               return ragged_attention_wgmma_launch_plan(&a, &dev, keys, stages, -1,
+                                                                         0);
                            }));
         }
         printf("\n");
@@ -863,10 +836,9 @@ int main(int argc, char **argv) {
     const int dtypes[] = {RAGVIT_DTYPE_F16, RAGVIT_DTYPE_BF16};
     const std::vector<int> dims =
         g_is_quick ? std::vector<int>{64, 80} : std::vector<int>{32, 64, 80, 96, 128};
-    const std::vector<int> sweep = g_is_quick
-                                       ? std::vector<int>{1, 17, 64, 72, 130}
-                                       : std::vector<int>{1,  16,  17,  63,  64,  65, 72,
-                                                          136, 137, 197, 577, 1024};
+    const std::vector<int> sweep =
+        g_is_quick ? std::vector<int>{1, 17, 64, 72, 130}
+                   : std::vector<int>{1, 16, 17, 63, 64, 65, 72, 136, 137, 197, 577, 1024};
     uint32_t seed = 1234;
 
     /* The brief's sweep: every dtype, head_dim and layout over the awkward lengths. */
@@ -911,27 +883,24 @@ int main(int argc, char **argv) {
     for (int dtype : dtypes)
         for (const thin_set &set : thin_sets)
             for (int view = 0; view < 2; ++view) {
-                test_case c = make_case("thin last query tiles", dtype, 64, 6, view != 0,
-                                        set.lens, view ? 5 : 0, view ? 7 : 3, seed++);
-                if (set.max_seqlen > 0)
-                    c.max_seqlen = set.max_seqlen;
+                test_case c = make_case("thin last query tiles", dtype, 64, 6, view != 0, set.lens,
+                                        view ? 5 : 0, view ? 7 : 3, seed++);
+                if (set.max_seqlen > 0) c.max_seqlen = set.max_seqlen;
                 c.q_gain = view ? 3.0f : 1.0f;
                 failures += run_case(c);
             }
 
     /* DeiT shapes: batch 1 (few blocks), a pruned batch of H = 12 with a loose max_seqlen. */
     for (int dtype : dtypes) {
-        if (g_is_quick)
-            break;
-        failures += run_case(make_case("deit-s batch 1 len 197", dtype, 64, 6, true, {197}, 0,
-                                       0, seed++));
+        if (g_is_quick) break;
+        failures +=
+            run_case(make_case("deit-s batch 1 len 197", dtype, 64, 6, true, {197}, 0, 0, seed++));
         std::mt19937 rng(seed);
         std::uniform_int_distribution<int> len_dist(40, 200);
         std::vector<int> lens(32);
-        for (int &x : lens)
-            x = len_dist(rng);
-        test_case c = make_case("deit-b pruned batch 32, loose max", dtype, 64, 12, true, lens,
-                                0, 0, seed++);
+        for (int &x : lens) x = len_dist(rng);
+        test_case c =
+            make_case("deit-b pruned batch 32, loose max", dtype, 64, 12, true, lens, 0, 0, seed++);
         c.max_seqlen = 1000;
         c.scale = 0.3f;
         failures += run_case(c);
@@ -961,18 +930,16 @@ int main(int argc, char **argv) {
         std::mt19937 rng(seed);
         std::uniform_int_distribution<int> len_dist(0, 3);
         std::vector<int> lens(70000);
-        for (int &x : lens)
-            x = len_dist(rng);
+        for (int &x : lens) x = len_dist(rng);
         lens[12345] = 300;
         lens[69999] = 129;
-        test_case c = make_case("70000 seqs, loose max", RAGVIT_DTYPE_F16, 32, 2, true, lens, 0,
-                                2, seed++);
+        test_case c =
+            make_case("70000 seqs, loose max", RAGVIT_DTYPE_F16, 32, 2, true, lens, 0, 2, seed++);
         c.max_seqlen = (int)c.total_tokens;
         failures += run_case(c);
     }
 
-    if (is_bench)
-        bench(only, false);
+    if (is_bench) bench(only, false);
     if (failures == 0) {
         printf("ALL PASS\n");
         return 0;

@@ -19,19 +19,17 @@
 
 #include "launch.h"
 
-#define CUDA_TRY(x)                                                          \
-    do {                                                                     \
-        cudaError_t e_ = (x);                                                \
-        if (e_ != cudaSuccess)                                               \
-            return ragvit_cuda_fail((int)e_, #x, __FILE__, __LINE__);        \
+#define CUDA_TRY(x)                                                                                \
+    do {                                                                                           \
+        cudaError_t e_ = (x);                                                                      \
+        if (e_ != cudaSuccess) return ragvit_cuda_fail((int)e_, #x, __FILE__, __LINE__);           \
     } while (0)
 
 #ifndef RAGVIT_TRY
-#define RAGVIT_TRY(x)                                                        \
-    do {                                                                     \
-        ragvit_status s_ = (x);                                              \
-        if (s_ != RAGVIT_STATUS_OK)                                          \
-            return s_;                                                       \
+#define RAGVIT_TRY(x)                                                                              \
+    do {                                                                                           \
+        ragvit_status s_ = (x);                                                                    \
+        if (s_ != RAGVIT_STATUS_OK) return s_;                                                     \
     } while (0)
 #endif
 
@@ -82,9 +80,8 @@ static __device__ __forceinline__ void cuda_pdl_wait() {
  * (which could also report an earlier caller's error as ours). */
 template <typename... Params, typename... Args>
 static cudaError_t cuda_launch(const ragvit_device_info *dev, unsigned int op,
-                               void (*kernel)(Params...),
-                               dim3 grid, dim3 block, size_t smem, cudaStream_t stream,
-                               Args &&...args) {
+                               void (*kernel)(Params...), dim3 grid, dim3 block, size_t smem,
+                               cudaStream_t stream, Args &&...args) {
     cudaLaunchAttribute attr;
     attr.id = cudaLaunchAttributeProgrammaticStreamSerialization;
     attr.val.programmaticStreamSerializationAllowed = 1;

@@ -31,14 +31,13 @@ static __global__ void cuda_common_empty_kernel() {}
 
 // ---- launcher ----
 
-extern "C" ragvit_status ragvit_cuda_fail(int error, const char *expr, const char *file,
-                                          int line) {
+extern "C" ragvit_status ragvit_cuda_fail(int error, const char *expr, const char *file, int line) {
     const cudaError_t e = (cudaError_t)error;
     /* Clears the non-sticky last-error state so the next CUDA_TRY(cudaGetLastError())
      * does not report this failure a second time (sticky errors stay). */
     (void)cudaGetLastError();
-    const ragvit_status status = e == cudaErrorMemoryAllocation ? RAGVIT_STATUS_OUT_OF_MEMORY
-                                                                : RAGVIT_STATUS_CUDA_ERROR;
+    const ragvit_status status =
+        e == cudaErrorMemoryAllocation ? RAGVIT_STATUS_OUT_OF_MEMORY : RAGVIT_STATUS_CUDA_ERROR;
     return ragvit_fail(status, "%s: %s (%s @ %s:%d)", cudaGetErrorName(e), cudaGetErrorString(e),
                        expr, cuda_common_basename(file), line);
 }
@@ -60,8 +59,7 @@ extern "C" ragvit_status ragvit_cuda_device_count(int32_t *count) {
  * (0: plain launches everywhere), for A/B timing and debugging. */
 static unsigned int cuda_common_pdl_ops() {
     const char *env = getenv("RAGVIT_PDL");
-    if (env == NULL || *env == '\0')
-        return RAGVIT_PDL_ALL;
+    if (env == NULL || *env == '\0') return RAGVIT_PDL_ALL;
     char *end = NULL;
     const unsigned long mask = strtoul(env, &end, 0);
     return *end == '\0' ? (unsigned int)mask & RAGVIT_PDL_ALL : RAGVIT_PDL_ALL;
@@ -75,8 +73,8 @@ extern "C" ragvit_status ragvit_cuda_device_init(int32_t device_id, ragvit_devic
     CUDA_TRY(cudaDeviceGetAttribute(&sm_count, cudaDevAttrMultiProcessorCount, device_id));
     CUDA_TRY(cudaDeviceGetAttribute(&cc_major, cudaDevAttrComputeCapabilityMajor, device_id));
     CUDA_TRY(cudaDeviceGetAttribute(&cc_minor, cudaDevAttrComputeCapabilityMinor, device_id));
-    CUDA_TRY(cudaDeviceGetAttribute(&smem_optin, cudaDevAttrMaxSharedMemoryPerBlockOptin,
-                                    device_id));
+    CUDA_TRY(
+        cudaDeviceGetAttribute(&smem_optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device_id));
 
     ragvit_device_info filled;
     memset(&filled, 0, sizeof filled);
@@ -128,8 +126,8 @@ extern "C" ragvit_status ragvit_cuda_read_error_flag(const ragvit_device_info *d
     return RAGVIT_STATUS_OK;
 }
 
-extern "C" ragvit_status ragvit_cuda_read_int32(int32_t device_id, const int32_t *src,
-                                                void *stream, int32_t *value) {
+extern "C" ragvit_status ragvit_cuda_read_int32(int32_t device_id, const int32_t *src, void *stream,
+                                                int32_t *value) {
     cuda_device_guard guard;
     RAGVIT_TRY(guard.enter(device_id));
     const cudaStream_t s = (cudaStream_t)stream;
@@ -154,8 +152,7 @@ extern "C" ragvit_status ragvit_cuda_pointer_device(const void *ptr, int32_t *de
 
 extern "C" ragvit_status ragvit_cuda_stream_wait(int32_t device_id, void *consumer,
                                                  void *producer) {
-    if (consumer == producer)
-        return RAGVIT_STATUS_OK;
+    if (consumer == producer) return RAGVIT_STATUS_OK;
     cuda_device_guard guard;
     RAGVIT_TRY(guard.enter(device_id));
     cudaEvent_t event = NULL;
@@ -169,8 +166,7 @@ extern "C" ragvit_status ragvit_cuda_stream_wait(int32_t device_id, void *consum
         expr = "cudaStreamWaitEvent(consumer, event, 0)";
     }
     const cudaError_t destroyed = cudaEventDestroy(event);
-    if (e != cudaSuccess)
-        return ragvit_cuda_fail((int)e, expr, __FILE__, __LINE__);
+    if (e != cudaSuccess) return ragvit_cuda_fail((int)e, expr, __FILE__, __LINE__);
     CUDA_TRY(destroyed);
     return RAGVIT_STATUS_OK;
 }

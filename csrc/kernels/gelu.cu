@@ -52,8 +52,7 @@ static __device__ __forceinline__ float gelu_erfc(float x) {
 }
 
 /* GELU of one element of a T tensor, in float32 (see the file comment for the two forms). */
-template <typename T>
-static __device__ __forceinline__ float gelu_value(float v) {
+template <typename T> static __device__ __forceinline__ float gelu_value(float v) {
     if constexpr (sizeof(T) == 4)
         return gelu_erf(v);
     else
@@ -102,8 +101,7 @@ static ragvit_status gelu_launch(const ragvit_rowwise_args *a, const ragvit_devi
     const int64_t chunks = a->rows * (is_vec ? a->channels / kVec : a->channels);
     int64_t blocks = (chunks + kGeluThreads - 1) / kGeluThreads;
     const int64_t cap = (int64_t)(dev->sm_count > 0 ? dev->sm_count : 1) * 16;
-    if (blocks > cap)
-        blocks = cap; /* grid-stride beyond a few waves */
+    if (blocks > cap) blocks = cap; /* grid-stride beyond a few waves */
     const bool is_flat = a->x_stride == a->channels && a->out_stride == a->channels;
     if (is_vec && is_flat)
         CUDA_TRY(cuda_launch(dev, RAGVIT_PDL_GELU, gelu_kernel<T, kVec, true>, (unsigned)blocks,
@@ -119,8 +117,7 @@ static ragvit_status gelu_launch(const ragvit_rowwise_args *a, const ragvit_devi
 
 extern "C" ragvit_status ragvit_cuda_gelu(const ragvit_rowwise_args *a,
                                           const ragvit_device_info *dev, void *stream) {
-    if (a->rows <= 0 || a->channels <= 0)
-        return RAGVIT_STATUS_OK;
+    if (a->rows <= 0 || a->channels <= 0) return RAGVIT_STATUS_OK;
     cuda_device_guard guard;
     RAGVIT_TRY(guard.enter(dev->device_id));
     const cudaStream_t s = (cudaStream_t)stream;

@@ -188,10 +188,10 @@ typedef struct {
     const void *scores;
     int64_t out_stride_b;
     int64_t scores_stride_b;
-    int64_t batch;  /* B */
-    int64_t cols;   /* L */
-    int64_t prefix; /* leading columns always kept */
-    int64_t k;      /* columns chosen among [prefix, L) */
+    int64_t batch;     /* B */
+    int64_t cols;      /* L */
+    int64_t prefix;    /* leading columns always kept */
+    int64_t k;         /* columns chosen among [prefix, L) */
     int32_t dtype;     /* of scores: F16, BF16 or F32 */
     int32_t out_dtype; /* I32 or I64 */
 } ragvit_topk_index_args;
@@ -239,8 +239,8 @@ ragvit_status ragvit_cuda_layer_norm(const ragvit_rowwise_args *a, const ragvit_
                                      void *stream);
 ragvit_status ragvit_cuda_gelu(const ragvit_rowwise_args *a, const ragvit_device_info *dev,
                                void *stream);
-ragvit_status ragvit_cuda_topk_index(const ragvit_topk_index_args *a,
-                                     const ragvit_device_info *dev, void *stream);
+ragvit_status ragvit_cuda_topk_index(const ragvit_topk_index_args *a, const ragvit_device_info *dev,
+                                     void *stream);
 #endif
 
 #ifdef __cplusplus

@@ -18,23 +18,22 @@
 #include "float_elems.cuh"
 
 static constexpr int kLayerNormWarps = 4;
-static constexpr int kLayerNormMaxPerLane = 32; /* C <= 1024 stays in registers */
-static constexpr int kLayerNormBlocksPerSm = 16;  /* vector path grid cap, per SM */
+static constexpr int kLayerNormMaxPerLane = 32;  /* C <= 1024 stays in registers */
+static constexpr int kLayerNormBlocksPerSm = 16; /* vector path grid cap, per SM */
 
 // ---- device helpers ----
 
 static __device__ __forceinline__ float layer_norm_warp_sum(float v) {
 #pragma unroll
-    for (int o = 16; o > 0; o >>= 1)
-        v += __shfl_xor_sync(0xffffffffu, v, o);
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
     return v;
 }
 
 // ---- kernels ----
 
 /* Row m's affine output for column c (weight and bias preloaded as floats). */
-static __device__ __forceinline__ float layer_norm_affine(float v, float mean, float rstd,
-                                                          float w, float b) {
+static __device__ __forceinline__ float layer_norm_affine(float v, float mean, float rstd, float w,
+                                                          float b) {
     return (v - mean) * rstd * w + b;
 }
 
@@ -46,8 +45,7 @@ static __device__ __forceinline__ Chunk layer_norm_param(const T *p, int ch, flo
     Chunk c;
     if (p == nullptr) {
 #pragma unroll
-        for (int j = 0; j < 8; j++)
-            float_elems_store(&c.v[j], fill);
+        for (int j = 0; j < 8; j++) float_elems_store(&c.v[j], fill);
         return c;
     }
     constexpr int kWords = (int)(sizeof(Chunk) / 16); /* 16-byte loads: 1, or 2 for float */
@@ -82,8 +80,7 @@ static __global__ void __launch_bounds__(kLayerNormWarps * 32)
     const int lane = threadIdx.x % 32;
     const int64_t first = (int64_t)blockIdx.x * kLayerNormWarps + threadIdx.x / 32;
     const int64_t step = (int64_t)gridDim.x * kLayerNormWarps;
-    if (first >= a.rows)
-        return;
+    if (first >= a.rows) return;
     const int num_chunks = (int)(a.channels / 8);
     const T *x = static_cast<const T *>(a.x);
     const T *w = static_cast<const T *>(a.weight);
@@ -97,8 +94,7 @@ static __global__ void __launch_bounds__(kLayerNormWarps * 32)
     for (int64_t m = first; m < a.rows; m += step) {
         chunk cur[kChunks]; /* the row being normalized, raw */
 #pragma unroll
-        for (int i = 0; i < kChunks; i++)
-            cur[i] = in[i];
+        for (int i = 0; i < kChunks; i++) cur[i] = in[i];
         /* the warp's next row (a different row: in place stays safe) */
         const int64_t next = m + step;
         if (next < a.rows) {
@@ -133,10 +129,10 @@ static __global__ void __launch_bounds__(kLayerNormWarps * 32)
                 chunk o;
 #pragma unroll
                 for (int j = 0; j < 8; j++)
-                    float_elems_store(&o.v[j], layer_norm_affine(float_elems_load(&cur[i].v[j]),
-                                                                 mean, rstd,
-                                                                 float_elems_load(&wc.v[j]),
-                                                                 float_elems_load(&bc.v[j])));
+                    float_elems_store(&o.v[j],
+                                      layer_norm_affine(float_elems_load(&cur[i].v[j]), mean, rstd,
+                                                        float_elems_load(&wc.v[j]),
+                                                        float_elems_load(&bc.v[j])));
                 out[ch] = o;
             }
         }
@@ -151,8 +147,7 @@ static __global__ void __launch_bounds__(kLayerNormWarps * 32)
     cuda_pdl_wait(); /* first: see cuda_check.cuh */
     const int lane = threadIdx.x % 32;
     const int64_t m = (int64_t)blockIdx.x * kLayerNormWarps + threadIdx.x / 32;
-    if (m >= a.rows)
-        return;
+    if (m >= a.rows) return;
     const T *x = static_cast<const T *>(a.x) + m * a.x_stride;
     T *out = static_cast<T *>(a.out) + m * a.out_stride;
     const T *w = static_cast<const T *>(a.weight);
@@ -184,8 +179,7 @@ static __global__ void __launch_bounds__(kLayerNormWarps * 32)
                 float_elems_store(out + c, layer_norm_affine(v[i], mean, rstd, wf[i], bf[i]));
         }
     } else {
-        for (int64_t c = lane; c < C; c += 32)
-            mean += float_elems_load(x + c);
+        for (int64_t c = lane; c < C; c += 32) mean += float_elems_load(x + c);
         mean = layer_norm_warp_sum(mean) * inv_c;
         for (int64_t c = lane; c < C; c += 32) {
             const float d = float_elems_load(x + c) - mean;
@@ -205,8 +199,8 @@ static __global__ void __launch_bounds__(kLayerNormWarps * 32)
 // ---- launcher ----
 
 template <typename T>
-static ragvit_status layer_norm_launch(const ragvit_rowwise_args *a,
-                                       const ragvit_device_info *dev, cudaStream_t stream) {
+static ragvit_status layer_norm_launch(const ragvit_rowwise_args *a, const ragvit_device_info *dev,
+                                       cudaStream_t stream) {
     const int64_t blocks = (a->rows + kLayerNormWarps - 1) / kLayerNormWarps;
     /* vector path: a few waves of warps that loop over rows (weight and bias loaded once
      * a warp); the scalar path keeps one row a warp */
@@ -250,8 +244,7 @@ static ragvit_status layer_norm_launch(const ragvit_rowwise_args *a,
 
 extern "C" ragvit_status ragvit_cuda_layer_norm(const ragvit_rowwise_args *a,
                                                 const ragvit_device_info *dev, void *stream) {
-    if (a->rows <= 0 || a->channels <= 0)
-        return RAGVIT_STATUS_OK;
+    if (a->rows <= 0 || a->channels <= 0) return RAGVIT_STATUS_OK;
     if ((a->rows + kLayerNormWarps - 1) / kLayerNormWarps > INT32_MAX)
         return ragvit_fail(RAGVIT_STATUS_INVALID_SHAPE,
                            "layer_norm: x must have fewer than 2^33 rows, got %lld",

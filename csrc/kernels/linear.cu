@@ -81,8 +81,7 @@ static linear_device linear_devices[RAGVIT_MAX_DEVICES];
 // ---- host helpers ----
 
 static ragvit_status linear_load_api(linear_api *api) {
-    if (api->is_loaded)
-        return RAGVIT_STATUS_OK;
+    if (api->is_loaded) return RAGVIT_STATUS_OK;
     const char *names[] = {"libcublasLt.so." LINEAR_STR(CUBLAS_VER_MAJOR),
 #ifdef RAGVIT_CUBLASLT_PATH
                            RAGVIT_CUBLASLT_PATH,
@@ -99,12 +98,11 @@ static ragvit_status linear_load_api(linear_api *api) {
     linear_api a;
     memset(&a, 0, sizeof a);
     a.lib = lib;
-    void **slots[] = {(void **)&a.create,        (void **)&a.status_string,
-                      (void **)&a.desc_create,   (void **)&a.desc_destroy,
-                      (void **)&a.desc_set,      (void **)&a.layout_create,
-                      (void **)&a.layout_destroy, (void **)&a.pref_create,
-                      (void **)&a.pref_destroy,  (void **)&a.pref_set,
-                      (void **)&a.heuristic,     (void **)&a.matmul};
+    void **slots[] = {
+        (void **)&a.create,         (void **)&a.status_string, (void **)&a.desc_create,
+        (void **)&a.desc_destroy,   (void **)&a.desc_set,      (void **)&a.layout_create,
+        (void **)&a.layout_destroy, (void **)&a.pref_create,   (void **)&a.pref_destroy,
+        (void **)&a.pref_set,       (void **)&a.heuristic,     (void **)&a.matmul};
     const char *symbols[] = {"cublasLtCreate",
                              "cublasLtGetStatusString",
                              "cublasLtMatmulDescCreate",
@@ -133,32 +131,28 @@ static ragvit_status linear_load_api(linear_api *api) {
     return RAGVIT_STATUS_OK;
 }
 
-static ragvit_status linear_blas_fail(const linear_api *api, cublasStatus_t st,
-                                      const char *expr) {
+static ragvit_status linear_blas_fail(const linear_api *api, cublasStatus_t st, const char *expr) {
     return ragvit_fail(st == CUBLAS_STATUS_ALLOC_FAILED ? RAGVIT_STATUS_OUT_OF_MEMORY
                                                         : RAGVIT_STATUS_CUDA_ERROR,
                        "linear: %s failed: %s (%d)", expr, api->status_string(st), (int)st);
 }
 
-#define BLAS_TRY(api, x)                                                     \
-    do {                                                                     \
-        cublasStatus_t st_ = (x);                                            \
-        if (st_ != CUBLAS_STATUS_SUCCESS)                                    \
-            return linear_blas_fail((api), st_, #x);                         \
+#define BLAS_TRY(api, x)                                                                           \
+    do {                                                                                           \
+        cublasStatus_t st_ = (x);                                                                  \
+        if (st_ != CUBLAS_STATUS_SUCCESS) return linear_blas_fail((api), st_, #x);                 \
     } while (0)
 
 static uint32_t linear_alignment(const void *p) {
     const uintptr_t v = (uintptr_t)p;
     uint32_t align = 1;
-    while (align < 256 && (v & (uintptr_t)(2 * align - 1)) == 0)
-        align *= 2;
+    while (align < 256 && (v & (uintptr_t)(2 * align - 1)) == 0) align *= 2;
     return p == NULL ? 256 : align;
 }
 
 /* Frees a plan's descriptors (a cache slot being reused). */
 static void linear_plan_release(const linear_api *api, linear_plan *p) {
-    if (!p->is_used)
-        return;
+    if (!p->is_used) return;
     api->layout_destroy(p->a);
     api->layout_destroy(p->b);
     api->layout_destroy(p->c);
@@ -178,7 +172,8 @@ static ragvit_status linear_heuristic(const linear_api *api, cublasLtHandle_t ha
     const cublasLtMatmulPreferenceAttributes_t aligns[4] = {
         CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES,
         CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES};
-    cublasStatus_t st = api->pref_set(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &ws, sizeof ws);
+    cublasStatus_t st =
+        api->pref_set(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &ws, sizeof ws);
     for (int i = 0; i < 4 && st == CUBLAS_STATUS_SUCCESS; i++)
         st = api->pref_set(pref, aligns[i], &k->align[i], sizeof k->align[i]);
     *found = 0;
@@ -201,22 +196,24 @@ static ragvit_status linear_plan_build(const linear_api *api, cublasLtHandle_t h
     BLAS_TRY(api, api->desc_create(&p->desc, CUBLAS_COMPUTE_32F, CUDA_R_32F));
     p->is_used = 1; /* from here on linear_plan_release frees what was made */
     const cublasOperation_t trans_a = CUBLAS_OP_T, trans_b = CUBLAS_OP_N;
-    const cublasLtEpilogue_t epilogue = k->has_bias ? CUBLASLT_EPILOGUE_BIAS
-                                                    : CUBLASLT_EPILOGUE_DEFAULT;
+    const cublasLtEpilogue_t epilogue =
+        k->has_bias ? CUBLASLT_EPILOGUE_BIAS : CUBLASLT_EPILOGUE_DEFAULT;
     BLAS_TRY(api, api->desc_set(p->desc, CUBLASLT_MATMUL_DESC_TRANSA, &trans_a, sizeof trans_a));
     BLAS_TRY(api, api->desc_set(p->desc, CUBLASLT_MATMUL_DESC_TRANSB, &trans_b, sizeof trans_b));
-    BLAS_TRY(api, api->desc_set(p->desc, CUBLASLT_MATMUL_DESC_EPILOGUE, &epilogue, sizeof epilogue));
+    BLAS_TRY(api,
+             api->desc_set(p->desc, CUBLASLT_MATMUL_DESC_EPILOGUE, &epilogue, sizeof epilogue));
     if (k->has_bias)
-        BLAS_TRY(api, api->desc_set(p->desc, CUBLASLT_MATMUL_DESC_BIAS_POINTER, &bias, sizeof bias));
+        BLAS_TRY(api,
+                 api->desc_set(p->desc, CUBLASLT_MATMUL_DESC_BIAS_POINTER, &bias, sizeof bias));
     /* column-major: A = weight (K, N), B = x (K, M), C = residual / D = out (N, M) */
     BLAS_TRY(api, api->layout_create(&p->a, type, (uint64_t)k->inner, (uint64_t)k->cols,
                                      k->weight_stride));
-    BLAS_TRY(api, api->layout_create(&p->b, type, (uint64_t)k->inner, (uint64_t)k->rows,
-                                     k->x_stride));
+    BLAS_TRY(api,
+             api->layout_create(&p->b, type, (uint64_t)k->inner, (uint64_t)k->rows, k->x_stride));
     BLAS_TRY(api, api->layout_create(&p->c, type, (uint64_t)k->cols, (uint64_t)k->rows,
                                      k->has_residual ? k->residual_stride : k->out_stride));
-    BLAS_TRY(api, api->layout_create(&p->d, type, (uint64_t)k->cols, (uint64_t)k->rows,
-                                     k->out_stride));
+    BLAS_TRY(api,
+             api->layout_create(&p->d, type, (uint64_t)k->cols, (uint64_t)k->rows, k->out_stride));
     cublasLtMatmulHeuristicResult_t result;
     int found = 0;
     RAGVIT_TRY(linear_heuristic(api, handle, k, p, &result, &found));
@@ -236,8 +233,7 @@ static ragvit_status linear_plan_build(const linear_api *api, cublasLtHandle_t h
 static uint64_t linear_key_hash(const linear_key *k) {
     const unsigned char *b = (const unsigned char *)k;
     uint64_t h = 1469598103934665603ull; /* FNV-1a */
-    for (size_t i = 0; i < sizeof *k; i++)
-        h = (h ^ b[i]) * 1099511628211ull;
+    for (size_t i = 0; i < sizeof *k; i++) h = (h ^ b[i]) * 1099511628211ull;
     return h;
 }
 
@@ -258,8 +254,7 @@ static ragvit_status linear_device_state(linear_device *d, cudaStream_t stream, 
     }
     *workspace = NULL;
     *workspace_bytes = 0;
-    if (d->num_streams == kLinearStreams)
-        return RAGVIT_STATUS_OK;
+    if (d->num_streams == kLinearStreams) return RAGVIT_STATUS_OK;
     cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
     CUDA_TRY(cudaStreamIsCapturing(stream, &capture));
     if (capture != cudaStreamCaptureStatusNone)
@@ -324,9 +319,9 @@ static ragvit_status linear_run(const ragvit_linear_args *a, const ragvit_device
     }
     const float alpha = 1.0f, beta = a->residual != NULL ? 1.0f : 0.0f;
     const void *c = a->residual != NULL ? a->residual : a->out;
-    BLAS_TRY(&linear_lib, linear_lib.matmul(d->handle, p->desc, &alpha, a->weight, p->a, a->x,
-                                            p->b, &beta, c, p->c, a->out, p->d, &p->algo,
-                                            workspace, workspace_bytes, stream));
+    BLAS_TRY(&linear_lib,
+             linear_lib.matmul(d->handle, p->desc, &alpha, a->weight, p->a, a->x, p->b, &beta, c,
+                               p->c, a->out, p->d, &p->algo, workspace, workspace_bytes, stream));
     return RAGVIT_STATUS_OK;
 }
 
@@ -334,17 +329,15 @@ static ragvit_status linear_run(const ragvit_linear_args *a, const ragvit_device
 
 extern "C" ragvit_status ragvit_cuda_linear(const ragvit_linear_args *a,
                                             const ragvit_device_info *dev, void *stream) {
-    if (a->rows <= 0 || a->cols <= 0)
-        return RAGVIT_STATUS_OK;
+    if (a->rows <= 0 || a->cols <= 0) return RAGVIT_STATUS_OK;
     if (a->dtype != RAGVIT_DTYPE_F16 && a->dtype != RAGVIT_DTYPE_BF16 &&
         a->dtype != RAGVIT_DTYPE_F32)
         return ragvit_fail(RAGVIT_STATUS_INVALID_DTYPE,
                            "linear: x must be float16, bfloat16 or float32, got dtype code %d",
                            (int)a->dtype);
     if (dev->device_id < 0 || dev->device_id >= RAGVIT_MAX_DEVICES)
-        return ragvit_fail(RAGVIT_STATUS_INVALID_DEVICE,
-                           "linear: device must be < %d, got %d", RAGVIT_MAX_DEVICES,
-                           (int)dev->device_id);
+        return ragvit_fail(RAGVIT_STATUS_INVALID_DEVICE, "linear: device must be < %d, got %d",
+                           RAGVIT_MAX_DEVICES, (int)dev->device_id);
     cuda_device_guard guard;
     RAGVIT_TRY(guard.enter(dev->device_id));
     pthread_mutex_lock(&linear_lock);

@@ -43,8 +43,7 @@ static constexpr unsigned kFullMask = 0xffffffffu;
 // ---- device helpers ----
 
 static __device__ __forceinline__ void pack_tokens_flag(unsigned int *flag, unsigned int bit) {
-    if (flag != nullptr)
-        atomicOr(flag, bit);
+    if (flag != nullptr) atomicOr(flag, bit);
 }
 
 /* Rows [*start, *start + *len) of image b (see ragvit_pack_args); false for a
@@ -53,8 +52,7 @@ static __device__ __forceinline__ bool pack_tokens_range(const ragvit_pack_args 
                                                          int64_t *start, int64_t *len) {
     *start = 0;
     *len = a.seqlen;
-    if (a.cu_seqlens_in == nullptr)
-        return true;
+    if (a.cu_seqlens_in == nullptr) return true;
     const int64_t s = a.cu_seqlens_in[b * a.cu_seqlens_in_stride];
     const int64_t e = a.cu_seqlens_in[(b + 1) * a.cu_seqlens_in_stride];
     if (s < 0 || e < s || e > a.seqlen) {
@@ -76,22 +74,18 @@ static __device__ __forceinline__ int pack_tokens_block_scan(int x, int *warp_s,
 #pragma unroll
     for (int offset = 1; offset < 32; offset <<= 1) {
         const int y = __shfl_up_sync(kFullMask, inclusive, offset);
-        if (lane >= offset)
-            inclusive += y;
+        if (lane >= offset) inclusive += y;
     }
-    if (lane == 31)
-        warp_s[warp] = inclusive;
+    if (lane == 31) warp_s[warp] = inclusive;
     __syncthreads();
     if (warp == 0) {
         int w = lane < num_warps ? warp_s[lane] : 0;
 #pragma unroll
         for (int offset = 1; offset < 32; offset <<= 1) {
             const int y = __shfl_up_sync(kFullMask, w, offset);
-            if (lane >= offset)
-                w += y;
+            if (lane >= offset) w += y;
         }
-        if (lane < num_warps)
-            warp_s[lane] = w;
+        if (lane < num_warps) warp_s[lane] = w;
     }
     __syncthreads();
     *total = warp_s[num_warps - 1];
@@ -108,8 +102,7 @@ static __device__ __forceinline__ void pack_tokens_make_fill(uint2 *v, unsigned 
 static __device__ __forceinline__ void pack_tokens_make_fill(unsigned int *v, unsigned int bits) {
     *v = bits;
 }
-static __device__ __forceinline__ void pack_tokens_make_fill(unsigned short *v,
-                                                             unsigned int bits) {
+static __device__ __forceinline__ void pack_tokens_make_fill(unsigned short *v, unsigned int bits) {
     *v = (unsigned short)bits;
 }
 
@@ -124,8 +117,7 @@ static __device__ __forceinline__ void pack_tokens_fuse_row(const ragvit_pack_ar
     const uint8_t *keep = a.keep + b * a.keep_stride_b;
     float weight_sum = 0.0f;
     for (int64_t n = start; n < start + len; n++) {
-        if (keep[n * a.keep_stride_n] == 0)
-            weight_sum += a.fuse_weights[n * a.fuse_weights_stride];
+        if (keep[n * a.keep_stride_n] == 0) weight_sum += a.fuse_weights[n * a.fuse_weights_stride];
     }
     const T *x = static_cast<const T *>(a.x) + b * a.x_stride_b;
     T *out = static_cast<T *>(a.out) + row * a.out_stride_token;
@@ -154,16 +146,13 @@ static __device__ __forceinline__ int pack_tokens_count_local(const uint8_t *p, 
                                                               int64_t n) {
     const int tid = threadIdx.x;
     int local = 0;
-    if (n <= 0)
-        return 0;
+    if (n <= 0) return 0;
     if (stride != 1) {
-        for (int64_t e = tid; e < n; e += kMoveThreads)
-            local += p[e * stride] != 0;
+        for (int64_t e = tid; e < n; e += kMoveThreads) local += p[e * stride] != 0;
         return local;
     }
     const int64_t head = min(n, (int64_t)((16 - ((uintptr_t)p & 15)) & 15));
-    if (tid < head)
-        local += p[tid] != 0;
+    if (tid < head) local += p[tid] != 0;
     const uint4 *v = reinterpret_cast<const uint4 *>(p + head); /* 16-byte aligned */
     const int64_t num_vecs = (n - head) >> 4;
     for (int64_t i0 = 0; i0 < num_vecs; i0 += kCountLoads * kMoveThreads) {
@@ -230,8 +219,7 @@ static __global__ void __launch_bounds__(kCountThreads)
     const int warp = tid >> 5;
     constexpr int kWarps = kCountThreads / 32;
 
-    if (tid == 0)
-        a.cu_seqlens[0] = 0;
+    if (tid == 0) a.cu_seqlens[0] = 0;
     int64_t carry = 0;
     for (int64_t base = 0; base < a.batch; base += kCountThreads) {
         for (int r = warp; r < kCountThreads; r += kWarps) {
@@ -244,27 +232,23 @@ static __global__ void __launch_bounds__(kCountThreads)
                 const uint8_t *row = a.keep + b * a.keep_stride_b;
                 for (int64_t n = start + lane; n < start + len; n += 32)
                     count += row[n * a.keep_stride_n] != 0;
-                if (lane == 0 && a.is_fusing)
-                    count += 1; /* the fused token */
+                if (lane == 0 && a.is_fusing) count += 1; /* the fused token */
 #pragma unroll
                 for (int offset = 16; offset > 0; offset >>= 1)
                     count += __shfl_xor_sync(kFullMask, count, offset);
             }
-            if (lane == 0)
-                count_s[r] = count;
+            if (lane == 0) count_s[r] = count;
         }
         __syncthreads();
         int total = 0;
         const int mine = count_s[tid];
         const int before = pack_tokens_block_scan(mine, warp_s, &total);
         if (base + tid < a.batch)
-            a.cu_seqlens[(base + tid + 1) * a.cu_seqlens_stride] =
-                (int32_t)(carry + before + mine);
+            a.cu_seqlens[(base + tid + 1) * a.cu_seqlens_stride] = (int32_t)(carry + before + mine);
         carry += total;
         __syncthreads(); /* count_s and warp_s are rewritten by the next chunk */
     }
 }
-
 
 /* Block (k, y) of image b = blockIdx.x / chunks copies the kept tokens among
  * positions [k * step, (k + 1) * step) of the image (step = ceil(len / chunks))
@@ -283,7 +267,7 @@ template <typename V, bool kFuse, bool kIsFused>
 static __global__ void __launch_bounds__(kMoveThreads, kFuse ? 2 : 4)
     pack_tokens_chunk_kernel(const ragvit_pack_args a, int chunks, int vecs_per_row,
                              int cols_per_slice) {
-    cuda_pdl_wait(); /* first: see cuda_check.cuh */
+    cuda_pdl_wait();                      /* first: see cuda_check.cuh */
     __shared__ int token_s[kMoveThreads]; /* source position of each kept token of the tile */
     __shared__ int warp_s[32];
     const int tid = threadIdx.x;
@@ -337,21 +321,21 @@ static __global__ void __launch_bounds__(kMoveThreads, kFuse ? 2 : 4)
 #pragma unroll
         for (int u = 0; u < kCopyLoads; u++) {
             if (tid + u * kMoveThreads < small_work)
-                v[u] = __ldg(reinterpret_cast<const V *>(
-                                 x_image + (start + c_begin + rr[u]) * x_row_bytes) +
-                             cc[u]);
+                v[u] = __ldg(
+                    reinterpret_cast<const V *>(x_image + (start + c_begin + rr[u]) * x_row_bytes) +
+                    cc[u]);
         }
     }
     int64_t first = 0;
     if constexpr (kIsFused) {
-        first = pack_tokens_count_before(a, b, is_valid ? c_begin : 0, warp_s) +
-                (a.is_fusing ? b : 0);
+        first =
+            pack_tokens_count_before(a, b, is_valid ? c_begin : 0, warp_s) + (a.is_fusing ? b : 0);
     } else {
         first = a.cu_seqlens[b * a.cu_seqlens_stride]; /* uniform over the block */
         if (first < 0 || first > a.capacity) {
             if (should_write && k == 0)
-                pack_tokens_flag(a.error_flag, first < 0 ? RAGVIT_ERROR_BAD_CU_SEQLENS
-                                                         : RAGVIT_ERROR_CAPACITY);
+                pack_tokens_flag(a.error_flag,
+                                 first < 0 ? RAGVIT_ERROR_BAD_CU_SEQLENS : RAGVIT_ERROR_CAPACITY);
             return;
         }
         first += pack_tokens_block_sum(
@@ -417,8 +401,8 @@ static __global__ void __launch_bounds__(kMoveThreads, kFuse ? 2 : 4)
 #pragma unroll
             for (int u = 0; u < kCopyLoads; u++) {
                 if (i + u * kMoveThreads < work)
-                    v[u] = __ldg(reinterpret_cast<const V *>(
-                                     x_image + (int64_t)token_s[rr[u]] * x_row_bytes) +
+                    v[u] = __ldg(reinterpret_cast<const V *>(x_image + (int64_t)token_s[rr[u]] *
+                                                                           x_row_bytes) +
                                  cc[u]);
             }
 #pragma unroll
@@ -450,13 +434,10 @@ static __global__ void __launch_bounds__(kMoveThreads, kFuse ? 2 : 4)
         }
         carry += 1;
     }
-    if (is_over)
-        pack_tokens_flag(a.error_flag, RAGVIT_ERROR_CAPACITY);
+    if (is_over) pack_tokens_flag(a.error_flag, RAGVIT_ERROR_CAPACITY);
     if (kIsFused && should_write) {
-        if (b == 0 && k == 0)
-            a.cu_seqlens[0] = 0;
-        if (is_last_chunk)
-            a.cu_seqlens[(b + 1) * a.cu_seqlens_stride] = (int32_t)(first + carry);
+        if (b == 0 && k == 0) a.cu_seqlens[0] = 0;
+        if (is_last_chunk) a.cu_seqlens[(b + 1) * a.cu_seqlens_stride] = (int32_t)(first + carry);
     }
 }
 
@@ -477,13 +458,11 @@ static __global__ void __launch_bounds__(kMoveThreads, 4)
     const int64_t end = a.cu_seqlens[(b + 1) * a.cu_seqlens_stride];
     int64_t len = 0; /* bad entries: the image is all fill */
     if (start < 0 || end < start || end > a.total_tokens) {
-        if (should_flag)
-            pack_tokens_flag(a.error_flag, RAGVIT_ERROR_BAD_CU_SEQLENS);
+        if (should_flag) pack_tokens_flag(a.error_flag, RAGVIT_ERROR_BAD_CU_SEQLENS);
     } else {
         len = end - start;
         if (a.is_prefix && len < N) { /* copy what there is; the rest is fill (0) */
-            if (should_flag)
-                pack_tokens_flag(a.error_flag, RAGVIT_ERROR_SHORT_SEQ);
+            if (should_flag) pack_tokens_flag(a.error_flag, RAGVIT_ERROR_SHORT_SEQ);
         } else if (len > N) {
             if (should_flag && !a.is_prefix)
                 pack_tokens_flag(a.error_flag, RAGVIT_ERROR_SEQLEN_OVER_MAX);
@@ -508,14 +487,13 @@ static __global__ void __launch_bounds__(kMoveThreads, 4)
             const int64_t j = j0 + r;
             V *dst = reinterpret_cast<V *>(out_image + j * a.out_stride_n * es);
             if (j < copied)
-                dst[c] = reinterpret_cast<const V *>(
-                    packed + (start + j) * a.packed_stride_token * es)[c];
+                dst[c] = reinterpret_cast<const V *>(packed +
+                                                     (start + j) * a.packed_stride_token * es)[c];
             else
                 dst[c] = fill;
         }
     }
-    if (!has_indices)
-        return; /* uniform: a kernel argument */
+    if (!has_indices) return; /* uniform: a kernel argument */
 
     __syncthreads(); /* this block's fills land before its scatter overwrites them */
     for (int64_t t0 = 0; t0 < len; t0 += kMoveRows) {
@@ -557,13 +535,10 @@ static void pack_tokens_slices(int64_t vecs, int64_t batch, const ragvit_device_
     const int64_t sm_count = dev->sm_count > 0 ? dev->sm_count : 1;
     int64_t slices = (2 * sm_count + batch - 1) / batch;
     const int64_t most = vecs / 16 > 1 ? vecs / 16 : 1;
-    if (slices > most)
-        slices = most;
+    if (slices > most) slices = most;
     const int64_t least = (vecs + kMaxSliceVecs - 1) / kMaxSliceVecs;
-    if (slices < least)
-        slices = least;
-    if (slices < 1)
-        slices = 1;
+    if (slices < least) slices = least;
+    if (slices < 1) slices = 1;
     int64_t cols = (vecs + slices - 1) / slices;
     if (cols > 0)
         slices = (vecs + cols - 1) / cols; /* no empty trailing slice */
@@ -624,13 +599,10 @@ static int pack_tokens_chunks(int64_t batch, int64_t avg_len, int64_t vecs,
     const int64_t sm_count = dev->sm_count > 0 ? dev->sm_count : 1;
     int64_t chunks = (2 * sm_count + batch - 1) / batch;
     int64_t min_len = vecs > 0 ? (kMoveThreads + vecs - 1) / vecs : kMoveThreads;
-    if (min_len < 4)
-        min_len = 4;
+    if (min_len < 4) min_len = 4;
     const int64_t most = avg_len / min_len;
-    if (chunks > most)
-        chunks = most;
-    if (chunks > INT32_MAX / batch)
-        chunks = INT32_MAX / batch;
+    if (chunks > most) chunks = most;
+    if (chunks > INT32_MAX / batch) chunks = INT32_MAX / batch;
     return chunks < 1 ? 1 : (int)chunks;
 }
 
@@ -638,8 +610,7 @@ static int pack_tokens_chunks(int64_t batch, int64_t avg_len, int64_t vecs,
  * kernel's int math (rows above 2^22 vectors). */
 static void pack_tokens_gather_slices(int64_t vecs, int *num_slices, int *cols_per_slice) {
     int64_t slices = (vecs + kMaxSliceVecs - 1) / kMaxSliceVecs;
-    if (slices < 1)
-        slices = 1;
+    if (slices < 1) slices = 1;
     int64_t cols = (vecs + slices - 1) / slices;
     *num_slices = cols > 0 ? (int)((vecs + cols - 1) / cols) : 1;
     *cols_per_slice = (int)cols;
@@ -713,8 +684,7 @@ static bool pack_tokens_has_no_rows(const ragvit_pack_args *a) {
 extern "C" ragvit_status ragvit_cuda_pack_gather(const ragvit_pack_args *a,
                                                  const ragvit_device_info *dev, void *stream) {
     RAGVIT_TRY(pack_tokens_check_move(a));
-    if (pack_tokens_has_no_rows(a))
-        return RAGVIT_STATUS_OK;
+    if (pack_tokens_has_no_rows(a)) return RAGVIT_STATUS_OK;
     return pack_tokens_move(a, false, dev, stream);
 }
 
@@ -727,10 +697,9 @@ extern "C" ragvit_status ragvit_cuda_pack_fused(const ragvit_pack_args *a,
 }
 
 template <typename V>
-static ragvit_status pack_tokens_unpack_launch(const ragvit_unpack_args *a, int es,
-                                               int vec_bytes, unsigned int fill_bits,
-                                               const ragvit_device_info *dev,
-                                               cudaStream_t stream) {
+static ragvit_status pack_tokens_unpack_launch(const ragvit_unpack_args *a, int es, int vec_bytes,
+                                               unsigned int fill_bits,
+                                               const ragvit_device_info *dev, cudaStream_t stream) {
     const int64_t vecs = a->channels * es / vec_bytes;
     int slices = 1, cols = 0;
     pack_tokens_slices(vecs, a->batch, dev, &slices, &cols);
@@ -778,8 +747,7 @@ extern "C" ragvit_status ragvit_cuda_unpack(const ragvit_unpack_args *a,
                            "unpack: out must have 0 <= B < 2^31 and N >= 0, got B=%lld, N=%lld",
                            (long long)a->batch, (long long)a->seqlen);
     RAGVIT_TRY(pack_tokens_check_row("unpack", "packed", a->channels, es));
-    if (a->batch == 0 || a->seqlen == 0)
-        return RAGVIT_STATUS_OK;
+    if (a->batch == 0 || a->seqlen == 0) return RAGVIT_STATUS_OK;
     cuda_device_guard guard;
     RAGVIT_TRY(guard.enter(dev->device_id));
     const cudaStream_t s = (cudaStream_t)stream;

@@ -61,16 +61,14 @@ static __device__ __forceinline__ float ragged_attention_warp_max(float x) {
 
 static __device__ __forceinline__ float ragged_attention_warp_sum(float x) {
 #pragma unroll
-    for (int offset = 16; offset > 0; offset >>= 1)
-        x += __shfl_xor_sync(kFullMask, x, offset);
+    for (int offset = 16; offset > 0; offset >>= 1) x += __shfl_xor_sync(kFullMask, x, offset);
     return x;
 }
 
 /* Length of sequence s and its first token, or -1 when its cu_seqlens entries
  * must be skipped (the reason is ORed into the error flag when should_flag). */
-static __device__ __forceinline__ int ragged_attention_seq(const ragvit_attention_args &a,
-                                                           int64_t s, bool should_flag,
-                                                           int *start) {
+static __device__ __forceinline__ int
+ragged_attention_seq(const ragvit_attention_args &a, int64_t s, bool should_flag, int *start) {
     const int first = a.cu_seqlens[s];
     const int end = a.cu_seqlens[s + 1];
     if (first < 0 || end < first || (int64_t)end > a.total_tokens) {
@@ -140,8 +138,7 @@ static __device__ __forceinline__ float ragged_attention_cls_logit(const ragvit_
         for (int d = 0; d < a.head_dim; ++d)
             acc = fmaf(ragged_attention_to_float(qr[d]), ragged_attention_to_float(kr[d]), acc);
     }
-    if (has_bias)
-        return fmaf(acc, q_scale, a.bias[key * a.bias_stride] * kLog2e);
+    if (has_bias) return fmaf(acc, q_scale, a.bias[key * a.bias_stride] * kLog2e);
     return acc * q_scale;
 }
 
@@ -150,8 +147,7 @@ static __device__ __forceinline__ float ragged_attention_cls_logit(const ragvit_
 static __device__ __forceinline__ void ragged_attention_merge(float &m, float &l, float m2,
                                                               float l2) {
     const float m_new = fmaxf(m, m2);
-    if (m_new == -INFINITY)
-        return; /* both empty */
+    if (m_new == -INFINITY) return; /* both empty */
     l = l * exp2f(m - m_new) + l2 * exp2f(m2 - m_new);
     m = m_new;
 }
@@ -164,7 +160,7 @@ static __device__ __forceinline__ void ragged_attention_merge(float &m, float &l
 template <int D, typename T, bool has_bias>
 static __global__ void __launch_bounds__(kAttnThreads, 4)
     ragged_attention_simple_kernel(const ragvit_attention_args a) {
-    cuda_pdl_wait(); /* first: see cuda_check.cuh */
+    cuda_pdl_wait();                      /* first: see cuda_check.cuh */
     constexpr int kSlots = (D + 31) / 32; /* output dims per lane: d = lane + 32 * i */
     static_assert(D % 4 == 0, "q_s rows are read as float4");
     __shared__ __align__(16) float q_s[kAttnRows][D];
@@ -207,8 +203,7 @@ static __global__ void __launch_bounds__(kAttnThreads, 4)
                     m[r] = -INFINITY;
                     l[r] = 0.0f;
 #pragma unroll
-                    for (int i = 0; i < kSlots; ++i)
-                        acc[r][i] = 0.0f;
+                    for (int i = 0; i < kSlots; ++i) acc[r][i] = 0.0f;
                 }
 
                 for (int kv0 = 0; kv0 < len; kv0 += kAttnKeys) {
@@ -232,8 +227,7 @@ static __global__ void __launch_bounds__(kAttnThreads, 4)
                     /* Lane j scores key kv0 + j against the warp's rows. */
                     float score[kAttnRowsPerWarp];
 #pragma unroll
-                    for (int r = 0; r < kAttnRowsPerWarp; ++r)
-                        score[r] = 0.0f;
+                    for (int r = 0; r < kAttnRowsPerWarp; ++r) score[r] = 0.0f;
 #pragma unroll
                     for (int d = 0; d < D; d += 4) {
                         const float k0 = k_s[lane][d], k1 = k_s[lane][d + 1];
@@ -266,8 +260,7 @@ static __global__ void __launch_bounds__(kAttnThreads, 4)
                         l[r] = l[r] * alpha + ragged_attention_warp_sum(p[r]);
                         m[r] = m_new;
 #pragma unroll
-                        for (int i = 0; i < kSlots; ++i)
-                            acc[r][i] *= alpha;
+                        for (int i = 0; i < kSlots; ++i) acc[r][i] *= alpha;
                     }
 
                     const int num_keys = min(kAttnKeys, len - kv0);
@@ -292,11 +285,10 @@ static __global__ void __launch_bounds__(kAttnThreads, 4)
 #pragma unroll
                 for (int r = 0; r < kAttnRowsPerWarp; ++r) {
                     const int row = q0 + warp * kAttnRowsPerWarp + r;
-                    if (row >= len)
-                        continue;
+                    if (row >= len) continue;
                     const float inv_l = 1.0f / l[r];
-                    T *dst = out + (int64_t)(start + row) * a.out_stride_token +
-                             h * a.out_stride_head;
+                    T *dst =
+                        out + (int64_t)(start + row) * a.out_stride_token + h * a.out_stride_head;
 #pragma unroll
                     for (int i = 0; i < kSlots; ++i) {
                         const int d = lane + 32 * i;
@@ -316,7 +308,7 @@ static __global__ void __launch_bounds__(kAttnThreads, 4)
 template <typename T, bool is_vec, bool has_bias>
 static __global__ void __launch_bounds__(kClsThreads, 2)
     ragged_attention_cls_kernel(const ragvit_attention_args a) {
-    cuda_pdl_wait(); /* first: see cuda_check.cuh */
+    cuda_pdl_wait();                 /* first: see cuda_check.cuh */
     extern __shared__ float cls_s[]; /* [H] max, then [H] 1 / sum, per head */
     __shared__ float part_m[kClsThreads / 32], part_l[kClsThreads / 32];
     float *head_m = cls_s;
@@ -329,14 +321,13 @@ static __global__ void __launch_bounds__(kClsThreads, 2)
     for (int64_t s = blockIdx.x; s < a.num_seqs; s += gridDim.x) {
         int start = 0;
         const int len = ragged_attention_seq(a, s, tid == 0, &start);
-        if (len <= 0)
-            continue; /* uniform: every thread read the same entries */
-        __syncthreads(); /* the previous sequence is done reading head_m, head_inv_l */
+        if (len <= 0) continue; /* uniform: every thread read the same entries */
+        __syncthreads();        /* the previous sequence is done reading head_m, head_inv_l */
         for (int h = 0; h < a.num_heads; ++h) {
             float m = -INFINITY, l = 0.0f;
             for (int j = tid; j < len; j += kClsThreads) {
-                const float x =
-                    ragged_attention_cls_logit<T, is_vec, has_bias>(a, start, start + j, h, q_scale);
+                const float x = ragged_attention_cls_logit<T, is_vec, has_bias>(a, start, start + j,
+                                                                                h, q_scale);
                 ragged_attention_merge(m, l, x, 1.0f);
             }
 #pragma unroll
@@ -363,8 +354,8 @@ static __global__ void __launch_bounds__(kClsThreads, 2)
         for (int j = tid; j < len; j += kClsThreads) {
             float sum = 0.0f;
             for (int h = 0; h < a.num_heads; ++h) {
-                const float x =
-                    ragged_attention_cls_logit<T, is_vec, has_bias>(a, start, start + j, h, q_scale);
+                const float x = ragged_attention_cls_logit<T, is_vec, has_bias>(a, start, start + j,
+                                                                                h, q_scale);
                 sum += exp2f(x - head_m[h]) * head_inv_l[h];
             }
             a.cls_attn[(int64_t)(start + j) * a.cls_attn_stride] = sum / (float)a.num_heads;
@@ -388,8 +379,8 @@ static ragvit_status ragged_attention_simple_launch_hdim(const ragvit_attention_
     const int64_t max_seqlen = a->max_seqlen > 0 ? a->max_seqlen : 1;
     int64_t tiles = (max_seqlen + kAttnRows - 1) / kAttnRows;
     const int64_t sm_count = dev->sm_count > 0 ? dev->sm_count : 1;
-    tiles = ragged_attention_cap_grid_x(tiles, heads, seqs, a->total_tokens, a->num_seqs,
-                                        kAttnRows, sm_count);
+    tiles = ragged_attention_cap_grid_x(tiles, heads, seqs, a->total_tokens, a->num_seqs, kAttnRows,
+                                        sm_count);
     const dim3 grid((unsigned)tiles, (unsigned)heads, (unsigned)seqs);
     if (a->bias != nullptr)
         CUDA_TRY(cuda_launch(dev, RAGVIT_PDL_ATTENTION, ragged_attention_simple_kernel<D, T, true>,
@@ -472,8 +463,8 @@ static ragvit_status ragged_attention_cls_launch(const ragvit_attention_args *a,
                                                  cudaStream_t stream) {
     if (a->num_heads > kClsMaxHeads)
         return ragvit_fail(RAGVIT_STATUS_INVALID_SHAPE,
-                           "attention: num_heads must be <= %d with cls_attn, got %d",
-                           kClsMaxHeads, (int)a->num_heads);
+                           "attention: num_heads must be <= %d with cls_attn, got %d", kClsMaxHeads,
+                           (int)a->num_heads);
     switch (a->dtype) {
     case RAGVIT_DTYPE_F16:
         return ragged_attention_cls_launch_dtype<__half>(a, dev, stream);
@@ -492,8 +483,7 @@ extern "C" ragvit_status ragvit_cuda_attention(const ragvit_attention_args *a,
                                                const ragvit_device_info *dev, void *stream) {
     cuda_device_guard guard;
     RAGVIT_TRY(guard.enter(dev->device_id));
-    if (a->num_seqs <= 0 || a->total_tokens <= 0 || a->num_heads <= 0)
-        return RAGVIT_STATUS_OK;
+    if (a->num_seqs <= 0 || a->total_tokens <= 0 || a->num_heads <= 0) return RAGVIT_STATUS_OK;
     ragvit_attention_args args = *a;
     if (!(args.scale > 0.0f)) /* ragvit.h: <= 0 or NaN means 1/sqrt(D) */
         args.scale = 1.0f / sqrtf((float)args.head_dim);
@@ -502,7 +492,6 @@ extern "C" ragvit_status ragvit_cuda_attention(const ragvit_attention_args *a,
     if (ragged_attention_mma_supports(&args, dev))
         return ragged_attention_mma_launch(&args, dev, s);
     RAGVIT_TRY(ragged_attention_simple_launch(&args, dev, s));
-    if (args.cls_attn != nullptr)
-        RAGVIT_TRY(ragged_attention_cls_launch(&args, dev, s));
+    if (args.cls_attn != nullptr) RAGVIT_TRY(ragged_attention_cls_launch(&args, dev, s));
     return RAGVIT_STATUS_OK;
 }

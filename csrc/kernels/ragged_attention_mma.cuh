@@ -23,9 +23,9 @@
 #include <stdint.h>
 #include <string.h>
 
-#define RAGGED_ATTENTION_MMA_KEYS 64       /* keys per K/V tile */
-#define RAGGED_ATTENTION_MMA_MAX_WARPS 4   /* 16 query rows per warp */
-#define RAGGED_ATTENTION_MMA_MAX_STAGES 4  /* K/V tiles in flight */
+#define RAGGED_ATTENTION_MMA_KEYS 64        /* keys per K/V tile */
+#define RAGGED_ATTENTION_MMA_MAX_WARPS 4    /* 16 query rows per warp */
+#define RAGGED_ATTENTION_MMA_MAX_STAGES 4   /* K/V tiles in flight */
 #define RAGGED_ATTENTION_MMA_MAX_HEADS 1024 /* cls keeps 8 bytes a head in shared memory */
 #define RAGGED_ATTENTION_MMA_MAX_GRID_YZ 65535
 #define RAGGED_ATTENTION_MMA_LOG2E 1.4426950408889634f
@@ -40,12 +40,10 @@ static int64_t ragged_attention_cap_grid_x(int64_t grid_x, int64_t grid_y, int64
                                            int64_t total_tokens, int64_t num_seqs, int64_t rows,
                                            int64_t sm_count) {
     int64_t budget = 2 * (total_tokens / rows + num_seqs) * grid_y;
-    if (budget < 64 * sm_count)
-        budget = 64 * sm_count;
+    if (budget < 64 * sm_count) budget = 64 * sm_count;
     if (grid_x * grid_y * grid_z > budget) {
         grid_x = budget / (grid_y * grid_z);
-        if (grid_x < 1)
-            grid_x = 1;
+        if (grid_x < 1) grid_x = 1;
     }
     return grid_x;
 }
@@ -54,8 +52,7 @@ static int64_t ragged_attention_cap_grid_x(int64_t grid_x, int64_t grid_y, int64
  * only sizes the grid; a sequence longer than it is skipped and flagged by the kernels. */
 static int64_t ragged_attention_max_len(const ragvit_attention_args *a) {
     int64_t max_len = a->max_seqlen > 0 ? a->max_seqlen : a->total_tokens;
-    if (max_len > INT32_MAX)
-        max_len = INT32_MAX;
+    if (max_len > INT32_MAX) max_len = INT32_MAX;
     return max_len < 1 ? 1 : max_len;
 }
 
@@ -66,9 +63,8 @@ static __device__ __forceinline__ uint32_t ragged_attention_mma_smem_addr(const 
 }
 
 /* 16-byte global -> shared copy; is_valid == false writes 16 zero bytes and reads nothing. */
-static __device__ __forceinline__ void ragged_attention_mma_cp_async16(uint32_t dst,
-                                                                      const void *src,
-                                                                      bool is_valid) {
+static __device__ __forceinline__ void
+ragged_attention_mma_cp_async16(uint32_t dst, const void *src, bool is_valid) {
     const int src_bytes = is_valid ? 16 : 0;
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst),
                  "l"(__cvta_generic_to_global(src)), "r"(src_bytes)
@@ -80,13 +76,12 @@ static __device__ __forceinline__ void ragged_attention_mma_cp_async_commit() {
 }
 
 /* Waits until at most N of this thread's committed groups are still in flight. */
-template <int N>
-static __device__ __forceinline__ void ragged_attention_mma_cp_async_wait() {
+template <int N> static __device__ __forceinline__ void ragged_attention_mma_cp_async_wait() {
     asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
 }
 
 static __device__ __forceinline__ void ragged_attention_mma_ldmatrix_x4(uint32_t r[4],
-                                                                       uint32_t addr) {
+                                                                        uint32_t addr) {
     asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
                  : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
                  : "r"(addr)
@@ -94,7 +89,7 @@ static __device__ __forceinline__ void ragged_attention_mma_ldmatrix_x4(uint32_t
 }
 
 static __device__ __forceinline__ void ragged_attention_mma_ldmatrix_x4_trans(uint32_t r[4],
-                                                                             uint32_t addr) {
+                                                                              uint32_t addr) {
     asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
                  : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
                  : "r"(addr)
@@ -103,11 +98,9 @@ static __device__ __forceinline__ void ragged_attention_mma_ldmatrix_x4_trans(ui
 
 /* Per-dtype pieces: pack two floats (lower column in the low half), unpack, and
  * c[0..3] += A (16x16, row) * B (16x8, col) with fp32 accumulators. */
-template <typename Elem>
-struct ragged_attention_mma_elem;
+template <typename Elem> struct ragged_attention_mma_elem;
 
-template <>
-struct ragged_attention_mma_elem<__half> {
+template <> struct ragged_attention_mma_elem<__half> {
     static constexpr bool is_half = true; /* the instructions' .f16 (else .bf16) type */
     static __device__ __forceinline__ uint32_t pack(float lo, float hi) {
         const __half2 h = __floats2half2_rn(lo, hi);
@@ -129,8 +122,7 @@ struct ragged_attention_mma_elem<__half> {
     }
 };
 
-template <>
-struct ragged_attention_mma_elem<__nv_bfloat16> {
+template <> struct ragged_attention_mma_elem<__nv_bfloat16> {
     static constexpr bool is_half = false;
     static __device__ __forceinline__ uint32_t pack(float lo, float hi) {
         const __nv_bfloat162 h = __floats2bfloat162_rn(lo, hi);
@@ -156,10 +148,9 @@ struct ragged_attention_mma_elem<__nv_bfloat16> {
  * D + 8 elements, spread over threads `tid` of `nthreads`; rows >= valid_rows are zero-filled
  * (P = 0 must never meet garbage V). */
 template <typename Elem, int D>
-static __device__ __forceinline__ void ragged_attention_mma_load_rows(Elem *dst, const Elem *src,
-                                                                     int64_t stride,
-                                                                     int valid_rows, int rows,
-                                                                     int tid, int nthreads) {
+static __device__ __forceinline__ void
+ragged_attention_mma_load_rows(Elem *dst, const Elem *src, int64_t stride, int valid_rows, int rows,
+                               int tid, int nthreads) {
     constexpr int kChunks = D / 8; /* 16-byte chunks per row */
     constexpr int kLds = D + 8;
     for (int c = tid; c < rows * kChunks; c += nthreads) {
@@ -168,8 +159,8 @@ static __device__ __forceinline__ void ragged_attention_mma_load_rows(Elem *dst,
         const bool is_valid = r < valid_rows;
         /* row 0 exists whenever this is called; an invalid chunk reads nothing anyway */
         const Elem *g = src + (is_valid ? (int64_t)r * stride : (int64_t)0) + col * 8;
-        ragged_attention_mma_cp_async16(ragged_attention_mma_smem_addr(dst + r * kLds + col * 8),
-                                        g, is_valid);
+        ragged_attention_mma_cp_async16(ragged_attention_mma_smem_addr(dst + r * kLds + col * 8), g,
+                                        is_valid);
     }
 }
 
@@ -183,21 +174,36 @@ static __device__ __forceinline__ float ragged_attention_mma_exp2(float x) {
 /* Runtime form of cp.async.wait_group for ring depths up to 8. */
 static __device__ __forceinline__ void ragged_attention_mma_cp_async_wait_pending(int n) {
     switch (n) {
-    case 0: ragged_attention_mma_cp_async_wait<0>(); break;
-    case 1: ragged_attention_mma_cp_async_wait<1>(); break;
-    case 2: ragged_attention_mma_cp_async_wait<2>(); break;
-    case 3: ragged_attention_mma_cp_async_wait<3>(); break;
-    case 4: ragged_attention_mma_cp_async_wait<4>(); break;
-    case 5: ragged_attention_mma_cp_async_wait<5>(); break;
-    default: ragged_attention_mma_cp_async_wait<6>(); break;
+    case 0:
+        ragged_attention_mma_cp_async_wait<0>();
+        break;
+    case 1:
+        ragged_attention_mma_cp_async_wait<1>();
+        break;
+    case 2:
+        ragged_attention_mma_cp_async_wait<2>();
+        break;
+    case 3:
+        ragged_attention_mma_cp_async_wait<3>();
+        break;
+    case 4:
+        ragged_attention_mma_cp_async_wait<4>();
+        break;
+    case 5:
+        ragged_attention_mma_cp_async_wait<5>();
+        break;
+    default:
+        ragged_attention_mma_cp_async_wait<6>();
+        break;
     }
 }
 
 /* K and V rows [key0, key0 + 64) of sequence `start`, head h into one ring stage (K rows,
  * then V rows). Strides are read from the kernel parameters (no registers held). */
 template <typename Elem, int D>
-static __device__ __forceinline__ void ragged_attention_mma_load_kv(
-    Elem *stage, const ragvit_attention_args &a, int start, int h, int key0, int len) {
+static __device__ __forceinline__ void
+ragged_attention_mma_load_kv(Elem *stage, const ragvit_attention_args &a, int start, int h,
+                             int key0, int len) {
     constexpr int kKeys = RAGGED_ATTENTION_MMA_KEYS;
     const int valid = min(kKeys, len - key0);
     const int64_t token = (int64_t)start + key0;
@@ -217,17 +223,17 @@ static __device__ __forceinline__ void ragged_attention_mma_load_kv(
  * tile g, the first also holding Q): tile t + num_stages - 1 is in flight while tile t is
  * consumed, so one barrier per tile suffices. Block-uniform: all threads call it alike. */
 template <typename Elem, int D, bool has_bias>
-static __device__ __forceinline__ void ragged_attention_mma_tile(
-    Elem *s_q, Elem *s_kv, int num_stages, const ragvit_attention_args &a, int start, int h,
-    int q0, int len, float scale_log2) {
+static __device__ __forceinline__ void
+ragged_attention_mma_tile(Elem *s_q, Elem *s_kv, int num_stages, const ragvit_attention_args &a,
+                          int start, int h, int q0, int len, float scale_log2) {
     using ops = ragged_attention_mma_elem<Elem>;
     constexpr int kKeys = RAGGED_ATTENTION_MMA_KEYS;
     constexpr int kLds = D + 8;
     constexpr int kStage = 2 * kKeys * kLds; /* elements per ring stage */
     const int warp = threadIdx.x >> 5;
     const int lane = threadIdx.x & 31;
-    const int group = lane >> 2; /* mma groupID: rows group and group + 8 */
-    const int tig = lane & 3;    /* thread in group: columns 2 * tig, 2 * tig + 1 */
+    const int group = lane >> 2;      /* mma groupID: rows group and group + 8 */
+    const int tig = lane & 3;         /* thread in group: columns 2 * tig, 2 * tig + 1 */
     const int rows = blockDim.x >> 1; /* 16 per warp */
     const int num_tiles = (len + kKeys - 1) / kKeys;
     const int warp_row0 = q0 + warp * 16;
@@ -249,34 +255,31 @@ static __device__ __forceinline__ void ragged_attention_mma_tile(
         a.q_stride_token, min(rows, len - q0), rows, threadIdx.x, blockDim.x);
     for (int st = 0; st < num_stages - 1; ++st) {
         if (st < num_tiles)
-            ragged_attention_mma_load_kv<Elem, D>(s_kv + st * kStage, a, start, h, st * kKeys,
-                                                  len);
+            ragged_attention_mma_load_kv<Elem, D>(s_kv + st * kStage, a, start, h, st * kKeys, len);
         ragged_attention_mma_cp_async_commit(); /* group st: key tile st (+ Q), maybe empty */
     }
 
     float o_acc[D / 8][4];
 #pragma unroll
-    for (int i = 0; i < D / 8; ++i)
-        o_acc[i][0] = o_acc[i][1] = o_acc[i][2] = o_acc[i][3] = 0.0f;
+    for (int i = 0; i < D / 8; ++i) o_acc[i][0] = o_acc[i][1] = o_acc[i][2] = o_acc[i][3] = 0.0f;
     /* running max (base-2 scaled) and this thread's partial row sums, rows group, group + 8 */
     float row_max0 = -INFINITY, row_max1 = -INFINITY;
     float row_sum0 = 0.0f, row_sum1 = 0.0f;
 
     int stage = 0; /* holds key tile t; the stage before it receives tile t + num_stages - 1 */
     for (int t = 0; t < num_tiles; ++t) {
-        const int num_keys = min(kKeys, len - t * kKeys); /* >= 1 */
+        const int num_keys = min(kKeys, len - t * kKeys);           /* >= 1 */
         ragged_attention_mma_cp_async_wait_pending(num_stages - 2); /* tile t landed */
         __syncthreads(); /* ... for every thread's copies; tile t - 1 fully consumed */
         if (t + num_stages - 1 < num_tiles)
-            ragged_attention_mma_load_kv<Elem, D>(
-                s_kv + (stage == 0 ? num_stages - 1 : stage - 1) * kStage, a, start, h,
-                (t + num_stages - 1) * kKeys, len);
+            ragged_attention_mma_load_kv<Elem, D>(s_kv + (stage == 0 ? num_stages - 1 : stage - 1) *
+                                                             kStage,
+                                                  a, start, h, (t + num_stages - 1) * kKeys, len);
         ragged_attention_mma_cp_async_commit();
         const Elem *s_k = s_kv + stage * kStage;
         const Elem *s_v = s_k + kKeys * kLds;
         stage = stage + 1 == num_stages ? 0 : stage + 1;
-        if (!is_active)
-            continue;
+        if (!is_active) continue;
 
         /* Q fragments are re-read every tile (D / 16 ldmatrix next to the D / 2 of K and V):
          * that frees D / 4 registers during softmax and PV (D = 64 fits 128, no spills) */
@@ -284,8 +287,8 @@ static __device__ __forceinline__ void ragged_attention_mma_tile(
 #pragma unroll
         for (int kk = 0; kk < D / 16; ++kk)
             ragged_attention_mma_ldmatrix_x4(
-                q_frag[kk], ragged_attention_mma_smem_addr(s_q + (warp * 16 + a_row) * kLds +
-                                                           kk * 16 + a_col));
+                q_frag[kk],
+                ragged_attention_mma_smem_addr(s_q + (warp * 16 + a_row) * kLds + kk * 16 + a_col));
         float s_acc[kKeys / 8][4];
 #pragma unroll
         for (int n = 0; n < kKeys / 8; ++n)
@@ -297,8 +300,8 @@ static __device__ __forceinline__ void ragged_attention_mma_tile(
                 if (n2 * 16 < num_keys) { /* all-masked key pairs: skip, -inf below */
                     uint32_t b[4];
                     ragged_attention_mma_ldmatrix_x4(
-                        b, ragged_attention_mma_smem_addr(s_k + (n2 * 16 + k_row) * kLds +
-                                                          kk * 16 + k_col));
+                        b, ragged_attention_mma_smem_addr(s_k + (n2 * 16 + k_row) * kLds + kk * 16 +
+                                                          k_col));
                     ops::mma(s_acc[2 * n2], q_frag[kk], b[0], b[1]);
                     ops::mma(s_acc[2 * n2 + 1], q_frag[kk], b[2], b[3]);
                 }
@@ -310,8 +313,7 @@ static __device__ __forceinline__ void ragged_attention_mma_tile(
             for (int n = 0; n < kKeys / 8; ++n)
 #pragma unroll
                 for (int e = 0; e < 4; ++e)
-                    if (n * 8 + 2 * tig + (e & 1) >= num_keys)
-                        s_acc[n][e] = -INFINITY;
+                    if (n * 8 + 2 * tig + (e & 1) >= num_keys) s_acc[n][e] = -INFINITY;
         }
         if (has_bias) {
             /* base-2 logits now, so the max below is taken over them. Lane l loads keys l
@@ -319,17 +321,16 @@ static __device__ __forceinline__ void ragged_attention_mma_tile(
              * stays); this thread's keys n * 8 + 2 * tig + {0, 1} come by shuffle (the
              * whole warp is here: is_active is warp-uniform), two registers, not 16. */
             const float *bias = a.bias + ((int64_t)start + t * kKeys) * a.bias_stride;
-            const float b_lo =
-                lane < num_keys ? __ldg(bias + (int64_t)lane * a.bias_stride) : 0.0f;
+            const float b_lo = lane < num_keys ? __ldg(bias + (int64_t)lane * a.bias_stride) : 0.0f;
             const float b_hi =
                 lane + 32 < num_keys ? __ldg(bias + (int64_t)(lane + 32) * a.bias_stride) : 0.0f;
 #pragma unroll
             for (int n = 0; n < kKeys / 8; ++n)
 #pragma unroll
                 for (int c = 0; c < 2; ++c) {
-                    const float b = __shfl_sync(0xffffffffu, n < 4 ? b_lo : b_hi,
-                                                (n & 3) * 8 + 2 * tig + c) *
-                                    RAGGED_ATTENTION_MMA_LOG2E;
+                    const float b =
+                        __shfl_sync(0xffffffffu, n < 4 ? b_lo : b_hi, (n & 3) * 8 + 2 * tig + c) *
+                        RAGGED_ATTENTION_MMA_LOG2E;
                     s_acc[n][c] = fmaf(s_acc[n][c], scale_log2, b);
                     s_acc[n][c + 2] = fmaf(s_acc[n][c + 2], scale_log2, b);
                 }
@@ -398,8 +399,8 @@ static __device__ __forceinline__ void ragged_attention_mma_tile(
                 for (int dn = 0; dn < D / 16; ++dn) {
                     uint32_t b[4];
                     ragged_attention_mma_ldmatrix_x4_trans(
-                        b, ragged_attention_mma_smem_addr(s_v + (j * 16 + a_row) * kLds +
-                                                          dn * 16 + a_col));
+                        b, ragged_attention_mma_smem_addr(s_v + (j * 16 + a_row) * kLds + dn * 16 +
+                                                          a_col));
                     ops::mma(o_acc[2 * dn], p_frag, b[0], b[1]);
                     ops::mma(o_acc[2 * dn + 1], p_frag, b[2], b[3]);
                 }
@@ -442,8 +443,8 @@ static __device__ __forceinline__ void ragged_attention_mma_tile(
 }
 
 /* (m, l) <- online merge of (m, l) and (m_other, l_other); (-inf, 0) is the empty partial. */
-static __device__ __forceinline__ void ragged_attention_mma_merge(float *m, float *l,
-                                                                 float m_other, float l_other) {
+static __device__ __forceinline__ void ragged_attention_mma_merge(float *m, float *l, float m_other,
+                                                                  float l_other) {
     const float m_new = fmaxf(*m, m_other);
     if (m_new != -INFINITY)
         *l = *l * ragged_attention_mma_exp2(*m - m_new) +
@@ -455,8 +456,9 @@ static __device__ __forceinline__ void ragged_attention_mma_merge(float *m, floa
  * rows and B = the query in column 0 (q_frag: b0, b1 per k-step, zero outside lanes 0-3).
  * Lanes with (lane & 3) == 0 receive keys lane / 4 (*x) and lane / 4 + 8 (*y). */
 template <typename Elem, int D>
-static __device__ __forceinline__ void ragged_attention_mma_cls_scores(
-    const Elem *tile, const uint32_t (&q_frag)[D / 16][2], float *x, float *y) {
+static __device__ __forceinline__ void
+ragged_attention_mma_cls_scores(const Elem *tile, const uint32_t (&q_frag)[D / 16][2], float *x,
+                                float *y) {
     using ops = ragged_attention_mma_elem<Elem>;
     constexpr int kLds = D + 8;
     const int lane = threadIdx.x & 31;
@@ -486,10 +488,11 @@ static __device__ __forceinline__ void ragged_attention_mma_cls_scores(
  * q, k point at the sequence's first token of head 0; bias (has_bias only) at its first
  * token's bias, added to every score (both passes alike, so the rescored bits match). */
 template <typename Elem, int D, bool has_bias>
-static __device__ __forceinline__ void ragged_attention_mma_cls(
-    unsigned char *smem, int smem_bytes, float *cls, int64_t cls_stride, const Elem *q,
-    int64_t q_head, const Elem *k, int64_t k_stride, int64_t k_head, const float *bias,
-    int64_t bias_stride, int num_heads, int len, float scale_log2) {
+static __device__ __forceinline__ void
+ragged_attention_mma_cls(unsigned char *smem, int smem_bytes, float *cls, int64_t cls_stride,
+                         const Elem *q, int64_t q_head, const Elem *k, int64_t k_stride,
+                         int64_t k_head, const float *bias, int64_t bias_stride, int num_heads,
+                         int len, float scale_log2) {
     constexpr int kTile = 16 * (D + 8); /* elements of one 16-key tile */
     constexpr int kTileBytes = kTile * (int)sizeof(Elem);
     const int lane = threadIdx.x & 31;
@@ -588,13 +591,11 @@ static __device__ __forceinline__ void ragged_attention_mma_cls(
                 }
                 if (is_x) {
                     ragged_attention_mma_merge(&m, &l, x, 1.0f);
-                    if (is_kept)
-                        s_scores[h * len + t * 16 + key_x] = x;
+                    if (is_kept) s_scores[h * len + t * 16 + key_x] = x;
                 }
                 if (is_y) {
                     ragged_attention_mma_merge(&m, &l, y, 1.0f);
-                    if (is_kept)
-                        s_scores[h * len + t * 16 + key_x + 8] = y;
+                    if (is_kept) s_scores[h * len + t * 16 + key_x + 8] = y;
                 }
                 if (t == num_tiles - 1) { /* warp-uniform; every lane ends with equal bits */
 #pragma unroll
@@ -609,18 +610,13 @@ static __device__ __forceinline__ void ragged_attention_mma_cls(
                     }
                 }
             } else {
-                if (h == 0)
-                    acc_x = acc_y = 0.0f;
+                if (h == 0) acc_x = acc_y = 0.0f;
                 const float m_h = s_stats[2 * h], inv_l_h = s_stats[2 * h + 1];
-                if (is_x)
-                    acc_x = fmaf(ragged_attention_mma_exp2(x - m_h), inv_l_h, acc_x);
-                if (is_y)
-                    acc_y = fmaf(ragged_attention_mma_exp2(y - m_h), inv_l_h, acc_y);
+                if (is_x) acc_x = fmaf(ragged_attention_mma_exp2(x - m_h), inv_l_h, acc_x);
+                if (is_y) acc_y = fmaf(ragged_attention_mma_exp2(y - m_h), inv_l_h, acc_y);
                 if (h == num_heads - 1) {
-                    if (is_x)
-                        cls[(int64_t)(t * 16 + key_x) * cls_stride] = acc_x * inv_heads;
-                    if (is_y)
-                        cls[(int64_t)(t * 16 + key_x + 8) * cls_stride] = acc_y * inv_heads;
+                    if (is_x) cls[(int64_t)(t * 16 + key_x) * cls_stride] = acc_x * inv_heads;
+                    if (is_y) cls[(int64_t)(t * 16 + key_x + 8) * cls_stride] = acc_y * inv_heads;
                 }
             }
         }
@@ -643,8 +639,8 @@ static __device__ __forceinline__ void ragged_attention_mma_cls(
  * start, end past total_tokens) or its length exceeds max_len (the grid was sized from it):
  * such a sequence is skipped, its output rows untouched. Uniform across the block. */
 static __device__ __forceinline__ bool ragged_attention_seq_bounds(const ragvit_attention_args &a,
-                                                                  int s, int h, int max_len,
-                                                                  int &start, int &len) {
+                                                                   int s, int h, int max_len,
+                                                                   int &start, int &len) {
     start = __ldg(a.cu_seqlens + s);
     const int end = __ldg(a.cu_seqlens + s + 1);
     const bool is_bad = start < 0 || end < start || (int64_t)end > a.total_tokens;
@@ -667,8 +663,8 @@ static __device__ __forceinline__ bool ragged_attention_seq_bounds(const ragvit_
  * D + 8 elements. Min blocks per SM: 4 for D <= 64 (<= 128 registers, no spills), 3 for
  * D = 80, 96 (<= 168) and 2 for D = 128 (~185). */
 template <typename Elem, int D, bool has_bias>
-static __global__ void
-__launch_bounds__(RAGGED_ATTENTION_MMA_MAX_WARPS * 32, D <= 64 ? 4 : (D <= 96 ? 3 : 2))
+static __global__ void __launch_bounds__(RAGGED_ATTENTION_MMA_MAX_WARPS * 32,
+                                         D <= 64 ? 4 : (D <= 96 ? 3 : 2))
     ragged_attention_mma_kernel(const __grid_constant__ ragvit_attention_args a, int max_len,
                                 int num_stages, int smem_bytes) {
     cuda_pdl_wait(); /* first: see cuda_check.cuh */
@@ -683,8 +679,7 @@ __launch_bounds__(RAGGED_ATTENTION_MMA_MAX_WARPS * 32, D <= 64 ? 4 : (D <= 96 ? 
 
     for (int s = blockIdx.z; s < a.num_seqs; s += gridDim.z) {
         int start, len;
-        if (!ragged_attention_seq_bounds(a, s, h, max_len, start, len))
-            continue;
+        if (!ragged_attention_seq_bounds(a, s, h, max_len, start, len)) continue;
         if (h == a.num_heads) {
             if (blockIdx.x == 0 && len > 0)
                 ragged_attention_mma_cls<Elem, D, has_bias>(
@@ -730,8 +725,8 @@ static int64_t ragged_attention_mma_smem_bytes(int head_dim, int num_warps, int 
 static int64_t ragged_attention_mma_smem_max(int head_dim) {
     const int64_t a = ragged_attention_mma_smem_bytes(head_dim, RAGGED_ATTENTION_MMA_MAX_WARPS,
                                                       RAGGED_ATTENTION_MMA_MAX_STAGES, 1, false);
-    const int64_t c = ragged_attention_mma_smem_bytes(head_dim, RAGGED_ATTENTION_MMA_MAX_WARPS,
-                                                      2, RAGGED_ATTENTION_MMA_MAX_HEADS, true);
+    const int64_t c = ragged_attention_mma_smem_bytes(head_dim, RAGGED_ATTENTION_MMA_MAX_WARPS, 2,
+                                                      RAGGED_ATTENTION_MMA_MAX_HEADS, true);
     return a > c ? a : c;
 }
 
@@ -752,10 +747,8 @@ static ragged_attention_mma_plan ragged_attention_mma_make_plan(const ragvit_att
 
     /* Four warps (64 query rows) unless the sequences are shorter: measured on an H200,
      * smaller blocks lost even at batch 1 (more copies of K/V, less load parallelism). */
-    if (num_warps <= 0)
-        num_warps = (int)((max_len + 15) / 16);
-    if (num_warps > RAGGED_ATTENTION_MMA_MAX_WARPS)
-        num_warps = RAGGED_ATTENTION_MMA_MAX_WARPS;
+    if (num_warps <= 0) num_warps = (int)((max_len + 15) / 16);
+    if (num_warps > RAGGED_ATTENTION_MMA_MAX_WARPS) num_warps = RAGGED_ATTENTION_MMA_MAX_WARPS;
     /* At most one wave of blocks: nothing else hides memory latency, so put up to 4 key
      * tiles in flight. More blocks: 2 stages (double buffering) keep 4 blocks per SM. */
     if (num_stages <= 0) {
@@ -766,10 +759,8 @@ static ragged_attention_mma_plan ragged_attention_mma_make_plan(const ragvit_att
                                    ? (key_tiles > 2 ? key_tiles : 2)
                                    : RAGGED_ATTENTION_MMA_MAX_STAGES);
     }
-    if (num_stages < 2)
-        num_stages = 2;
-    if (num_stages > RAGGED_ATTENTION_MMA_MAX_STAGES)
-        num_stages = RAGGED_ATTENTION_MMA_MAX_STAGES;
+    if (num_stages < 2) num_stages = 2;
+    if (num_stages > RAGGED_ATTENTION_MMA_MAX_STAGES) num_stages = RAGGED_ATTENTION_MMA_MAX_STAGES;
     while (num_stages > 2 && ragged_attention_mma_smem_bytes(a->head_dim, num_warps, num_stages,
                                                              a->num_heads, has_cls) > smem_limit)
         --num_stages;
@@ -801,22 +792,19 @@ static ragged_attention_mma_plan ragged_attention_mma_make_plan(const ragvit_att
  * and room for the smallest plan in the opt-in shared memory (D = 96, 128 need > 48 KB). */
 static bool ragged_attention_mma_supports(const ragvit_attention_args *a,
                                           const ragvit_device_info *dev) {
-    if (a->dtype != RAGVIT_DTYPE_F16 && a->dtype != RAGVIT_DTYPE_BF16)
-        return false;
+    if (a->dtype != RAGVIT_DTYPE_F16 && a->dtype != RAGVIT_DTYPE_BF16) return false;
     if (a->head_dim != 32 && a->head_dim != 64 && a->head_dim != 80 && a->head_dim != 96 &&
         a->head_dim != 128)
         return false;
-    if (a->num_heads < 1 || a->num_heads > RAGGED_ATTENTION_MMA_MAX_HEADS)
-        return false;
+    if (a->num_heads < 1 || a->num_heads > RAGGED_ATTENTION_MMA_MAX_HEADS) return false;
     if (dev != NULL) {
-        const int64_t limit = dev->smem_per_block_optin > 0 ? dev->smem_per_block_optin
-                                                             : 48 * 1024;
+        const int64_t limit = dev->smem_per_block_optin > 0 ? dev->smem_per_block_optin : 48 * 1024;
         if (dev->cc_major < 8 || ragged_attention_mma_smem_bytes(a->head_dim, 1, 2, a->num_heads,
                                                                  a->cls_attn != NULL) > limit)
             return false;
     }
-    const uintptr_t ptr_bits = (uintptr_t)a->q | (uintptr_t)a->k | (uintptr_t)a->v |
-                               (uintptr_t)a->out;
+    const uintptr_t ptr_bits =
+        (uintptr_t)a->q | (uintptr_t)a->k | (uintptr_t)a->v | (uintptr_t)a->out;
     const int64_t stride_bits = a->q_stride_token | a->q_stride_head | a->k_stride_token |
                                 a->k_stride_head | a->v_stride_token | a->v_stride_head |
                                 a->out_stride_token | a->out_stride_head;
@@ -830,12 +818,12 @@ static ragvit_status ragged_attention_mma_launch_hdim(const ragvit_attention_arg
                                                       cudaStream_t stream) {
     if (a->bias != NULL)
         CUDA_TRY(cuda_launch(dev, RAGVIT_PDL_ATTENTION, ragged_attention_mma_kernel<Elem, D, true>,
-                             plan->grid, 32 * plan->num_warps, (size_t)plan->smem_bytes, stream,
-                             *a, plan->max_len, plan->num_stages, plan->smem_bytes));
+                             plan->grid, 32 * plan->num_warps, (size_t)plan->smem_bytes, stream, *a,
+                             plan->max_len, plan->num_stages, plan->smem_bytes));
     else
         CUDA_TRY(cuda_launch(dev, RAGVIT_PDL_ATTENTION, ragged_attention_mma_kernel<Elem, D, false>,
-                             plan->grid, 32 * plan->num_warps, (size_t)plan->smem_bytes, stream,
-                             *a, plan->max_len, plan->num_stages, plan->smem_bytes));
+                             plan->grid, 32 * plan->num_warps, (size_t)plan->smem_bytes, stream, *a,
+                             plan->max_len, plan->num_stages, plan->smem_bytes));
     return RAGVIT_STATUS_OK;
 }
 
@@ -883,8 +871,7 @@ static ragvit_status ragged_attention_mma_launch(const ragvit_attention_args *a,
 template <typename Elem, int D>
 static ragvit_status ragged_attention_mma_init_hdim(const ragvit_device_info *dev) {
     int64_t bytes = ragged_attention_mma_smem_max(D);
-    if (bytes <= 48 * 1024)
-        return RAGVIT_STATUS_OK;
+    if (bytes <= 48 * 1024) return RAGVIT_STATUS_OK;
     if (bytes > dev->smem_per_block_optin) /* the plans then stay under the device's limit */
         bytes = dev->smem_per_block_optin;
     CUDA_TRY(cudaFuncSetAttribute(ragged_attention_mma_kernel<Elem, D, false>,
@@ -898,13 +885,12 @@ static ragvit_status ragged_attention_mma_init_hdim(const ragvit_device_info *de
  * the largest plan needs. Devices below sm_80 have no image and are skipped
  * (ragged_attention_mma_supports refuses them). */
 static ragvit_status ragged_attention_mma_init(const ragvit_device_info *dev) {
-    if (dev->cc_major < 8)
-        return RAGVIT_STATUS_OK;
+    if (dev->cc_major < 8) return RAGVIT_STATUS_OK;
     ragvit_status status = RAGVIT_STATUS_OK;
-#define RAGGED_ATTENTION_MMA_INIT(D)                                                         \
-    if ((status = ragged_attention_mma_init_hdim<__half, D>(dev)) != RAGVIT_STATUS_OK)      \
-        return status;                                                                       \
-    if ((status = ragged_attention_mma_init_hdim<__nv_bfloat16, D>(dev)) != RAGVIT_STATUS_OK) \
+#define RAGGED_ATTENTION_MMA_INIT(D)                                                               \
+    if ((status = ragged_attention_mma_init_hdim<__half, D>(dev)) != RAGVIT_STATUS_OK)             \
+        return status;                                                                             \
+    if ((status = ragged_attention_mma_init_hdim<__nv_bfloat16, D>(dev)) != RAGVIT_STATUS_OK)      \
         return status;
     RAGGED_ATTENTION_MMA_INIT(32)
     RAGGED_ATTENTION_MMA_INIT(64)

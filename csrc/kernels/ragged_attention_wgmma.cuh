@@ -113,8 +113,8 @@ using ragged_attention_wgmma_maps_t =
 /* 64-bit shared-memory matrix descriptor: start address, leading and stride byte offsets
  * (all >> 4), 128-byte swizzle (layout type 1 in bits 62-63). */
 static __device__ __forceinline__ uint64_t ragged_attention_wgmma_desc(uint32_t addr,
-                                                                      uint32_t lbo_bytes,
-                                                                      uint32_t sbo_bytes) {
+                                                                       uint32_t lbo_bytes,
+                                                                       uint32_t sbo_bytes) {
     return (uint64_t)((addr >> 4) & 0x3FFFu) | ((uint64_t)((lbo_bytes >> 4) & 0x3FFFu) << 16) |
            ((uint64_t)((sbo_bytes >> 4) & 0x3FFFu) << 32) | ((uint64_t)1 << 62);
 }
@@ -140,7 +140,7 @@ static __device__ __forceinline__ void ragged_attention_wgmma_fence_proxy() {
 /* Shared address of stage 0's mbarrier (TMA; stage s's at + 8 s): past Q, the ring of
  * num_stages (V, K) slots and the folded tail's rows (ragged_attention_wgmma_smem_bytes). */
 static __device__ __forceinline__ uint32_t ragged_attention_wgmma_bars(uint32_t smem, int keys,
-                                                                      int num_stages) {
+                                                                       int num_stages) {
     return smem + RAGGED_ATTENTION_WGMMA_TILE + 256 * keys * num_stages +
            128 * (RAGGED_ATTENTION_WGMMA_TAIL + 16);
 }
@@ -150,14 +150,13 @@ static __device__ __forceinline__ void ragged_attention_wgmma_mbar_init(uint32_t
 }
 
 static __device__ __forceinline__ void ragged_attention_wgmma_mbar_expect(uint32_t bar,
-                                                                         uint32_t bytes) {
-    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar),
-                 "r"(bytes)
+                                                                          uint32_t bytes) {
+    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar), "r"(bytes)
                  : "memory");
 }
 
 static __device__ __forceinline__ void ragged_attention_wgmma_mbar_wait(uint32_t bar,
-                                                                       uint32_t parity) {
+                                                                        uint32_t parity) {
     asm volatile("{\n.reg .pred done;\nwait_%=:\n"
                  "mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n"
                  "@!done bra wait_%=;\n}\n" ::"r"(bar),
@@ -167,9 +166,9 @@ static __device__ __forceinline__ void ragged_attention_wgmma_mbar_wait(uint32_t
 
 /* Box (0, h, row) of the tensor map into shared memory at dst, completing on bar. */
 static __device__ __forceinline__ void ragged_attention_wgmma_tma_load(uint32_t dst,
-                                                                      const CUtensorMap *map,
-                                                                      int h, int row,
-                                                                      uint32_t bar) {
+                                                                       const CUtensorMap *map,
+                                                                       int h, int row,
+                                                                       uint32_t bar) {
     asm volatile("cp.async.bulk.tensor.3d.shared::cluster.global.mbarrier::complete_tx::bytes"
                  " [%0], [%1, {%2, %3, %4}], [%5];\n" ::"r"(dst),
                  "l"(reinterpret_cast<uint64_t>(map)), "r"(0), "r"(h), "r"(row), "r"(bar)
@@ -180,61 +179,58 @@ static __device__ __forceinline__ void ragged_attention_wgmma_tma_load(uint32_t 
 template <int N>
 static __device__ __forceinline__ void ragged_attention_wgmma_fence_regs(float (&d)[N]) {
 #pragma unroll
-    for (int i = 0; i < N; ++i)
-        asm volatile("" : "+f"(d[i])::"memory");
+    for (int i = 0; i < N; ++i) asm volatile("" : "+f"(d[i])::"memory");
 }
 
-#define RAGGED_ATTENTION_WGMMA_D                                                               \
-    "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, "  \
+#define RAGGED_ATTENTION_WGMMA_D                                                                   \
+    "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, "       \
     "%19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}"
-#define RAGGED_ATTENTION_WGMMA_OUT(d)                                                          \
-    "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]),       \
-        "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]),            \
-        "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]),         \
-        "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]),         \
-        "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]),         \
-        "+f"(d[31])
+#define RAGGED_ATTENTION_WGMMA_OUT(d)                                                              \
+    "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]),            \
+        "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]),    \
+        "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), \
+        "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), \
+        "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
 
 /* scale-d is a predicate set from operand %n (the one after the accumulators): 1 accumulates
  * (d += A B), 0 overwrites (d = A B). */
 #define RAGGED_ATTENTION_WGMMA_PRED(n) "{\n.reg .pred p;\nsetp.ne.b32 p, %" #n ", 0;\n"
 
 /* The same for 64 accumulators (m64n128: operands %0-%63). */
-#define RAGGED_ATTENTION_WGMMA_D128                                                            \
-    "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, "  \
-    "%19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, "   \
-    "%36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, "   \
+#define RAGGED_ATTENTION_WGMMA_D128                                                                \
+    "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, "       \
+    "%19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, "        \
+    "%36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, "        \
     "%53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}"
-#define RAGGED_ATTENTION_WGMMA_OUT128(d)                                                       \
-    RAGGED_ATTENTION_WGMMA_OUT(d), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]),        \
-        "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]),         \
-        "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),         \
-        "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]),         \
-        "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]),         \
-        "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
+#define RAGGED_ATTENTION_WGMMA_OUT128(d)                                                           \
+    RAGGED_ATTENTION_WGMMA_OUT(d), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]),             \
+        "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), \
+        "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), "+f"(d[49]), \
+        "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), \
+        "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
 
 /* The body of a wgmma with both operands by descriptor (a, b) into accumulators d, shape
  * m64{n}k16, in Elem's type (.atype/.btype): PRED sets p from scale-d (`accumulate`), D lists
  * the accumulator operands, OUT binds them, AB names the descriptor operands. */
-#define RAGGED_ATTENTION_WGMMA_SS(n, PRED, D, OUT, AB)                                         \
-    do {                                                                                      \
-        if constexpr (ragged_attention_mma_elem<Elem>::is_half)                               \
-            asm volatile(PRED "wgmma.mma_async.sync.aligned.m64" n "k16.f32.f16.f16 " D       \
-                              ", " AB ", p, 1, 1, 0, 0;\n}\n"                                  \
-                         : OUT(d)                                                             \
-                         : "r"(accumulate), "l"(a), "l"(b));                                  \
-        else                                                                                  \
-            asm volatile(PRED "wgmma.mma_async.sync.aligned.m64" n "k16.f32.bf16.bf16 " D     \
-                              ", " AB ", p, 1, 1, 0, 0;\n}\n"                                  \
-                         : OUT(d)                                                             \
-                         : "r"(accumulate), "l"(a), "l"(b));                                  \
+#define RAGGED_ATTENTION_WGMMA_SS(n, PRED, D, OUT, AB)                                             \
+    do {                                                                                           \
+        if constexpr (ragged_attention_mma_elem<Elem>::is_half)                                    \
+            asm volatile(PRED "wgmma.mma_async.sync.aligned.m64" n "k16.f32.f16.f16 " D ", " AB    \
+                              ", p, 1, 1, 0, 0;\n}\n"                                              \
+                         : OUT(d)                                                                  \
+                         : "r"(accumulate), "l"(a), "l"(b));                                       \
+        else                                                                                       \
+            asm volatile(PRED "wgmma.mma_async.sync.aligned.m64" n "k16.f32.bf16.bf16 " D ", " AB  \
+                              ", p, 1, 1, 0, 0;\n}\n"                                              \
+                         : OUT(d)                                                                  \
+                         : "r"(accumulate), "l"(a), "l"(b));                                       \
     } while (0)
 
 /* d (64 x 64, fp32) = A (64 x 16, shared, K-major) * B (16 x 64, shared, K-major), plus d
  * when accumulate != 0. */
 template <typename Elem>
 static __device__ __forceinline__ void ragged_attention_wgmma_ss(float (&d)[32], uint64_t a,
-                                                                uint64_t b, int accumulate) {
+                                                                 uint64_t b, int accumulate) {
     RAGGED_ATTENTION_WGMMA_SS("n64", RAGGED_ATTENTION_WGMMA_PRED(32), RAGGED_ATTENTION_WGMMA_D,
                               RAGGED_ATTENTION_WGMMA_OUT, "%33, %34");
 }
@@ -243,23 +239,23 @@ static __device__ __forceinline__ void ragged_attention_wgmma_ss(float (&d)[32],
  * when accumulate != 0. */
 template <typename Elem>
 static __device__ __forceinline__ void ragged_attention_wgmma_ss(float (&d)[64], uint64_t a,
-                                                                uint64_t b, int accumulate) {
+                                                                 uint64_t b, int accumulate) {
     RAGGED_ATTENTION_WGMMA_SS("n128", RAGGED_ATTENTION_WGMMA_PRED(64), RAGGED_ATTENTION_WGMMA_D128,
                               RAGGED_ATTENTION_WGMMA_OUT128, "%65, %66");
 }
 
 /* The same for 36 accumulators (m64n72: operands %0-%35). */
-#define RAGGED_ATTENTION_WGMMA_D36                                                             \
-    "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, "  \
+#define RAGGED_ATTENTION_WGMMA_D36                                                                 \
+    "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, "       \
     "%19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35}"
-#define RAGGED_ATTENTION_WGMMA_OUT36(d)                                                        \
+#define RAGGED_ATTENTION_WGMMA_OUT36(d)                                                            \
     RAGGED_ATTENTION_WGMMA_OUT(d), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35])
 
 /* d (64 x 72, fp32) = A (64 x 16, shared, K-major) * B (16 x 72, shared, K-major), plus d
  * when accumulate != 0. */
 template <typename Elem>
 static __device__ __forceinline__ void ragged_attention_wgmma_ss(float (&d)[36], uint64_t a,
-                                                                uint64_t b, int accumulate) {
+                                                                 uint64_t b, int accumulate) {
     RAGGED_ATTENTION_WGMMA_SS("n72", RAGGED_ATTENTION_WGMMA_PRED(36), RAGGED_ATTENTION_WGMMA_D36,
                               RAGGED_ATTENTION_WGMMA_OUT36, "%37, %38");
 }
@@ -267,32 +263,29 @@ static __device__ __forceinline__ void ragged_attention_wgmma_ss(float (&d)[36],
 /* d (64 x 64, fp32) += A (64 x 16, registers: this warp's 16 rows as mma.m16n8k16's A
  * fragment) * B (16 x 64, shared, MN-major: imm-trans-b = 1). */
 template <typename Elem>
-static __device__ __forceinline__ void ragged_attention_wgmma_rs(float (&d)[32],
-                                                                const uint32_t (&a)[4],
-                                                                uint64_t b) {
+static __device__ __forceinline__ void
+ragged_attention_wgmma_rs(float (&d)[32], const uint32_t (&a)[4], uint64_t b) {
     if constexpr (ragged_attention_mma_elem<Elem>::is_half) /* .atype/.btype */
-        asm volatile(RAGGED_ATTENTION_WGMMA_PRED(32)
-                     "wgmma.mma_async.sync.aligned.m64n64k16.f32.f16.f16 "
-                     RAGGED_ATTENTION_WGMMA_D
-                     ", {%33, %34, %35, %36}, %37, p, 1, 1, 1;\n}\n"
-                     : RAGGED_ATTENTION_WGMMA_OUT(d)
-                     : "r"(1), "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b));
+        asm volatile(
+            RAGGED_ATTENTION_WGMMA_PRED(
+                32) "wgmma.mma_async.sync.aligned.m64n64k16.f32.f16.f16 " RAGGED_ATTENTION_WGMMA_D
+                    ", {%33, %34, %35, %36}, %37, p, 1, 1, 1;\n}\n"
+            : RAGGED_ATTENTION_WGMMA_OUT(d)
+            : "r"(1), "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b));
     else
-        asm volatile(RAGGED_ATTENTION_WGMMA_PRED(32)
-                     "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 "
-                     RAGGED_ATTENTION_WGMMA_D
-                     ", {%33, %34, %35, %36}, %37, p, 1, 1, 1;\n}\n"
-                     : RAGGED_ATTENTION_WGMMA_OUT(d)
-                     : "r"(1), "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b));
+        asm volatile(
+            RAGGED_ATTENTION_WGMMA_PRED(
+                32) "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 " RAGGED_ATTENTION_WGMMA_D
+                    ", {%33, %34, %35, %36}, %37, p, 1, 1, 1;\n}\n"
+            : RAGGED_ATTENTION_WGMMA_OUT(d)
+            : "r"(1), "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b));
 }
 
 /* 64 rows of 64 elements (src row r at src + r * stride) into a swizzled 1024-byte aligned
  * tile at shared address dst; rows >= valid_rows are zero-filled and read nothing. */
 template <typename Elem>
-static __device__ __forceinline__ void ragged_attention_wgmma_load_tile(uint32_t dst,
-                                                                       const Elem *src,
-                                                                       int64_t stride,
-                                                                       int valid_rows) {
+static __device__ __forceinline__ void
+ragged_attention_wgmma_load_tile(uint32_t dst, const Elem *src, int64_t stride, int valid_rows) {
 #pragma unroll
     for (int i = 0; i < 4; ++i) { /* 512 chunks of 16 bytes, 4 a thread */
         const int c = threadIdx.x + 128 * i;
@@ -309,17 +302,16 @@ static __device__ __forceinline__ void ragged_attention_wgmma_load_tile(uint32_t
  * Thread (group, tig) of warp w holds rows 16 w + group (s[4i], s[4i + 1]) and + 8
  * (s[4i + 2], s[4i + 3]), keys 8 i + 2 tig + {0, 1}. */
 template <int keys>
-static __device__ __forceinline__ void ragged_attention_wgmma_softmax(
-    float (&s)[keys / 2], int num_keys, float scale_log2, bool is_first, float (&row_max)[2],
-    float (&row_sum)[2], float (&alpha)[2]) {
+static __device__ __forceinline__ void
+ragged_attention_wgmma_softmax(float (&s)[keys / 2], int num_keys, float scale_log2, bool is_first,
+                               float (&row_max)[2], float (&row_sum)[2], float (&alpha)[2]) {
     const int tig = (threadIdx.x & 31) & 3;
     if (num_keys < keys) {
 #pragma unroll
         for (int i = 0; i < keys / 8; ++i)
 #pragma unroll
             for (int e = 0; e < 4; ++e)
-                if (i * 8 + 2 * tig + (e & 1) >= num_keys)
-                    s[4 * i + e] = -INFINITY;
+                if (i * 8 + 2 * tig + (e & 1) >= num_keys) s[4 * i + e] = -INFINITY;
     }
     float mx[2] = {-INFINITY, -INFINITY};
 #pragma unroll
@@ -346,15 +338,13 @@ static __device__ __forceinline__ void ragged_attention_wgmma_softmax(
             sum[r] += s[4 * i + e];
         }
 #pragma unroll
-    for (int r = 0; r < 2; ++r)
-        row_sum[r] = is_first ? sum[r] : fmaf(row_sum[r], alpha[r], sum[r]);
+    for (int r = 0; r < 2; ++r) row_sum[r] = is_first ? sum[r] : fmaf(row_sum[r], alpha[r], sum[r]);
 }
 
 /* S = Q K^T over a K tile of N / 2 keys, then waits for it. */
 template <typename Elem, int N>
-static __device__ __forceinline__ void ragged_attention_wgmma_scores(float (&s)[N],
-                                                                    uint64_t desc_q,
-                                                                    uint64_t desc_k) {
+static __device__ __forceinline__ void ragged_attention_wgmma_scores(float (&s)[N], uint64_t desc_q,
+                                                                     uint64_t desc_k) {
     ragged_attention_wgmma_fence_regs(s);
     ragged_attention_wgmma_fence();
 #pragma unroll
@@ -369,8 +359,8 @@ static __device__ __forceinline__ void ragged_attention_wgmma_scores(float (&s)[
  * `split` from the tile at desc_v, the rest from the tile at desc_x; then waits for it. */
 template <typename Elem, int steps, int split>
 static __device__ __forceinline__ void ragged_attention_wgmma_pv(float (&o)[32],
-                                                                const uint32_t (&p)[steps][4],
-                                                                uint64_t desc_v, uint64_t desc_x) {
+                                                                 const uint32_t (&p)[steps][4],
+                                                                 uint64_t desc_v, uint64_t desc_x) {
     ragged_attention_wgmma_fence_regs(o);
     ragged_attention_wgmma_fence();
 #pragma unroll
@@ -388,7 +378,7 @@ static __device__ __forceinline__ void ragged_attention_wgmma_pv(float (&o)[32],
  * blocks 2 jj and 2 jj + 1 (zeros past the last block). */
 template <typename Elem, int steps, int N>
 static __device__ __forceinline__ void ragged_attention_wgmma_pack(uint32_t (&p)[steps][4],
-                                                                  const float (&s)[N]) {
+                                                                   const float (&s)[N]) {
     using ops = ragged_attention_mma_elem<Elem>;
     static_assert(N <= 8 * steps && N > 8 * steps - 8 && N % 4 == 0, "whole key blocks");
 #pragma unroll
@@ -404,10 +394,10 @@ static __device__ __forceinline__ void ragged_attention_wgmma_pack(uint32_t (&p)
  * of `keys` keys (the block is one warpgroup; every branch is block-uniform). smem:
  * 1024-byte aligned shared address: Q, num_stages (V, K) slot pairs, the folded tail's. */
 template <typename Elem, int keys, bool tma>
-static __device__ __forceinline__ void ragged_attention_wgmma_tile(
-    uint32_t smem, int num_stages, const ragvit_attention_args &a,
-    const ragged_attention_wgmma_maps_t<tma> &maps, uint32_t &phases, int start, int h, int q0,
-    int len, float scale_log2) {
+static __device__ __forceinline__ void
+ragged_attention_wgmma_tile(uint32_t smem, int num_stages, const ragvit_attention_args &a,
+                            const ragged_attention_wgmma_maps_t<tma> &maps, uint32_t &phases,
+                            int start, int h, int q0, int len, float scale_log2) {
     using ops = ragged_attention_mma_elem<Elem>;
     constexpr uint32_t kTile = 128 * keys; /* bytes of a K or V tile */
     const int warp = threadIdx.x >> 5;
@@ -470,9 +460,8 @@ static __device__ __forceinline__ void ragged_attention_wgmma_tile(
                     ragged_attention_mma_cp_async16(s_slot + kTile + 2048 * i + off,
                                                     k_seq + kr * a.k_stride_token + cc * 8,
                                                     is_valid);
-                    ragged_attention_mma_cp_async16(s_slot + 2048 * i + off,
-                                                    v_seq + kr * a.v_stride_token + cc * 8,
-                                                    is_valid);
+                    ragged_attention_mma_cp_async16(
+                        s_slot + 2048 * i + off, v_seq + kr * a.v_stride_token + cc * 8, is_valid);
                 }
             }
             if (++tiles_loaded == num_tiles && has_tail) {
@@ -480,8 +469,7 @@ static __device__ __forceinline__ void ragged_attention_wgmma_tile(
                 const bool is_valid = key < len; /* the tail's row cr */
                 const Elem *k = k_seq + (is_valid ? (int64_t)key * a.k_stride_token : 0) + cc * 8;
                 const Elem *v = v_seq + (is_valid ? (int64_t)key * a.v_stride_token : 0) + cc * 8;
-                if (cr < kTail)
-                    ragged_attention_mma_cp_async16(s_x + off, k, is_valid);
+                if (cr < kTail) ragged_attention_mma_cp_async16(s_x + off, k, is_valid);
                 ragged_attention_mma_cp_async16(s_x + 128 * kTail + off, v, is_valid);
             }
             return;
@@ -530,11 +518,9 @@ static __device__ __forceinline__ void ragged_attention_wgmma_tile(
 
     float o[32], s[keys / 2];
 #pragma unroll
-    for (int i = 0; i < 32; ++i)
-        o[i] = 0.0f;
+    for (int i = 0; i < 32; ++i) o[i] = 0.0f;
 #pragma unroll
-    for (int i = 0; i < keys / 2; ++i)
-        s[i] = 0.0f;
+    for (int i = 0; i < keys / 2; ++i) s[i] = 0.0f;
     float row_max[2] = {-INFINITY, -INFINITY}, row_sum[2] = {0.0f, 0.0f}, alpha[2];
     uint32_t p[keys / 16][4];
     const uint64_t desc_q = ragged_attention_wgmma_desc(s_q, 16, 1024);
@@ -549,12 +535,11 @@ static __device__ __forceinline__ void ragged_attention_wgmma_tile(
         constexpr int width = (int)(2 * sizeof(s_w) / sizeof(float));
         constexpr int steps = (int)(sizeof(p_w) / sizeof(p_w[0]));
         ragged_attention_wgmma_scores<Elem>(s_w, desc_q, desc_k);
-        ragged_attention_wgmma_softmax<width>(s_w, num_keys, scale_log2, is_first, row_max,
-                                              row_sum, alpha);
+        ragged_attention_wgmma_softmax<width>(s_w, num_keys, scale_log2, is_first, row_max, row_sum,
+                                              alpha);
         if (!is_first) {
 #pragma unroll
-            for (int i = 0; i < 32; ++i)
-                o[i] *= alpha[(i >> 1) & 1];
+            for (int i = 0; i < 32; ++i) o[i] *= alpha[(i >> 1) & 1];
         }
         ragged_attention_wgmma_pack<Elem>(p_w, s_w);
         ragged_attention_wgmma_pv<Elem, steps, keys / 16>(
@@ -564,8 +549,7 @@ static __device__ __forceinline__ void ragged_attention_wgmma_tile(
     auto tail_step = [&](uint64_t desc_k, uint64_t desc_v, int num_keys, bool is_first) {
         float sa[kWide / 2];
 #pragma unroll
-        for (int i = 0; i < kWide / 2; ++i)
-            sa[i] = 0.0f;
+        for (int i = 0; i < kWide / 2; ++i) sa[i] = 0.0f;
         uint32_t pa[(kWide + 15) / 16][4]; /* keys 64-71, then zeros for 72-79 */
         step(sa, pa, desc_k, desc_v, num_keys, is_first);
     };
@@ -580,7 +564,7 @@ static __device__ __forceinline__ void ragged_attention_wgmma_tile(
             }
         }
         ragged_attention_wgmma_fence_proxy();
-        __syncthreads(); /* every thread's copies; tile t - 1 fully consumed */
+        __syncthreads();           /* every thread's copies; tile t - 1 fully consumed */
         if (t + ahead < num_tiles) /* tile t + ahead, into tile t - 1's slot */
             load_kv(stage == 0 ? num_stages - 1 : stage - 1);
         ragged_attention_mma_cp_async_commit(); /* group t + ahead, maybe empty */
@@ -615,12 +599,12 @@ static __device__ __forceinline__ void ragged_attention_wgmma_tile(
     for (int i = 0; i < 8; ++i) { /* columns 8 i + 2 tig, 16-byte chunk i of each row */
         const uint32_t lo = ops::pack(o[4 * i] * inv[0], o[4 * i + 1] * inv[0]);
         const uint32_t hi = ops::pack(o[4 * i + 2] * inv[1], o[4 * i + 3] * inv[1]);
-        asm volatile("st.shared.u32 [%0], %1;\n" ::"r"(s_o + group * 128 +
-                                                      ((i ^ group) << 4) + 4 * tig),
-                     "r"(lo)
-                     : "memory");
+        asm volatile(
+            "st.shared.u32 [%0], %1;\n" ::"r"(s_o + group * 128 + ((i ^ group) << 4) + 4 * tig),
+            "r"(lo)
+            : "memory");
         asm volatile("st.shared.u32 [%0], %1;\n" ::"r"(s_o + (group + 8) * 128 +
-                                                      ((i ^ group) << 4) + 4 * tig),
+                                                       ((i ^ group) << 4) + 4 * tig),
                      "r"(hi)
                      : "memory");
     }
@@ -644,7 +628,7 @@ static __device__ __forceinline__ void ragged_attention_wgmma_tile(
 
 /* 16 elements from src (32-byte aligned, 16 t elements into a row) as 8 words (2 each). */
 static __device__ __forceinline__ void ragged_attention_wgmma_words16(const void *src,
-                                                                     uint32_t (&w)[8]) {
+                                                                      uint32_t (&w)[8]) {
     const uint4 lo = static_cast<const uint4 *>(src)[0], hi = static_cast<const uint4 *>(src)[1];
     w[0] = lo.x, w[1] = lo.y, w[2] = lo.z, w[3] = lo.w;
     w[4] = hi.x, w[5] = hi.y, w[6] = hi.z, w[7] = hi.w;
@@ -676,9 +660,9 @@ static __device__ __forceinline__ void ragged_attention_wgmma_words16(const void
  * its K and V (a thin block 14% shorter, totals within noise).
  * smem: the block's shared memory (8.25 KB used). */
 template <typename Elem>
-static __device__ __forceinline__ void ragged_attention_wgmma_thin_tile(
-    unsigned char *smem, const ragvit_attention_args &a, int start, int h, int q0, int len,
-    float scale_log2) {
+static __device__ __forceinline__ void
+ragged_attention_wgmma_thin_tile(unsigned char *smem, const ragvit_attention_args &a, int start,
+                                 int h, int q0, int len, float scale_log2) {
     using ops = ragged_attention_mma_elem<Elem>;
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const int g = lane >> 2, t = lane & 3;
@@ -699,8 +683,7 @@ static __device__ __forceinline__ void ragged_attention_wgmma_thin_tile(
 #pragma unroll
     for (int i = 0; i < 4; ++i)
 #pragma unroll
-        for (int e = 0; e < 4; ++e)
-            o[i][e] = 0.0f;
+        for (int e = 0; e < 4; ++e) o[i][e] = 0.0f;
     const int num_chunks = (len + 15) >> 4;
     for (int c = warp; c < num_chunks; c += 4) {
         const int key0 = 16 * c;
@@ -726,10 +709,8 @@ static __device__ __forceinline__ void ragged_attention_wgmma_thin_tile(
                                     kw[1][2 * kk + 1]};
             ops::mma(s, af, qb[2 * kk], qb[2 * kk + 1]);
         }
-        if (key0 + g >= len)
-            s[0] = s[1] = -INFINITY;
-        if (key0 + g + 8 >= len)
-            s[2] = s[3] = -INFINITY;
+        if (key0 + g >= len) s[0] = s[1] = -INFINITY;
+        if (key0 + g + 8 >= len) s[2] = s[3] = -INFINITY;
         float p[4];
 #pragma unroll
         for (int e = 0; e < 2; ++e) { /* key0 is valid: the chunk's maximum is finite */
@@ -762,10 +743,9 @@ static __device__ __forceinline__ void ragged_attention_wgmma_thin_tile(
         const uint32_t v3[4] = {vr[3].x, vr[3].y, vr[3].z, vr[3].w};
 #pragma unroll
         for (int i = 0; i < 4; ++i) { /* V^T rows 8 g + 2 i (+ 1) as A: keys low half first */
-            const uint32_t af[4] = {__byte_perm(v0[i], v1[i], 0x5410),
-                                    __byte_perm(v0[i], v1[i], 0x7632),
-                                    __byte_perm(v2[i], v3[i], 0x5410),
-                                    __byte_perm(v2[i], v3[i], 0x7632)};
+            const uint32_t af[4] = {
+                __byte_perm(v0[i], v1[i], 0x5410), __byte_perm(v0[i], v1[i], 0x7632),
+                __byte_perm(v2[i], v3[i], 0x5410), __byte_perm(v2[i], v3[i], 0x7632)};
             ops::mma(o[i], af, pb[0], pb[1]);
         }
     }
@@ -794,8 +774,7 @@ static __device__ __forceinline__ void ragged_attention_wgmma_thin_tile(
     if (r < rows) {
         float mx = -INFINITY; /* warp 0 has key 0: finite */
 #pragma unroll
-        for (int w = 0; w < 4; ++w)
-            mx = fmaxf(mx, s_ml[w * 16 + r]);
+        for (int w = 0; w < 4; ++w) mx = fmaxf(mx, s_ml[w * 16 + r]);
         float sum = 0.0f, acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
 #pragma unroll
         for (int w = 0; w < 4; ++w) { /* a warp without keys: maximum -inf, weight 0 */
@@ -840,9 +819,9 @@ static __global__ void __launch_bounds__(128, ragged_attention_wgmma_min_blocks(
             for (int s = blockIdx.z; s < a.num_seqs; s += gridDim.z) {
                 int start, len;
                 if (ragged_attention_seq_bounds(a, s, h, max_len, start, len) && q0 < len)
-                    ragged_attention_wgmma_thin_tile<Elem>(
-                        ragged_attention_wgmma_smem + (smem - raw), a, start, h, q0, len,
-                        scale_log2);
+                    ragged_attention_wgmma_thin_tile<Elem>(ragged_attention_wgmma_smem +
+                                                               (smem - raw),
+                                                           a, start, h, q0, len, scale_log2);
             }
             return;
         }
@@ -862,8 +841,7 @@ static __global__ void __launch_bounds__(128, ragged_attention_wgmma_min_blocks(
     }
     for (int s = blockIdx.z; s < a.num_seqs; s += gridDim.z) {
         int start, len;
-        if (!ragged_attention_seq_bounds(a, s, h, max_len, start, len))
-            continue;
+        if (!ragged_attention_seq_bounds(a, s, h, max_len, start, len)) continue;
         for (int q0 = blockIdx.x * RAGGED_ATTENTION_WGMMA_ROWS; q0 < len;
              q0 += gridDim.x * RAGGED_ATTENTION_WGMMA_ROWS)
             ragged_attention_wgmma_tile<Elem, keys, tma>(smem, num_stages, a, maps, phases, start,
@@ -961,10 +939,11 @@ static bool ragged_attention_wgmma_tensor_map(CUtensorMap *map, int which, const
 
 /* The kernel with `keys`-key tiles (by TMA or not), for the element type is_bf16 picks. */
 template <int keys, bool tma>
-static ragvit_status ragged_attention_wgmma_launch_kernel(
-    const ragvit_attention_args *a, const ragvit_device_info *dev,
-    const ragged_attention_wgmma_maps_t<tma> &maps, bool is_bf16, dim3 grid, size_t smem,
-    int max_len, int num_stages, int thin_x, cudaStream_t stream) {
+static ragvit_status
+ragged_attention_wgmma_launch_kernel(const ragvit_attention_args *a, const ragvit_device_info *dev,
+                                     const ragged_attention_wgmma_maps_t<tma> &maps, bool is_bf16,
+                                     dim3 grid, size_t smem, int max_len, int num_stages,
+                                     int thin_x, cudaStream_t stream) {
     if (is_bf16)
         CUDA_TRY(cuda_launch(dev, RAGVIT_PDL_ATTENTION,
                              ragged_attention_wgmma_kernel<__nv_bfloat16, keys, tma>, grid, 128,
@@ -1006,10 +985,8 @@ static ragvit_status ragged_attention_wgmma_launch_plan(const ragvit_attention_a
     const int64_t seqs = a->num_seqs, heads = a->num_heads;
     int64_t grid_x = (max_len + rows - 1) / rows;
     const bool is_one_wave = grid_x * heads * seqs <= sm_count;
-    if (keys <= 0)
-        keys = is_one_wave && max_len > 64 ? 128 : 64;
-    if (keys != 64 && keys != 128)
-        keys = 64;
+    if (keys <= 0) keys = is_one_wave && max_len > 64 ? 128 : 64;
+    if (keys != 64 && keys != 128) keys = 64;
     if (keys == 128 && ragged_attention_wgmma_smem_bytes(128, 2) > dev->smem_per_block_optin)
         keys = 64;
     const int64_t key_tiles = (max_len + keys - 1) / keys;
@@ -1020,16 +997,15 @@ static ragvit_status ragged_attention_wgmma_launch_plan(const ragvit_attention_a
                                  : 2;
     if (num_stages > RAGGED_ATTENTION_WGMMA_MAX_STAGES)
         num_stages = RAGGED_ATTENTION_WGMMA_MAX_STAGES;
-    if (num_stages < 2)
-        num_stages = 2;
+    if (num_stages < 2) num_stages = 2;
     while (num_stages > 2 &&
            ragged_attention_wgmma_smem_bytes(keys, num_stages) > dev->smem_per_block_optin)
         --num_stages;
     const int64_t grid_z =
         seqs < RAGGED_ATTENTION_MMA_MAX_GRID_YZ ? seqs : RAGGED_ATTENTION_MMA_MAX_GRID_YZ;
     const int64_t query_tiles = grid_x;
-    grid_x = ragged_attention_cap_grid_x(grid_x, heads, grid_z, a->total_tokens, seqs, rows,
-                                         sm_count);
+    grid_x =
+        ragged_attention_cap_grid_x(grid_x, heads, grid_z, a->total_tokens, seqs, rows, sm_count);
     /* with 64-key tiles and a block for every query tile, blocks x = query_tiles - 1 hold
      * only last tiles, of at most max_len - 64 x rows: all thin when that is <= THIN */
     const int thin_x = keys == 64 && grid_x == query_tiles &&
@@ -1047,8 +1023,7 @@ static ragvit_status ragged_attention_wgmma_launch_plan(const ragvit_attention_a
     if ((tma > 0 || (tma < 0 && max_len >= RAGGED_ATTENTION_WGMMA_TMA_MIN_LEN)) &&
         ragged_attention_wgmma_tensor_map(&maps.k, 0, a->k, a->k_stride_token, a->k_stride_head,
                                           a) &&
-        ragged_attention_wgmma_tensor_map(&maps.v, 1, a->v, a->v_stride_token, a->v_stride_head,
-                                          a))
+        ragged_attention_wgmma_tensor_map(&maps.v, 1, a->v, a->v_stride_token, a->v_stride_head, a))
         return ragged_attention_wgmma_launch_kernel<64, true>(
             a, dev, maps, is_bf16, grid, smem, (int)max_len, num_stages, thin_x, stream);
     return ragged_attention_wgmma_launch_kernel<64, false>(
@@ -1067,8 +1042,7 @@ static ragvit_status ragged_attention_wgmma_launch(const ragvit_attention_args *
 template <int keys, bool tma>
 static cudaError_t ragged_attention_wgmma_opt_in(const ragvit_device_info *dev) {
     int bytes = ragged_attention_wgmma_smem_bytes(keys, RAGGED_ATTENTION_WGMMA_MAX_STAGES);
-    if (bytes > dev->smem_per_block_optin)
-        bytes = (int)dev->smem_per_block_optin;
+    if (bytes > dev->smem_per_block_optin) bytes = (int)dev->smem_per_block_optin;
     cudaError_t err = cudaFuncSetAttribute(ragged_attention_wgmma_kernel<__half, keys, tma>,
                                            cudaFuncAttributeMaxDynamicSharedMemorySize, bytes);
     if (err == cudaSuccess)
@@ -1080,8 +1054,7 @@ static cudaError_t ragged_attention_wgmma_opt_in(const ragvit_device_info *dev) 
 /* One-time per-device setup: opt in to the largest plans' shared memory. */
 static ragvit_status ragged_attention_wgmma_init(const ragvit_device_info *dev) {
 #ifdef RAGVIT_HAS_SM90A
-    if (dev->cc_major != 9 || dev->cc_minor != 0)
-        return RAGVIT_STATUS_OK;
+    if (dev->cc_major != 9 || dev->cc_minor != 0) return RAGVIT_STATUS_OK;
     CUDA_TRY((ragged_attention_wgmma_opt_in<64, false>(dev)));
     CUDA_TRY((ragged_attention_wgmma_opt_in<64, true>(dev)));
     CUDA_TRY((ragged_attention_wgmma_opt_in<128, false>(dev)));

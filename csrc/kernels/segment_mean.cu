@@ -33,8 +33,7 @@ static __global__ void __launch_bounds__(kMeanThreads)
     int64_t count = 0;                    /* uniform over the block */
     if (start < 0 || end < start || end > a.total_tokens) {
         if (blockIdx.y == 0 && threadIdx.x == 0)
-            if (a.error_flag != nullptr)
-                atomicOr(a.error_flag, RAGVIT_ERROR_BAD_CU_SEQLENS);
+            if (a.error_flag != nullptr) atomicOr(a.error_flag, RAGVIT_ERROR_BAD_CU_SEQLENS);
     } else if (first < end) {
         count = end - first;
     }
@@ -49,8 +48,7 @@ static __global__ void __launch_bounds__(kMeanThreads)
     if (phase == 0 && c < a.channels) {
         float sum = partial_s[0][lane_c];
 #pragma unroll
-        for (int p = 1; p < kMeanPhases; p++)
-            sum += partial_s[p][lane_c];
+        for (int p = 1; p < kMeanPhases; p++) sum += partial_s[p][lane_c];
         const float scale = count > 0 ? 1.0f / (float)count : 0.0f;
         float_elems_store(static_cast<T *>(a.out) + b * a.out_stride_b + c, sum * scale);
     }
@@ -68,8 +66,7 @@ static ragvit_status segment_mean_launch(const ragvit_segment_mean_args *a, dim3
 
 extern "C" ragvit_status ragvit_cuda_segment_mean(const ragvit_segment_mean_args *a,
                                                   const ragvit_device_info *dev, void *stream) {
-    if (a->batch <= 0 || a->channels <= 0)
-        return RAGVIT_STATUS_OK;
+    if (a->batch <= 0 || a->channels <= 0) return RAGVIT_STATUS_OK;
     const int64_t slices = (a->channels + kMeanChannels - 1) / kMeanChannels;
     if (a->batch > INT32_MAX || slices > 65535 || a->skip < 0 || a->skip > INT32_MAX)
         return ragvit_fail(RAGVIT_STATUS_INVALID_SHAPE,

@@ -41,23 +41,19 @@ static __device__ __forceinline__ int topk_block_scan(int value, int *scratch) {
 #pragma unroll
     for (int d = 1; d < 32; d <<= 1) {
         const int y = __shfl_up_sync(0xFFFFFFFFu, x, d);
-        if (lane >= d)
-            x += y;
+        if (lane >= d) x += y;
     }
-    if (lane == 31)
-        scratch[warp] = x;
+    if (lane == 31) scratch[warp] = x;
     __syncthreads();
     if (warp == 0) {
         int w = lane < kTopkWarps ? scratch[lane] : 0;
 #pragma unroll
         for (int d = 1; d < kTopkWarps; d <<= 1) {
             const int y = __shfl_up_sync(0xFFFFFFFFu, w, d);
-            if (lane >= d)
-                w += y;
+            if (lane >= d) w += y;
         }
         __syncwarp();
-        if (lane < kTopkWarps)
-            scratch[lane] = w;
+        if (lane < kTopkWarps) scratch[lane] = w;
     }
     __syncthreads();
     const int before = warp > 0 ? scratch[warp - 1] : 0;
@@ -71,7 +67,7 @@ static __device__ __forceinline__ int topk_block_scan(int value, int *scratch) {
 template <typename T, typename I>
 static __global__ void __launch_bounds__(kTopkThreads)
     topk_index_kernel(const ragvit_topk_index_args a) {
-    cuda_pdl_wait(); /* first: see cuda_check.cuh */
+    cuda_pdl_wait();                     /* first: see cuda_check.cuh */
     extern __shared__ uint32_t keys_s[]; /* key of column prefix + i at topk_slot(i) */
     __shared__ int hist_s[1 << kTopkRadixBits];
     __shared__ int scan_s[kTopkWarps];
@@ -81,13 +77,11 @@ static __global__ void __launch_bounds__(kTopkThreads)
     const int chunk = (n + kTopkThreads - 1) / kTopkThreads;
     for (int64_t b = blockIdx.x; b < a.batch; b += gridDim.x) {
         I *out = static_cast<I *>(a.out) + b * a.out_stride_b;
-        for (int j = tid; j < prefix; j += kTopkThreads)
-            out[j] = (I)j;
+        for (int j = tid; j < prefix; j += kTopkThreads) out[j] = (I)j;
         if (k == 0) /* k and n are uniform over the grid: no barrier diverges */
             continue;
         if (k == n) {
-            for (int i = tid; i < n; i += kTopkThreads)
-                out[prefix + i] = (I)(prefix + i);
+            for (int i = tid; i < n; i += kTopkThreads) out[prefix + i] = (I)(prefix + i);
             continue;
         }
         const T *row = static_cast<const T *>(a.scores) + b * a.scores_stride_b + prefix;
@@ -106,8 +100,7 @@ static __global__ void __launch_bounds__(kTopkThreads)
             __syncthreads();
             for (int i = tid; i < n; i += kTopkThreads) {
                 const uint32_t key = keys_s[topk_slot(i)];
-                if ((key & mask) == want)
-                    atomicAdd(&hist_s[(key >> shift) & 0xFFu], 1);
+                if ((key & mask) == want) atomicAdd(&hist_s[(key >> shift) & 0xFFu], 1);
             }
             __syncthreads();
             const int digit = kTopkThreads - 1 - tid; /* thread 0 owns the largest digit */
@@ -139,10 +132,8 @@ static __global__ void __launch_bounds__(kTopkThreads)
         for (int i = lo; i < hi; i++) {
             const uint32_t key = keys_s[topk_slot(i)];
             bool is_kept = key > want;
-            if (key == want)
-                is_kept = tie_rank++ < need;
-            if (is_kept)
-                *dst++ = (I)(prefix + i);
+            if (key == want) is_kept = tie_rank++ < need;
+            if (is_kept) *dst++ = (I)(prefix + i);
         }
     }
 }
@@ -154,8 +145,7 @@ static ragvit_status topk_index_launch(const ragvit_topk_index_args *a,
                                        const ragvit_device_info *dev, cudaStream_t stream) {
     const int n = (int)(a->cols - a->prefix);
     /* the k == 0 and k == n rows never touch keys_s */
-    const size_t smem =
-        (a->k == 0 || a->k == n) ? 0 : (size_t)topk_slot(n) * sizeof(uint32_t);
+    const size_t smem = (a->k == 0 || a->k == n) ? 0 : (size_t)topk_slot(n) * sizeof(uint32_t);
     const unsigned grid = (unsigned)(a->batch < INT32_MAX ? a->batch : INT32_MAX);
     CUDA_TRY(cuda_launch(dev, RAGVIT_PDL_SEGMENT, topk_index_kernel<T, I>, grid, kTopkThreads, smem,
                          stream, *a));
@@ -164,12 +154,9 @@ static ragvit_status topk_index_launch(const ragvit_topk_index_args *a,
 
 template <typename T>
 static ragvit_status topk_index_dispatch_out(const ragvit_topk_index_args *a,
-                                             const ragvit_device_info *dev,
-                                             cudaStream_t stream) {
-    if (a->out_dtype == RAGVIT_DTYPE_I32)
-        return topk_index_launch<T, int32_t>(a, dev, stream);
-    if (a->out_dtype == RAGVIT_DTYPE_I64)
-        return topk_index_launch<T, int64_t>(a, dev, stream);
+                                             const ragvit_device_info *dev, cudaStream_t stream) {
+    if (a->out_dtype == RAGVIT_DTYPE_I32) return topk_index_launch<T, int32_t>(a, dev, stream);
+    if (a->out_dtype == RAGVIT_DTYPE_I64) return topk_index_launch<T, int64_t>(a, dev, stream);
     return ragvit_fail(RAGVIT_STATUS_INVALID_DTYPE,
                        "topk_index: out must be int32 or int64, got dtype code %d",
                        (int)a->out_dtype);
@@ -177,10 +164,8 @@ static ragvit_status topk_index_dispatch_out(const ragvit_topk_index_args *a,
 
 extern "C" ragvit_status ragvit_cuda_topk_index(const ragvit_topk_index_args *a,
                                                 const ragvit_device_info *dev, void *stream) {
-    if (a->batch <= 0 || a->prefix + a->k <= 0)
-        return RAGVIT_STATUS_OK;
-    if (a->cols > RAGVIT_TOPK_MAX_COLS || a->prefix < 0 || a->k < 0 ||
-        a->prefix + a->k > a->cols)
+    if (a->batch <= 0 || a->prefix + a->k <= 0) return RAGVIT_STATUS_OK;
+    if (a->cols > RAGVIT_TOPK_MAX_COLS || a->prefix < 0 || a->k < 0 || a->prefix + a->k > a->cols)
         return ragvit_fail(RAGVIT_STATUS_INVALID_VALUE,
                            "topk_index: scores must have L <= %d and 0 <= prefix, k with prefix "
                            "+ k <= L, got L=%lld, prefix=%lld, k=%lld",
