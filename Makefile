@@ -1,9 +1,10 @@
 # make demo: install ragvit and run the main job (GPU when present, else CPU).
 # make test: install the test requirements, build, run the whole pytest suite.
+# make lint: the style checks alone (ruff, clang-format; the pre-commit hooks run the same).
 PYTHON ?= python3
 PIP := $(PYTHON) -m pip
 
-.PHONY: demo test install build test-deps gpu-check clean
+.PHONY: demo test lint install build test-deps gpu-check clean
 
 demo: test-deps install
 	HF_HUB_OFFLINE=1 $(PYTHON) -m ragvit.demo
@@ -20,6 +21,9 @@ build:
 
 test: test-deps build
 	$(PYTHON) -m pytest -q
+
+lint: test-deps
+	$(PYTHON) -m pytest -q tests/test_style.py
 
 gpu-check:
 	bash scripts/gpu_check.sh
