@@ -102,38 +102,26 @@ static float double_to_float_odd(double d) {
 static inline int64_t dtype_size(int32_t dtype) {
     switch (dtype) {
     case RAGVIT_DTYPE_F16:
-    case RAGVIT_DTYPE_BF16:
-        return 2;
-    case RAGVIT_DTYPE_F32:
-        return 4;
-    default:
-        return 0;
+    case RAGVIT_DTYPE_BF16: return 2;
+    case RAGVIT_DTYPE_F32: return 4;
+    default: return 0;
     }
 }
 
 /* Element i of a row of dtype (F16, BF16, F32). */
 static inline float load_elem(const void *row, int64_t i, int32_t dtype) {
     switch (dtype) {
-    case RAGVIT_DTYPE_F16:
-        return f16_to_float(((const uint16_t *)row)[i]);
-    case RAGVIT_DTYPE_BF16:
-        return bf16_to_float(((const uint16_t *)row)[i]);
-    default:
-        return ((const float *)row)[i];
+    case RAGVIT_DTYPE_F16: return f16_to_float(((const uint16_t *)row)[i]);
+    case RAGVIT_DTYPE_BF16: return bf16_to_float(((const uint16_t *)row)[i]);
+    default: return ((const float *)row)[i];
     }
 }
 
 static inline void store_elem(void *row, int64_t i, int32_t dtype, float value) {
     switch (dtype) {
-    case RAGVIT_DTYPE_F16:
-        ((uint16_t *)row)[i] = float_to_f16(value);
-        break;
-    case RAGVIT_DTYPE_BF16:
-        ((uint16_t *)row)[i] = float_to_bf16(value);
-        break;
-    default:
-        ((float *)row)[i] = value;
-        break;
+    case RAGVIT_DTYPE_F16: ((uint16_t *)row)[i] = float_to_f16(value); break;
+    case RAGVIT_DTYPE_BF16: ((uint16_t *)row)[i] = float_to_bf16(value); break;
+    default: ((float *)row)[i] = value; break;
     }
 }
 
@@ -467,15 +455,9 @@ ragvit_status ragvit_cpu_unpack(const ragvit_unpack_args *a) {
     const int64_t es = dtype_size(a->dtype);
     uint32_t fill_bits;
     switch (a->dtype) {
-    case RAGVIT_DTYPE_F16:
-        fill_bits = float_to_f16(double_to_float_odd(a->fill));
-        break;
-    case RAGVIT_DTYPE_BF16:
-        fill_bits = float_to_bf16(double_to_float_odd(a->fill));
-        break;
-    case RAGVIT_DTYPE_F32:
-        fill_bits = float_bits((float)a->fill);
-        break;
+    case RAGVIT_DTYPE_F16: fill_bits = float_to_f16(double_to_float_odd(a->fill)); break;
+    case RAGVIT_DTYPE_BF16: fill_bits = float_to_bf16(double_to_float_odd(a->fill)); break;
+    case RAGVIT_DTYPE_F32: fill_bits = float_bits((float)a->fill); break;
     default:
         return ragvit_fail(RAGVIT_STATUS_INVALID_DTYPE,
                            "unpack: packed must be float16, bfloat16 or float32, got dtype code %d",

@@ -77,22 +77,12 @@ static int raise_failure(ragvit_status status) {
     case RAGVIT_STATUS_INVALID_VALUE:
     case RAGVIT_STATUS_INVALID_DEVICE:
     case RAGVIT_STATUS_READ_ONLY:
-    case RAGVIT_STATUS_DEVICE_ASSERT:
-        type = PyExc_ValueError;
-        break;
+    case RAGVIT_STATUS_DEVICE_ASSERT: type = PyExc_ValueError; break;
     case RAGVIT_STATUS_INVALID_DTYPE:
-    case RAGVIT_STATUS_INVALID_TYPE:
-        type = PyExc_TypeError;
-        break;
-    case RAGVIT_STATUS_NOT_IMPORTABLE:
-        type = PyExc_BufferError;
-        break;
-    case RAGVIT_STATUS_OUT_OF_MEMORY:
-        type = PyExc_MemoryError;
-        break;
-    default:
-        type = PyExc_RuntimeError;
-        break;
+    case RAGVIT_STATUS_INVALID_TYPE: type = PyExc_TypeError; break;
+    case RAGVIT_STATUS_NOT_IMPORTABLE: type = PyExc_BufferError; break;
+    case RAGVIT_STATUS_OUT_OF_MEMORY: type = PyExc_MemoryError; break;
+    default: type = PyExc_RuntimeError; break;
     }
     const char *message = ragvit_error_message();
     PyErr_SetString(type, message[0] ? message : ragvit_status_string(status));
@@ -222,32 +212,15 @@ done:
 
 static int dtype_from_dl(DLDataType dt, int32_t *dtype) {
     switch (DL_TYPE(dt.code, dt.bits)) {
-    case DL_TYPE(kDLFloat, 16):
-        *dtype = RAGVIT_DTYPE_F16;
-        return 1;
-    case DL_TYPE(kDLBfloat, 16):
-        *dtype = RAGVIT_DTYPE_BF16;
-        return 1;
-    case DL_TYPE(kDLFloat, 32):
-        *dtype = RAGVIT_DTYPE_F32;
-        return 1;
-    case DL_TYPE(kDLFloat, 64):
-        *dtype = RAGVIT_DTYPE_F64;
-        return 1;
-    case DL_TYPE(kDLInt, 32):
-        *dtype = RAGVIT_DTYPE_I32;
-        return 1;
-    case DL_TYPE(kDLInt, 64):
-        *dtype = RAGVIT_DTYPE_I64;
-        return 1;
-    case DL_TYPE(kDLUInt, 8):
-        *dtype = RAGVIT_DTYPE_U8;
-        return 1;
-    case DL_TYPE(kDLBool, 8):
-        *dtype = RAGVIT_DTYPE_BOOL;
-        return 1;
-    default:
-        return 0;
+    case DL_TYPE(kDLFloat, 16): *dtype = RAGVIT_DTYPE_F16; return 1;
+    case DL_TYPE(kDLBfloat, 16): *dtype = RAGVIT_DTYPE_BF16; return 1;
+    case DL_TYPE(kDLFloat, 32): *dtype = RAGVIT_DTYPE_F32; return 1;
+    case DL_TYPE(kDLFloat, 64): *dtype = RAGVIT_DTYPE_F64; return 1;
+    case DL_TYPE(kDLInt, 32): *dtype = RAGVIT_DTYPE_I32; return 1;
+    case DL_TYPE(kDLInt, 64): *dtype = RAGVIT_DTYPE_I64; return 1;
+    case DL_TYPE(kDLUInt, 8): *dtype = RAGVIT_DTYPE_U8; return 1;
+    case DL_TYPE(kDLBool, 8): *dtype = RAGVIT_DTYPE_BOOL; return 1;
+    default: return 0;
     }
 }
 
@@ -387,27 +360,13 @@ static int import_numpy(call_state *cs, PyObject *obj, const char *name, ragvit_
     int32_t dtype;
     slot->kind = IMPORT_NUMPY;
     switch (PyArray_TYPE(arr)) {
-    case NPY_FLOAT16:
-        dtype = RAGVIT_DTYPE_F16;
-        break;
-    case NPY_FLOAT32:
-        dtype = RAGVIT_DTYPE_F32;
-        break;
-    case NPY_FLOAT64:
-        dtype = RAGVIT_DTYPE_F64;
-        break;
-    case NPY_INT32:
-        dtype = RAGVIT_DTYPE_I32;
-        break;
-    case NPY_INT64:
-        dtype = RAGVIT_DTYPE_I64;
-        break;
-    case NPY_UINT8:
-        dtype = RAGVIT_DTYPE_U8;
-        break;
-    case NPY_BOOL:
-        dtype = RAGVIT_DTYPE_BOOL;
-        break;
+    case NPY_FLOAT16: dtype = RAGVIT_DTYPE_F16; break;
+    case NPY_FLOAT32: dtype = RAGVIT_DTYPE_F32; break;
+    case NPY_FLOAT64: dtype = RAGVIT_DTYPE_F64; break;
+    case NPY_INT32: dtype = RAGVIT_DTYPE_I32; break;
+    case NPY_INT64: dtype = RAGVIT_DTYPE_I64; break;
+    case NPY_UINT8: dtype = RAGVIT_DTYPE_U8; break;
+    case NPY_BOOL: dtype = RAGVIT_DTYPE_BOOL; break;
     default:
         ragvit_fail(RAGVIT_STATUS_INVALID_DTYPE,
                     "%s: %s must be float16, float32, int32, uint8 or bool, got numpy dtype %s",

@@ -253,12 +253,9 @@ extern "C" ragvit_status ragvit_cuda_layer_norm(const ragvit_rowwise_args *a,
     RAGVIT_TRY(guard.enter(dev->device_id));
     const cudaStream_t s = (cudaStream_t)stream;
     switch (a->dtype) {
-    case RAGVIT_DTYPE_F16:
-        return layer_norm_launch<__half>(a, dev, s);
-    case RAGVIT_DTYPE_BF16:
-        return layer_norm_launch<__nv_bfloat16>(a, dev, s);
-    case RAGVIT_DTYPE_F32:
-        return layer_norm_launch<float>(a, dev, s);
+    case RAGVIT_DTYPE_F16: return layer_norm_launch<__half>(a, dev, s);
+    case RAGVIT_DTYPE_BF16: return layer_norm_launch<__nv_bfloat16>(a, dev, s);
+    case RAGVIT_DTYPE_F32: return layer_norm_launch<float>(a, dev, s);
     default:
         return ragvit_fail(RAGVIT_STATUS_INVALID_DTYPE,
                            "layer_norm: x must be float16, bfloat16 or float32, got dtype code %d",

@@ -655,14 +655,10 @@ static ragvit_status pack_tokens_move(const ragvit_pack_args *a, bool is_fused,
     const int v = pack_tokens_vec_bytes(a->channels * es, es, a->x, a->out, a->x_stride_b,
                                         a->x_stride_n, a->out_stride_token);
     switch (v) {
-    case 16:
-        return pack_tokens_gather_launch<uint4>(a, v, is_fused, dev, s);
-    case 8:
-        return pack_tokens_gather_launch<uint2>(a, v, is_fused, dev, s);
-    case 4:
-        return pack_tokens_gather_launch<unsigned int>(a, v, is_fused, dev, s);
-    default:
-        return pack_tokens_gather_launch<unsigned short>(a, v, is_fused, dev, s);
+    case 16: return pack_tokens_gather_launch<uint4>(a, v, is_fused, dev, s);
+    case 8: return pack_tokens_gather_launch<uint2>(a, v, is_fused, dev, s);
+    case 4: return pack_tokens_gather_launch<unsigned int>(a, v, is_fused, dev, s);
+    default: return pack_tokens_gather_launch<unsigned short>(a, v, is_fused, dev, s);
     }
 }
 
@@ -754,13 +750,9 @@ extern "C" ragvit_status ragvit_cuda_unpack(const ragvit_unpack_args *a,
     const int v = pack_tokens_vec_bytes(a->channels * es, es, a->out, a->packed, a->out_stride_b,
                                         a->out_stride_n, a->packed_stride_token);
     switch (v) {
-    case 16:
-        return pack_tokens_unpack_launch<uint4>(a, es, v, fill_bits, dev, s);
-    case 8:
-        return pack_tokens_unpack_launch<uint2>(a, es, v, fill_bits, dev, s);
-    case 4:
-        return pack_tokens_unpack_launch<unsigned int>(a, es, v, fill_bits, dev, s);
-    default:
-        return pack_tokens_unpack_launch<unsigned short>(a, es, v, fill_bits, dev, s);
+    case 16: return pack_tokens_unpack_launch<uint4>(a, es, v, fill_bits, dev, s);
+    case 8: return pack_tokens_unpack_launch<uint2>(a, es, v, fill_bits, dev, s);
+    case 4: return pack_tokens_unpack_launch<unsigned int>(a, es, v, fill_bits, dev, s);
+    default: return pack_tokens_unpack_launch<unsigned short>(a, es, v, fill_bits, dev, s);
     }
 }

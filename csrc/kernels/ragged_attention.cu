@@ -396,16 +396,11 @@ static ragvit_status ragged_attention_simple_launch_dtype(const ragvit_attention
                                                           const ragvit_device_info *dev,
                                                           cudaStream_t stream) {
     switch (a->head_dim) {
-    case 32:
-        return ragged_attention_simple_launch_hdim<32, T>(a, dev, stream);
-    case 64:
-        return ragged_attention_simple_launch_hdim<64, T>(a, dev, stream);
-    case 80:
-        return ragged_attention_simple_launch_hdim<80, T>(a, dev, stream);
-    case 96:
-        return ragged_attention_simple_launch_hdim<96, T>(a, dev, stream);
-    case 128:
-        return ragged_attention_simple_launch_hdim<128, T>(a, dev, stream);
+    case 32: return ragged_attention_simple_launch_hdim<32, T>(a, dev, stream);
+    case 64: return ragged_attention_simple_launch_hdim<64, T>(a, dev, stream);
+    case 80: return ragged_attention_simple_launch_hdim<80, T>(a, dev, stream);
+    case 96: return ragged_attention_simple_launch_hdim<96, T>(a, dev, stream);
+    case 128: return ragged_attention_simple_launch_hdim<128, T>(a, dev, stream);
     default:
         return ragvit_fail(RAGVIT_STATUS_INVALID_SHAPE,
                            "attention: head_dim must be one of 32, 64, 80, 96, 128, got %d",
@@ -417,12 +412,10 @@ static ragvit_status ragged_attention_simple_launch(const ragvit_attention_args 
                                                     const ragvit_device_info *dev,
                                                     cudaStream_t stream) {
     switch (a->dtype) {
-    case RAGVIT_DTYPE_F16:
-        return ragged_attention_simple_launch_dtype<__half>(a, dev, stream);
+    case RAGVIT_DTYPE_F16: return ragged_attention_simple_launch_dtype<__half>(a, dev, stream);
     case RAGVIT_DTYPE_BF16:
         return ragged_attention_simple_launch_dtype<__nv_bfloat16>(a, dev, stream);
-    case RAGVIT_DTYPE_F32:
-        return ragged_attention_simple_launch_dtype<float>(a, dev, stream);
+    case RAGVIT_DTYPE_F32: return ragged_attention_simple_launch_dtype<float>(a, dev, stream);
     default:
         return ragvit_fail(RAGVIT_STATUS_INVALID_DTYPE,
                            "attention: q must be float16, bfloat16 or float32, got dtype code %d",
@@ -466,12 +459,9 @@ static ragvit_status ragged_attention_cls_launch(const ragvit_attention_args *a,
                            "attention: num_heads must be <= %d with cls_attn, got %d", kClsMaxHeads,
                            (int)a->num_heads);
     switch (a->dtype) {
-    case RAGVIT_DTYPE_F16:
-        return ragged_attention_cls_launch_dtype<__half>(a, dev, stream);
-    case RAGVIT_DTYPE_BF16:
-        return ragged_attention_cls_launch_dtype<__nv_bfloat16>(a, dev, stream);
-    case RAGVIT_DTYPE_F32:
-        return ragged_attention_cls_launch_dtype<float>(a, dev, stream);
+    case RAGVIT_DTYPE_F16: return ragged_attention_cls_launch_dtype<__half>(a, dev, stream);
+    case RAGVIT_DTYPE_BF16: return ragged_attention_cls_launch_dtype<__nv_bfloat16>(a, dev, stream);
+    case RAGVIT_DTYPE_F32: return ragged_attention_cls_launch_dtype<float>(a, dev, stream);
     default:
         return ragvit_fail(RAGVIT_STATUS_INVALID_DTYPE,
                            "attention: q must be float16, bfloat16 or float32, got dtype code %d",

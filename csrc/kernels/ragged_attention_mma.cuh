@@ -174,27 +174,13 @@ static __device__ __forceinline__ float ragged_attention_mma_exp2(float x) {
 /* Runtime form of cp.async.wait_group for ring depths up to 8. */
 static __device__ __forceinline__ void ragged_attention_mma_cp_async_wait_pending(int n) {
     switch (n) {
-    case 0:
-        ragged_attention_mma_cp_async_wait<0>();
-        break;
-    case 1:
-        ragged_attention_mma_cp_async_wait<1>();
-        break;
-    case 2:
-        ragged_attention_mma_cp_async_wait<2>();
-        break;
-    case 3:
-        ragged_attention_mma_cp_async_wait<3>();
-        break;
-    case 4:
-        ragged_attention_mma_cp_async_wait<4>();
-        break;
-    case 5:
-        ragged_attention_mma_cp_async_wait<5>();
-        break;
-    default:
-        ragged_attention_mma_cp_async_wait<6>();
-        break;
+    case 0: ragged_attention_mma_cp_async_wait<0>(); break;
+    case 1: ragged_attention_mma_cp_async_wait<1>(); break;
+    case 2: ragged_attention_mma_cp_async_wait<2>(); break;
+    case 3: ragged_attention_mma_cp_async_wait<3>(); break;
+    case 4: ragged_attention_mma_cp_async_wait<4>(); break;
+    case 5: ragged_attention_mma_cp_async_wait<5>(); break;
+    default: ragged_attention_mma_cp_async_wait<6>(); break;
     }
 }
 

@@ -79,12 +79,9 @@ extern "C" ragvit_status ragvit_cuda_segment_mean(const ragvit_segment_mean_args
     const dim3 grid((unsigned)a->batch, (unsigned)slices);
     const cudaStream_t s = (cudaStream_t)stream;
     switch (a->dtype) {
-    case RAGVIT_DTYPE_F16:
-        return segment_mean_launch<__half>(a, grid, dev, s);
-    case RAGVIT_DTYPE_BF16:
-        return segment_mean_launch<__nv_bfloat16>(a, grid, dev, s);
-    case RAGVIT_DTYPE_F32:
-        return segment_mean_launch<float>(a, grid, dev, s);
+    case RAGVIT_DTYPE_F16: return segment_mean_launch<__half>(a, grid, dev, s);
+    case RAGVIT_DTYPE_BF16: return segment_mean_launch<__nv_bfloat16>(a, grid, dev, s);
+    case RAGVIT_DTYPE_F32: return segment_mean_launch<float>(a, grid, dev, s);
     default:
         return ragvit_fail(RAGVIT_STATUS_INVALID_DTYPE,
                            "segment_mean: packed must be float16, bfloat16 or float32, got dtype "

@@ -175,12 +175,9 @@ extern "C" ragvit_status ragvit_cuda_topk_index(const ragvit_topk_index_args *a,
     RAGVIT_TRY(guard.enter(dev->device_id));
     const cudaStream_t s = (cudaStream_t)stream;
     switch (a->dtype) {
-    case RAGVIT_DTYPE_F16:
-        return topk_index_dispatch_out<__half>(a, dev, s);
-    case RAGVIT_DTYPE_BF16:
-        return topk_index_dispatch_out<__nv_bfloat16>(a, dev, s);
-    case RAGVIT_DTYPE_F32:
-        return topk_index_dispatch_out<float>(a, dev, s);
+    case RAGVIT_DTYPE_F16: return topk_index_dispatch_out<__half>(a, dev, s);
+    case RAGVIT_DTYPE_BF16: return topk_index_dispatch_out<__nv_bfloat16>(a, dev, s);
+    case RAGVIT_DTYPE_F32: return topk_index_dispatch_out<float>(a, dev, s);
     default:
         return ragvit_fail(RAGVIT_STATUS_INVALID_DTYPE,
                            "topk_index: scores must be float16, bfloat16 or float32, got dtype "
