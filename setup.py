@@ -1,5 +1,6 @@
 """Build ragvit._C: nvcc (CUDA_HOME, CUDA_PATH, PATH or the nvidia-cuda-nvcc wheel) compiles
-csrc/kernels/*.cu, then one Extension links them with the C core. Environment: RAGVIT_CUDA_ARCHS
+csrc/kernels/*.cu, then one Extension links them with the C sources of csrc/core, csrc/cpu and
+csrc/python. Environment: RAGVIT_CUDA_ARCHS
 ("80;90": SASS targets, "90" as sm_90a, PTX of the last), RAGVIT_WERROR=1, RAGVIT_NO_CUDA=1 (CPU
 only), RAGVIT_CUBLAS_HOME (cuBLASLt; else the CUDA root or a wheel; none: linear on the CPU)."""
 import glob
@@ -32,7 +33,8 @@ def nvcc_command(cuda):
     archs = env("RAGVIT_CUDA_ARCHS", "80;90").replace(",", ";").split(";")
     archs = [a.strip().rstrip("a") for a in archs if a.strip()]
     cmd = [join(cuda, "bin", "nvcc"), "-std=c++17", "-O3", "-DRAGVIT_WITH_CUDA", "-Xcompiler",
-           "-fPIC," + ",".join(WARN), "-I" + join(ROOT, "csrc"), "--expt-relaxed-constexpr",
+           "-fPIC," + ",".join(WARN), "-I" + join(ROOT, "csrc", "include"),
+           "-I" + join(ROOT, "csrc"), "--expt-relaxed-constexpr",
            "--threads", "0"]
     cmd += [f"-gencode=arch=compute_{a}{'a' * (a == '90')},code=sm_{a}{'a' * (a == '90')}"
             for a in archs] + [f"-gencode=arch=compute_{archs[-1]},code=compute_{archs[-1]}"]
@@ -73,8 +75,11 @@ class BuildExt(build_ext):
 
 
 # depends: the kernels and headers too, so that a changed .cu relinks the module
-setup(ext_modules=[Extension("ragvit._C", sources=sorted(glob.glob("csrc/*.c")),
-                             include_dirs=[join(ROOT, "csrc"), numpy.get_include()],
-                             depends=sorted(glob.glob("csrc/*.h") + glob.glob("csrc/kernels/*")),
+SOURCES = sorted(glob.glob("csrc/core/*.c") + glob.glob("csrc/cpu/*.c") +
+                 glob.glob("csrc/python/*.c"))
+setup(ext_modules=[Extension("ragvit._C", sources=SOURCES,
+                             include_dirs=[join(ROOT, "csrc", "include"), join(ROOT, "csrc"),
+                                           numpy.get_include()],
+                             depends=sorted(glob.glob("csrc/*/*.h") + glob.glob("csrc/kernels/*")),
                              extra_compile_args=["-std=c11", "-O3", *WARN])],
       cmdclass={"build_ext": BuildExt})

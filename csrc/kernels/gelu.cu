@@ -16,8 +16,8 @@
 #include <cuda_fp16.h>
 #include <stdint.h>
 
-#include "cuda_check.cuh"
-#include "float_elems.cuh"
+#include "cuda_util.cuh"
+#include "elem.cuh"
 
 static constexpr int kGeluThreads = 256;
 

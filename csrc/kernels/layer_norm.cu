@@ -14,8 +14,8 @@
 #include <stdint.h>
 #include <string.h>
 
-#include "cuda_check.cuh"
-#include "float_elems.cuh"
+#include "cuda_util.cuh"
+#include "elem.cuh"
 
 static constexpr int kLayerNormWarps = 4;
 static constexpr int kLayerNormMaxPerLane = 32;  /* C <= 1024 stays in registers */

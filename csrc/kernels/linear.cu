@@ -15,7 +15,7 @@
 #include <stdint.h>
 #include <string.h>
 
-#include "cuda_check.cuh"
+#include "cuda_util.cuh"
 
 #ifdef RAGVIT_HAVE_CUBLASLT
 #include <cublasLt.h>

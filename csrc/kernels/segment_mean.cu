@@ -9,8 +9,8 @@
 #include <cuda_fp16.h>
 #include <stdint.h>
 
-#include "cuda_check.cuh"
-#include "float_elems.cuh"
+#include "cuda_util.cuh"
+#include "elem.cuh"
 
 static constexpr int kMeanChannels = 64;
 static constexpr int kMeanPhases = 4;

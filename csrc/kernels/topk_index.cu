@@ -12,9 +12,9 @@
 #include <cuda_fp16.h>
 #include <stdint.h>
 
-#include "cuda_check.cuh"
-#include "float_elems.cuh"
-#include "topk_key.h"
+#include "cuda_util.cuh"
+#include "elem.cuh"
+#include "ragvit_topk_key.h"
 
 static constexpr int kTopkThreads = 256; /* also the number of histogram bins */
 static constexpr int kTopkWarps = kTopkThreads / 32;

@@ -1,16 +1,10 @@
 /* tensor.h — pure-C checks on ragvit_tensor views shared by every op's host
- * side (attention.c, pack.c). Each check returns RAGVIT_STATUS_OK or fails
+ * side (every csrc/core/<op>.c). Each check returns RAGVIT_STATUS_OK or fails
  * through ragvit_fail with "<op>: <name> must be <rule>, got <actual>". */
 #ifndef RAGVIT_TENSOR_H
 #define RAGVIT_TENSOR_H
 
 #include "ragvit.h"
-
-#define TRY(x)                                                                                     \
-    do {                                                                                           \
-        ragvit_status s_ = (x);                                                                    \
-        if (s_ != RAGVIT_STATUS_OK) return s_;                                                     \
-    } while (0)
 
 const char *tensor_dtype_name(int32_t dtype);
 static inline int32_t tensor_dtype_size(int32_t dtype) { /* bytes; 0 for an unknown dtype */
@@ -99,6 +93,13 @@ static inline ragvit_status tensor_check_no_alias(const char *op, const char *na
 ragvit_status tensor_check_devices(const char *op, const char *const *names,
                                    const ragvit_tensor *const *tensors, int count,
                                    int32_t *device_type, int32_t *device_id);
+/* The row ops (layer_norm, gelu): x (M, C) float, columns contiguous; out (M, C) of
+ * x's dtype, columns contiguous, writable; out may be x itself (same row stride)
+ * and shares no other byte with x or the present params[i] ((C,) of x's dtype,
+ * named param_names[i]; at most 2). All on one device: *device_type, *device_id out. */
+ragvit_status tensor_check_rows(const char *op, const ragvit_tensor *out, const ragvit_tensor *x,
+                                const char *const *param_names, const ragvit_tensor *const *params,
+                                int param_count, int32_t *device_type, int32_t *device_id);
 /* packed (T, C) float16/bfloat16/float32, channels contiguous, and cu_seqlens
  * (S+1,) int32 with S+1 >= 1: the inputs of every op on packed sequences. */
 ragvit_status tensor_check_packed(const char *op, const ragvit_tensor *packed,

@@ -940,8 +940,8 @@ static PyObject *py_attention(PyObject *module, PyObject *const *args, Py_ssize_
         Py_INCREF(out_obj);
     }
     if (finish_streams(&cs)) goto done;
-    RAISE_IF(ragvit_attention_forward(&cs.st->ctx, &out, &cls, &q, &k, &v, &cu, &bias, max_seqlen,
-                                      values[5] ? &scale : NULL, cs.stream));
+    RAISE_IF(ragvit_attention(&cs.st->ctx, &out, &cls, &q, &k, &v, &cu, &bias, max_seqlen,
+                              values[5] ? &scale : NULL, cs.stream));
     result = out_obj;
     out_obj = NULL;
 done:
@@ -1097,7 +1097,7 @@ static PyObject *py_unpack(PyObject *module, PyObject *const *args, Py_ssize_t n
     out_obj = sequence_output(&cs, values[5], &packed, &cu, n, "N", &out);
     if (out_obj == NULL) goto done;
     if (finish_streams(&cs)) goto done;
-    RAISE_IF(ragvit_unpack_forward(&cs.st->ctx, &out, &packed, &cu, &idx, fill, cs.stream));
+    RAISE_IF(ragvit_unpack(&cs.st->ctx, &out, &packed, &cu, &idx, fill, cs.stream));
     result = out_obj;
     out_obj = NULL;
 done:
@@ -1338,7 +1338,7 @@ static PyObject *py_linear(PyObject *module, PyObject *const *args, Py_ssize_t n
     out_obj = rows_output(&cs, values[4], &x, values[4] == NULL ? w.shape[0] : 0, &out);
     if (out_obj == NULL) goto done;
     if (finish_streams(&cs)) goto done;
-    RAISE_IF(ragvit_linear_forward(&cs.st->ctx, &out, &x, &w, &bias, &res, cs.stream));
+    RAISE_IF(ragvit_linear(&cs.st->ctx, &out, &x, &w, &bias, &res, cs.stream));
     result = out_obj;
     out_obj = NULL;
 done:
@@ -1421,9 +1421,8 @@ static PyObject *rowwise_op(PyObject *module, PyObject *const *args, Py_ssize_t 
     out_obj = rows_output(&cs, values[4], &x, x.ndim == 2 ? x.shape[1] : 0, &out);
     if (out_obj == NULL) goto done;
     if (finish_streams(&cs)) goto done;
-    RAISE_IF(has_affine
-                 ? ragvit_layer_norm_forward(&cs.st->ctx, &out, &x, &w, &bias, eps, cs.stream)
-                 : ragvit_gelu_forward(&cs.st->ctx, &out, &x, cs.stream));
+    RAISE_IF(has_affine ? ragvit_layer_norm(&cs.st->ctx, &out, &x, &w, &bias, eps, cs.stream)
+                        : ragvit_gelu(&cs.st->ctx, &out, &x, cs.stream));
     result = out_obj;
     out_obj = NULL;
 done:

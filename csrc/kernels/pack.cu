@@ -28,8 +28,8 @@
 #include <stdint.h>
 #include <string.h>
 
-#include "cuda_check.cuh"
-#include "float_elems.cuh"
+#include "cuda_util.cuh"
+#include "elem.cuh"
 
 static constexpr int kCountThreads = 1024;
 static constexpr int kMoveThreads = 256;       /* gather and unpack */
@@ -684,8 +684,8 @@ extern "C" ragvit_status ragvit_cuda_pack_gather(const ragvit_pack_args *a,
     return pack_tokens_move(a, false, dev, stream);
 }
 
-extern "C" ragvit_status ragvit_cuda_pack_fused(const ragvit_pack_args *a,
-                                                const ragvit_device_info *dev, void *stream) {
+extern "C" ragvit_status ragvit_cuda_pack_into(const ragvit_pack_args *a,
+                                               const ragvit_device_info *dev, void *stream) {
     RAGVIT_TRY(pack_tokens_check_move(a));
     if (pack_tokens_has_no_rows(a)) /* the count kernel writes the (zero) counts */
         return ragvit_cuda_pack_count(a, dev, stream);

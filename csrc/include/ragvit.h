@@ -4,7 +4,8 @@
  * Layout: every tensor is a strided view with element strides (DLPack units).
  * Shapes use S seqs, T tokens, H heads, D head_dim, C channels, B images, N
  * tokens per padded image. No Python and no CUDA header is included here: the
- * CPython glue (module.c) and the kernels (csrc/kernels) both see only this.
+ * CPython glue (csrc/python/) and the kernels (csrc/kernels/) both see only this
+ * and the argument structs of ragvit_args.h.
  * Decision: failures return a ragvit_status and leave a formatted message in
  * thread-local storage (ragvit_error_message), so the single place that raises
  * Python exceptions can say exactly which argument was wrong and why. */
@@ -36,6 +37,13 @@ typedef enum {
     RAGVIT_STATUS_INVALID_TYPE,   /* an argument of the wrong kind of object -> TypeError */
     RAGVIT_STATUS_COUNT
 } ragvit_status;
+
+/* Returns the status of x from the enclosing function unless it is OK. */
+#define RAGVIT_TRY(x)                                                                              \
+    do {                                                                                           \
+        ragvit_status s_ = (x);                                                                    \
+        if (s_ != RAGVIT_STATUS_OK) return s_;                                                     \
+    } while (0)
 
 typedef enum {
     RAGVIT_DTYPE_F16 = 0,
@@ -102,7 +110,7 @@ typedef struct {
     ragvit_device_info devices[RAGVIT_MAX_DEVICES];
 } ragvit_context;
 
-/* ---- status.c ---- */
+/* ---- core/status.c ---- */
 const char *ragvit_status_string(ragvit_status status);
 /* Message of the last failure on this thread ("" when none). */
 const char *ragvit_error_message(void);
@@ -114,7 +122,7 @@ ragvit_status ragvit_fail(ragvit_status status, const char *fmt, ...)
     ;
 int ragvit_cuda_is_compiled(void);
 
-/* ---- context.c ---- */
+/* ---- core/context.c ---- */
 void ragvit_context_init(ragvit_context *ctx);
 void ragvit_context_release(ragvit_context *ctx);
 /* Per-device facts, initialized on first use (CUDA builds only). */
@@ -138,7 +146,7 @@ ragvit_status ragvit_launch_empty(ragvit_context *ctx, int32_t device_id, void *
 /* Makes `consumer` wait for all work queued so far on `producer` (CAI streams). */
 ragvit_status ragvit_stream_wait(int32_t device_id, void *consumer, void *producer);
 
-/* ---- attention.c ----
+/* ---- core/attention.c ----
  * out: (T, H, D); q, k, v: (T, H, D), last dim contiguous, any token/head
  * strides; cu_seqlens: (S+1,) int32; cls_attn: optional (T,) float32;
  * bias: optional (T,) float32 added to every logit of key j (ToMe's
@@ -148,13 +156,13 @@ ragvit_status ragvit_stream_wait(int32_t device_id, void *consumer, void *produc
  * (CPU: read from cu_seqlens; CUDA: T, since lengths live on the device);
  * scale: NULL means 1/sqrt(D), otherwise finite and > 0. */
 #define RAGVIT_MAX_SEQLEN_AUTO INT64_MIN
-ragvit_status ragvit_attention_forward(ragvit_context *ctx, const ragvit_tensor *out,
-                                       const ragvit_tensor *cls_attn, const ragvit_tensor *q,
-                                       const ragvit_tensor *k, const ragvit_tensor *v,
-                                       const ragvit_tensor *cu_seqlens, const ragvit_tensor *bias,
-                                       int64_t max_seqlen, const double *scale, void *stream);
+ragvit_status ragvit_attention(ragvit_context *ctx, const ragvit_tensor *out,
+                               const ragvit_tensor *cls_attn, const ragvit_tensor *q,
+                               const ragvit_tensor *k, const ragvit_tensor *v,
+                               const ragvit_tensor *cu_seqlens, const ragvit_tensor *bias,
+                               int64_t max_seqlen, const double *scale, void *stream);
 
-/* ---- pack.c ----
+/* ---- core/pack.c: pack, pack_into, unpack, gather_prefix, repack, repack_into ----
  * Step 1 of pack: cu_seqlens_out (B+1,) int32 from keep (B, N) bool/uint8. */
 ragvit_status ragvit_pack_count(ragvit_context *ctx, const ragvit_tensor *cu_seqlens_out,
                                 const ragvit_tensor *keep, void *stream);
@@ -173,9 +181,9 @@ ragvit_status ragvit_pack_into(ragvit_context *ctx, const ragvit_tensor *out,
 /* out (B, N, C) from packed (T, C) and cu_seqlens (B+1,): row j < len of image
  * b is packed[cu_seqlens[b] + j], or, when indices (T,) int32 is present,
  * packed token t lands at out[b, indices[t]]; every other row is `fill`. */
-ragvit_status ragvit_unpack_forward(ragvit_context *ctx, const ragvit_tensor *out,
-                                    const ragvit_tensor *packed, const ragvit_tensor *cu_seqlens,
-                                    const ragvit_tensor *indices, double fill, void *stream);
+ragvit_status ragvit_unpack(ragvit_context *ctx, const ragvit_tensor *out,
+                            const ragvit_tensor *packed, const ragvit_tensor *cu_seqlens,
+                            const ragvit_tensor *indices, double fill, void *stream);
 /* out (B, k, C) from packed (T, C) and cu_seqlens (B+1,): the first k rows of
  * every sequence. Host: a sequence shorter than k is an error (nothing is
  * written). CUDA: its missing rows are zeros and RAGVIT_ERROR_SHORT_SEQ is set. */
@@ -205,7 +213,7 @@ ragvit_status ragvit_repack_into(ragvit_context *ctx, const ragvit_tensor *out,
                                  const ragvit_tensor *keep, const ragvit_tensor *fuse_weights,
                                  void *stream);
 
-/* ---- segment.c ----
+/* ---- core/segment_mean.c ----
  * out (B, C) of packed's dtype: the float32-accumulated mean of rows
  * [cu_seqlens[b] + skip, cu_seqlens[b+1]) of packed (T, C); zeros for an empty
  * range. skip >= 0. */
@@ -213,27 +221,29 @@ ragvit_status ragvit_segment_mean(ragvit_context *ctx, const ragvit_tensor *out,
                                   const ragvit_tensor *packed, const ragvit_tensor *cu_seqlens,
                                   int64_t skip, void *stream);
 
-/* ---- linear.c ----
+/* ---- core/linear.c ----
  * out (M, N) = x (M, K) . weight (N, K)^T [+ bias (N,)] [+ residual (M, N)]:
  * nn.Linear on packed rows with an optional fused residual add. One float
  * dtype for all; unit column strides; residual may be out itself (in place),
  * nothing else may overlap out. bias/residual: is_present == 0 when absent. */
-ragvit_status ragvit_linear_forward(ragvit_context *ctx, const ragvit_tensor *out,
-                                    const ragvit_tensor *x, const ragvit_tensor *weight,
-                                    const ragvit_tensor *bias, const ragvit_tensor *residual,
-                                    void *stream);
+ragvit_status ragvit_linear(ragvit_context *ctx, const ragvit_tensor *out, const ragvit_tensor *x,
+                            const ragvit_tensor *weight, const ragvit_tensor *bias,
+                            const ragvit_tensor *residual, void *stream);
 
-/* ---- rowwise.c ----
- * layer_norm: out (M, C) from x (M, C), optional weight and bias (C,) of x's
- * dtype, eps finite and > 0. gelu: out (M, C) = GELU(x), exact erf form.
- * out may be x itself (same strides); no other overlap. */
-ragvit_status ragvit_layer_norm_forward(ragvit_context *ctx, const ragvit_tensor *out,
-                                        const ragvit_tensor *x, const ragvit_tensor *weight,
-                                        const ragvit_tensor *bias, double eps, void *stream);
-ragvit_status ragvit_gelu_forward(ragvit_context *ctx, const ragvit_tensor *out,
-                                  const ragvit_tensor *x, void *stream);
+/* ---- core/layer_norm.c ----
+ * out (M, C) from x (M, C), optional weight and bias (C,) of x's dtype, eps
+ * finite and in (0, 1]. out may be x itself (same strides); no other overlap. */
+ragvit_status ragvit_layer_norm(ragvit_context *ctx, const ragvit_tensor *out,
+                                const ragvit_tensor *x, const ragvit_tensor *weight,
+                                const ragvit_tensor *bias, double eps, void *stream);
 
-/* ---- topk.c ----
+/* ---- core/gelu.c ----
+ * out (M, C) = GELU(x (M, C)), exact erf form. out may be x itself (same
+ * strides); no other overlap. */
+ragvit_status ragvit_gelu(ragvit_context *ctx, const ragvit_tensor *out, const ragvit_tensor *x,
+                          void *stream);
+
+/* ---- core/topk_index.c ----
  * out (B, prefix + k) int32 or int64, unit column stride: per row of scores
  * (B, L) float16/bfloat16/float32 (unit column stride, any row stride), the
  * columns 0..prefix-1 followed by the k highest-scoring columns of [prefix, L),

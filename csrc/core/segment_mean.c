@@ -6,8 +6,8 @@
  * op needs no host-side knowledge of the lengths (graph-capturable). */
 #include <inttypes.h>
 
-#include "cpu_backend.h"
-#include "tensor.h"
+#include "core/dispatch.h"
+#include "core/tensor.h"
 
 ragvit_status ragvit_segment_mean(ragvit_context *ctx, const ragvit_tensor *out,
                                   const ragvit_tensor *packed, const ragvit_tensor *cu_seqlens,
@@ -20,16 +20,16 @@ ragvit_status ragvit_segment_mean(ragvit_context *ctx, const ragvit_tensor *out,
         return ragvit_fail(RAGVIT_STATUS_INVALID_VALUE,
                            "%s: skip must be in [0, 2**31), got %" PRId64, op, skip);
     }
-    TRY(tensor_check_packed(op, packed, cu_seqlens));
+    RAGVIT_TRY(tensor_check_packed(op, packed, cu_seqlens));
     const int64_t out_shape[2] = {cu_seqlens->shape[0] - 1, packed->shape[1]};
-    TRY(tensor_check_shape(op, "out", out, 2, out_shape));
-    TRY(tensor_check_same_dtype(op, "out", out, "packed", packed));
-    TRY(tensor_check_last_contiguous(op, "out", out));
-    TRY(tensor_check_writable(op, "out", out));
-    TRY(tensor_check_devices(op, names, all, 3, &device_type, &device_id));
-    for (int i = 0; i < 2; i++) TRY(tensor_check_no_alias(op, "out", out, names[i], all[i]));
+    RAGVIT_TRY(tensor_check_shape(op, "out", out, 2, out_shape));
+    RAGVIT_TRY(tensor_check_same_dtype(op, "out", out, "packed", packed));
+    RAGVIT_TRY(tensor_check_last_contiguous(op, "out", out));
+    RAGVIT_TRY(tensor_check_writable(op, "out", out));
+    RAGVIT_TRY(tensor_check_devices(op, names, all, 3, &device_type, &device_id));
+    for (int i = 0; i < 2; i++) RAGVIT_TRY(tensor_check_no_alias(op, "out", out, names[i], all[i]));
     if (device_type == RAGVIT_DEVICE_CPU) {
-        TRY(tensor_check_cu_seqlens_host(op, cu_seqlens, packed->shape[0], -1, NULL, NULL));
+        RAGVIT_TRY(tensor_check_cu_seqlens_host(op, cu_seqlens, packed->shape[0], -1, NULL, NULL));
     }
     ragvit_segment_mean_args a = {
         .out = out->data,
@@ -46,17 +46,9 @@ ragvit_status ragvit_segment_mean(ragvit_context *ctx, const ragvit_tensor *out,
     };
     if (a.batch == 0 || a.channels == 0) return RAGVIT_STATUS_OK;
     if (device_type == RAGVIT_DEVICE_CPU) return ragvit_cpu_segment_mean(&a);
-#ifdef RAGVIT_WITH_CUDA
     const ragvit_device_info *dev = NULL;
-    TRY(ragvit_context_device(ctx, device_id, &dev));
+    RAGVIT_TRY(dispatch_begin(ctx, op, device_id, &dev));
     a.error_flag = dev->error_flag;
-    TRY(ragvit_cuda_segment_mean(&a, dev, stream));
-    return ragvit_context_finish(ctx, device_id, stream, op);
-#else
-    (void)ctx;
-    (void)stream;
-    return ragvit_fail(RAGVIT_STATUS_NO_CUDA,
-                       "%s: packed must be a CPU array in this CPU-only build, got a CUDA array",
-                       op);
-#endif
+    return dispatch_end(ctx, op, device_id, stream,
+                        DISPATCH_CUDA(ragvit_cuda_segment_mean(&a, dev, stream)));
 }

@@ -16,7 +16,7 @@
 #include <cuda_fp16.h>
 #include <math.h>
 
-#include "cuda_check.cuh"
+#include "cuda_util.cuh"
 #include "ragged_attention_mma.cuh"
 
 /* One-time per-device setup, called from ragvit_cuda_device_init. */

@@ -1,13 +1,13 @@
-/* cuda_check.cuh — error plumbing shared by every kernel file: CUDA_TRY turns a
+/* cuda_util.cuh — error plumbing shared by every kernel file: CUDA_TRY turns a
  * cudaError_t into a ragvit_status (message "<name>: <string> (<expr> @
- * <file>:<line>)" recorded by ragvit_cuda_fail), RAGVIT_TRY forwards a status,
+ * <file>:<line>)" recorded by ragvit_cuda_fail; RAGVIT_TRY, from ragvit.h, forwards a status),
  * cuda_device_guard switches to a device for one launcher call, and cuda_launch
  * launches a kernel with programmatic dependent launch (PDL) where the device has
  * it. Decision: a constructor cannot return a status, so the guard does nothing
  * until enter() (used as RAGVIT_TRY(guard.enter(id))); its destructor restores
  * the caller's device on every return path, ignoring errors. */
-#ifndef RAGVIT_CUDA_CHECK_CUH
-#define RAGVIT_CUDA_CHECK_CUH
+#ifndef RAGVIT_CUDA_UTIL_CUH
+#define RAGVIT_CUDA_UTIL_CUH
 
 /* Kernel files are only ever compiled with nvcc for a CUDA build; make the
  * CUDA half of launch.h visible even if the build forgot the define. */
@@ -24,14 +24,6 @@
         cudaError_t e_ = (x);                                                                      \
         if (e_ != cudaSuccess) return ragvit_cuda_fail((int)e_, #x, __FILE__, __LINE__);           \
     } while (0)
-
-#ifndef RAGVIT_TRY
-#define RAGVIT_TRY(x)                                                                              \
-    do {                                                                                           \
-        ragvit_status s_ = (x);                                                                    \
-        if (s_ != RAGVIT_STATUS_OK) return s_;                                                     \
-    } while (0)
-#endif
 
 /* Sets the current device for the lifetime of one launcher call. */
 class cuda_device_guard {
@@ -95,4 +87,4 @@ static cudaError_t cuda_launch(const ragvit_device_info *dev, unsigned int op,
     return cudaLaunchKernelEx(&config, kernel, static_cast<Args &&>(args)...);
 }
 
-#endif /* RAGVIT_CUDA_CHECK_CUH */
+#endif /* RAGVIT_CUDA_UTIL_CUH */

@@ -5,15 +5,15 @@
  * view of a wider buffer). Decision: the residual add of a transformer block rides in the
  * GEMM (beta = 1 on residual, which may be out itself), so a block half is one
  * GEMM launch instead of a GEMM and an add, and one Python call instead of two. */
-#include "cpu_backend.h"
-#include "tensor.h"
+#include "core/dispatch.h"
+#include "core/tensor.h"
 
 /* A rank-2 float matrix with unit column stride and a row stride that keeps
  * rows apart (>= cols, or any when there is at most one row). */
 static ragvit_status linear_check_matrix(const char *op, const char *name, const ragvit_tensor *t,
                                          const int64_t shape[2]) {
-    TRY(tensor_check_shape(op, name, t, 2, shape));
-    TRY(tensor_check_last_contiguous(op, name, t));
+    RAGVIT_TRY(tensor_check_shape(op, name, t, 2, shape));
+    RAGVIT_TRY(tensor_check_last_contiguous(op, name, t));
     if (t->shape[0] > 1 && t->shape[1] > 0 && t->strides[0] < t->shape[1]) {
         return ragvit_fail(RAGVIT_STATUS_INVALID_SHAPE,
                            "%s: %s must have a row stride >= its %lld columns, got %lld", op, name,
@@ -22,29 +22,28 @@ static ragvit_status linear_check_matrix(const char *op, const char *name, const
     return RAGVIT_STATUS_OK;
 }
 
-ragvit_status ragvit_linear_forward(ragvit_context *ctx, const ragvit_tensor *out,
-                                    const ragvit_tensor *x, const ragvit_tensor *weight,
-                                    const ragvit_tensor *bias, const ragvit_tensor *residual,
-                                    void *stream) {
+ragvit_status ragvit_linear(ragvit_context *ctx, const ragvit_tensor *out, const ragvit_tensor *x,
+                            const ragvit_tensor *weight, const ragvit_tensor *bias,
+                            const ragvit_tensor *residual, void *stream) {
     static const char op[] = "linear";
     const char *const names[] = {"x", "weight", "bias", "residual", "out"};
     const ragvit_tensor *const all[] = {x, weight, bias, residual, out};
     int32_t device_type = 0, device_id = 0;
-    TRY(tensor_check_ndim(op, "x", x, 2));
-    TRY(tensor_check_float(op, "x", x));
-    TRY(tensor_check_ndim(op, "weight", weight, 2));
+    RAGVIT_TRY(tensor_check_ndim(op, "x", x, 2));
+    RAGVIT_TRY(tensor_check_float(op, "x", x));
+    RAGVIT_TRY(tensor_check_ndim(op, "weight", weight, 2));
     const int64_t M = x->shape[0], K = x->shape[1], N = weight->shape[0];
     const int64_t x_shape[2] = {M, K}, w_shape[2] = {N, K}, out_shape[2] = {M, N};
-    TRY(linear_check_matrix(op, "x", x, x_shape));
-    TRY(linear_check_matrix(op, "weight", weight, w_shape));
-    TRY(linear_check_matrix(op, "out", out, out_shape));
-    TRY(tensor_check_writable(op, "out", out));
+    RAGVIT_TRY(linear_check_matrix(op, "x", x, x_shape));
+    RAGVIT_TRY(linear_check_matrix(op, "weight", weight, w_shape));
+    RAGVIT_TRY(linear_check_matrix(op, "out", out, out_shape));
+    RAGVIT_TRY(tensor_check_writable(op, "out", out));
     for (int i = 1; i < 5; i++) {
-        if (all[i]->is_present) TRY(tensor_check_same_dtype(op, names[i], all[i], "x", x));
+        if (all[i]->is_present) RAGVIT_TRY(tensor_check_same_dtype(op, names[i], all[i], "x", x));
     }
     if (bias->is_present) {
         const int64_t b_shape[1] = {N};
-        TRY(tensor_check_shape(op, "bias", bias, 1, b_shape));
+        RAGVIT_TRY(tensor_check_shape(op, "bias", bias, 1, b_shape));
         if (N > 1 && bias->strides[0] != 1) { /* cuBLASLt's bias epilogue reads it densely */
             return ragvit_fail(RAGVIT_STATUS_INVALID_SHAPE,
                                "%s: bias must be contiguous (stride 1), got stride %lld", op,
@@ -52,7 +51,7 @@ ragvit_status ragvit_linear_forward(ragvit_context *ctx, const ragvit_tensor *ou
         }
     }
     if (residual->is_present) {
-        TRY(linear_check_matrix(op, "residual", residual, out_shape));
+        RAGVIT_TRY(linear_check_matrix(op, "residual", residual, out_shape));
         if (residual->data == out->data) {
             if (residual->strides[0] != out->strides[0] && M > 1) {
                 return ragvit_fail(RAGVIT_STATUS_INVALID_SHAPE,
@@ -61,11 +60,11 @@ ragvit_status ragvit_linear_forward(ragvit_context *ctx, const ragvit_tensor *ou
                                    op, (long long)residual->strides[0], (long long)out->strides[0]);
             }
         } else {
-            TRY(tensor_check_no_alias(op, "out", out, "residual", residual));
+            RAGVIT_TRY(tensor_check_no_alias(op, "out", out, "residual", residual));
         }
     }
-    TRY(tensor_check_devices(op, names, all, 5, &device_type, &device_id));
-    TRY(tensor_check_no_alias_any(op, "out", out, names, all, 3));
+    RAGVIT_TRY(tensor_check_devices(op, names, all, 5, &device_type, &device_id));
+    RAGVIT_TRY(tensor_check_no_alias_any(op, "out", out, names, all, 3));
     if (K == 0 && M > 0 && N > 0) {
         return ragvit_fail(RAGVIT_STATUS_INVALID_SHAPE,
                            "%s: x must have at least one column (in_features), got 0", op);
@@ -88,15 +87,8 @@ ragvit_status ragvit_linear_forward(ragvit_context *ctx, const ragvit_tensor *ou
     };
     if (M == 0 || N == 0) return RAGVIT_STATUS_OK;
     if (device_type == RAGVIT_DEVICE_CPU) return ragvit_cpu_linear(&a);
-#ifdef RAGVIT_WITH_CUDA
     const ragvit_device_info *dev = NULL;
-    TRY(ragvit_context_device(ctx, device_id, &dev));
-    TRY(ragvit_cuda_linear(&a, dev, stream));
-    return ragvit_context_finish(ctx, device_id, stream, op);
-#else
-    (void)ctx;
-    (void)stream;
-    return ragvit_fail(RAGVIT_STATUS_NO_CUDA,
-                       "%s: x must be a CPU array in this CPU-only build, got a CUDA array", op);
-#endif
+    RAGVIT_TRY(dispatch_begin(ctx, op, device_id, &dev));
+    return dispatch_end(ctx, op, device_id, stream,
+                        DISPATCH_CUDA(ragvit_cuda_linear(&a, dev, stream)));
 }

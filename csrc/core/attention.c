@@ -12,8 +12,8 @@
 #include <inttypes.h>
 #include <math.h>
 
-#include "cpu_backend.h"
-#include "tensor.h"
+#include "core/dispatch.h"
+#include "core/tensor.h"
 
 static const char *const op = "attention";
 
@@ -30,12 +30,12 @@ static ragvit_status attention_check(const ragvit_tensor *out, const ragvit_tens
      * against all[0 .. 5] */
     const char *const names[] = {"q", "k", "v", "cu_seqlens", "bias", "out", "cls_attn"};
     const ragvit_tensor *const all[] = {q, k, v, cu_seqlens, bias, out, cls_attn};
-    TRY(tensor_check_ndim(op, "q", q, 3));
-    TRY(tensor_check_float(op, "q", q));
-    TRY(tensor_check_shape(op, "k", k, 3, q->shape));
-    TRY(tensor_check_shape(op, "v", v, 3, q->shape));
-    TRY(tensor_check_same_dtype(op, "k", k, "q", q));
-    TRY(tensor_check_same_dtype(op, "v", v, "q", q));
+    RAGVIT_TRY(tensor_check_ndim(op, "q", q, 3));
+    RAGVIT_TRY(tensor_check_float(op, "q", q));
+    RAGVIT_TRY(tensor_check_shape(op, "k", k, 3, q->shape));
+    RAGVIT_TRY(tensor_check_shape(op, "v", v, 3, q->shape));
+    RAGVIT_TRY(tensor_check_same_dtype(op, "k", k, "q", q));
+    RAGVIT_TRY(tensor_check_same_dtype(op, "v", v, "q", q));
     if (!is_supported_head_dim(q->shape[2])) {
         return ragvit_fail(RAGVIT_STATUS_INVALID_SHAPE,
                            "%s: head_dim must be one of 32, 64, 80, 96, 128, got %" PRId64, op,
@@ -45,15 +45,15 @@ static ragvit_status attention_check(const ragvit_tensor *out, const ragvit_tens
         return ragvit_fail(RAGVIT_STATUS_INVALID_SHAPE,
                            "%s: total_tokens must be < 2**31, got %" PRId64, op, q->shape[0]);
     }
-    TRY(tensor_check_last_contiguous(op, "q", q));
-    TRY(tensor_check_last_contiguous(op, "k", k));
-    TRY(tensor_check_last_contiguous(op, "v", v));
-    TRY(tensor_check_shape(op, "out", out, 3, q->shape));
-    TRY(tensor_check_same_dtype(op, "out", out, "q", q));
-    TRY(tensor_check_last_contiguous(op, "out", out));
-    TRY(tensor_check_writable(op, "out", out));
-    TRY(tensor_check_ndim(op, "cu_seqlens", cu_seqlens, 1));
-    TRY(tensor_check_dtype(op, "cu_seqlens", cu_seqlens, RAGVIT_DTYPE_I32));
+    RAGVIT_TRY(tensor_check_last_contiguous(op, "q", q));
+    RAGVIT_TRY(tensor_check_last_contiguous(op, "k", k));
+    RAGVIT_TRY(tensor_check_last_contiguous(op, "v", v));
+    RAGVIT_TRY(tensor_check_shape(op, "out", out, 3, q->shape));
+    RAGVIT_TRY(tensor_check_same_dtype(op, "out", out, "q", q));
+    RAGVIT_TRY(tensor_check_last_contiguous(op, "out", out));
+    RAGVIT_TRY(tensor_check_writable(op, "out", out));
+    RAGVIT_TRY(tensor_check_ndim(op, "cu_seqlens", cu_seqlens, 1));
+    RAGVIT_TRY(tensor_check_dtype(op, "cu_seqlens", cu_seqlens, RAGVIT_DTYPE_I32));
     if (cu_seqlens->strides[0] != 1 && cu_seqlens->shape[0] > 1) {
         return ragvit_fail(RAGVIT_STATUS_INVALID_SHAPE,
                            "%s: cu_seqlens must be contiguous, got stride %" PRId64, op,
@@ -65,18 +65,18 @@ static ragvit_status attention_check(const ragvit_tensor *out, const ragvit_tens
     }
     if (cls_attn->is_present) {
         const int64_t shape[1] = {q->shape[0]};
-        TRY(tensor_check_shape(op, "cls_attn", cls_attn, 1, shape));
-        TRY(tensor_check_dtype(op, "cls_attn", cls_attn, RAGVIT_DTYPE_F32));
-        TRY(tensor_check_writable(op, "cls_attn", cls_attn));
+        RAGVIT_TRY(tensor_check_shape(op, "cls_attn", cls_attn, 1, shape));
+        RAGVIT_TRY(tensor_check_dtype(op, "cls_attn", cls_attn, RAGVIT_DTYPE_F32));
+        RAGVIT_TRY(tensor_check_writable(op, "cls_attn", cls_attn));
     }
     if (bias->is_present) {
         const int64_t shape[1] = {q->shape[0]};
-        TRY(tensor_check_ndim(op, "bias", bias, 1));
-        TRY(tensor_check_dtype(op, "bias", bias, RAGVIT_DTYPE_F32));
-        TRY(tensor_check_shape(op, "bias", bias, 1, shape));
+        RAGVIT_TRY(tensor_check_ndim(op, "bias", bias, 1));
+        RAGVIT_TRY(tensor_check_dtype(op, "bias", bias, RAGVIT_DTYPE_F32));
+        RAGVIT_TRY(tensor_check_shape(op, "bias", bias, 1, shape));
     }
-    TRY(tensor_check_devices(op, names, all, 7, device_type, device_id));
-    TRY(tensor_check_no_alias_any(op, "out", out, names, all, 5));
+    RAGVIT_TRY(tensor_check_devices(op, names, all, 7, device_type, device_id));
+    RAGVIT_TRY(tensor_check_no_alias_any(op, "out", out, names, all, 5));
     return tensor_check_no_alias_any(op, "cls_attn", cls_attn, names, all, 6); /* out too */
 }
 
@@ -101,14 +101,13 @@ static ragvit_status attention_check_bias_host(const ragvit_tensor *bias,
     return RAGVIT_STATUS_OK;
 }
 
-ragvit_status ragvit_attention_forward(ragvit_context *ctx, const ragvit_tensor *out,
-                                       const ragvit_tensor *cls_attn, const ragvit_tensor *q,
-                                       const ragvit_tensor *k, const ragvit_tensor *v,
-                                       const ragvit_tensor *cu_seqlens, const ragvit_tensor *bias,
-                                       int64_t max_seqlen, const double *scale_or_null,
-                                       void *stream) {
+ragvit_status ragvit_attention(ragvit_context *ctx, const ragvit_tensor *out,
+                               const ragvit_tensor *cls_attn, const ragvit_tensor *q,
+                               const ragvit_tensor *k, const ragvit_tensor *v,
+                               const ragvit_tensor *cu_seqlens, const ragvit_tensor *bias,
+                               int64_t max_seqlen, const double *scale_or_null, void *stream) {
     int32_t device_type = 0, device_id = 0;
-    TRY(attention_check(out, cls_attn, q, k, v, cu_seqlens, bias, &device_type, &device_id));
+    RAGVIT_TRY(attention_check(out, cls_attn, q, k, v, cu_seqlens, bias, &device_type, &device_id));
     int64_t total_tokens = q->shape[0];
     if (max_seqlen != RAGVIT_MAX_SEQLEN_AUTO && (max_seqlen < 0 || max_seqlen > INT32_MAX)) {
         return ragvit_fail(RAGVIT_STATUS_INVALID_VALUE,
@@ -121,11 +120,11 @@ ragvit_status ragvit_attention_forward(ragvit_context *ctx, const ragvit_tensor 
     }
     if (device_type == RAGVIT_DEVICE_CPU) {
         int64_t longest = 0;
-        TRY(tensor_check_cu_seqlens_host(op, cu_seqlens, total_tokens,
-                                         max_seqlen == RAGVIT_MAX_SEQLEN_AUTO ? -1 : max_seqlen,
-                                         "max_seqlen", &longest));
+        RAGVIT_TRY(tensor_check_cu_seqlens_host(
+            op, cu_seqlens, total_tokens, max_seqlen == RAGVIT_MAX_SEQLEN_AUTO ? -1 : max_seqlen,
+            "max_seqlen", &longest));
         if (max_seqlen == RAGVIT_MAX_SEQLEN_AUTO) max_seqlen = longest;
-        if (bias->is_present) TRY(attention_check_bias_host(bias, cu_seqlens));
+        if (bias->is_present) RAGVIT_TRY(attention_check_bias_host(bias, cu_seqlens));
     } else if (max_seqlen == RAGVIT_MAX_SEQLEN_AUTO) {
         max_seqlen = total_tokens;
     }
@@ -158,16 +157,9 @@ ragvit_status ragvit_attention_forward(ragvit_context *ctx, const ragvit_tensor 
     };
     if (a.num_seqs == 0 || total_tokens == 0 || a.num_heads == 0) return RAGVIT_STATUS_OK;
     if (device_type == RAGVIT_DEVICE_CPU) return ragvit_cpu_attention(&a);
-#ifdef RAGVIT_WITH_CUDA
     const ragvit_device_info *dev = NULL;
-    TRY(ragvit_context_device(ctx, device_id, &dev));
+    RAGVIT_TRY(dispatch_begin(ctx, op, device_id, &dev));
     a.error_flag = dev->error_flag;
-    TRY(ragvit_cuda_attention(&a, dev, stream));
-    return ragvit_context_finish(ctx, device_id, stream, op);
-#else
-    (void)ctx;
-    (void)stream;
-    return ragvit_fail(RAGVIT_STATUS_NO_CUDA,
-                       "%s: q must be a CPU array in this CPU-only build, got a CUDA array", op);
-#endif
+    return dispatch_end(ctx, op, device_id, stream,
+                        DISPATCH_CUDA(ragvit_cuda_attention(&a, dev, stream)));
 }

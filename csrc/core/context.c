@@ -6,8 +6,8 @@
 #include <inttypes.h>
 #include <string.h>
 
+#include "core/tensor.h"
 #include "kernels/launch.h"
-#include "tensor.h"
 
 void ragvit_context_init(ragvit_context *ctx) { memset(ctx, 0, sizeof *ctx); }
 
@@ -38,7 +38,7 @@ ragvit_status ragvit_context_device(ragvit_context *ctx, int32_t device_id,
     }
 #ifdef RAGVIT_WITH_CUDA
     ragvit_device_info *info = &ctx->devices[device_id];
-    if (!info->is_initialized) TRY(ragvit_cuda_device_init(device_id, info));
+    if (!info->is_initialized) RAGVIT_TRY(ragvit_cuda_device_init(device_id, info));
     *dev = info;
     return RAGVIT_STATUS_OK;
 #else
@@ -53,8 +53,8 @@ ragvit_status ragvit_context_check_device(ragvit_context *ctx, int32_t device_id
 #ifdef RAGVIT_WITH_CUDA
     const ragvit_device_info *dev = NULL;
     unsigned int bits = 0;
-    TRY(ragvit_context_device(ctx, device_id, &dev));
-    TRY(ragvit_cuda_read_error_flag(dev, stream, &bits));
+    RAGVIT_TRY(ragvit_context_device(ctx, device_id, &dev));
+    RAGVIT_TRY(ragvit_cuda_read_error_flag(dev, stream, &bits));
     if (bits == 0) return RAGVIT_STATUS_OK;
     return ragvit_fail(
         RAGVIT_STATUS_DEVICE_ASSERT,
@@ -107,7 +107,7 @@ ragvit_status ragvit_device_count(int32_t *count) {
 ragvit_status ragvit_launch_empty(ragvit_context *ctx, int32_t device_id, void *stream) {
 #ifdef RAGVIT_WITH_CUDA
     const ragvit_device_info *dev = NULL;
-    TRY(ragvit_context_device(ctx, device_id, &dev));
+    RAGVIT_TRY(ragvit_context_device(ctx, device_id, &dev));
     return ragvit_cuda_launch_empty(dev, stream);
 #else
     (void)ctx;

@@ -7,8 +7,8 @@
  * (graph-capturable), and ViT token counts are far below the cap. */
 #include <inttypes.h>
 
-#include "cpu_backend.h"
-#include "tensor.h"
+#include "core/dispatch.h"
+#include "core/tensor.h"
 
 ragvit_status ragvit_topk_index(ragvit_context *ctx, const ragvit_tensor *out,
                                 const ragvit_tensor *scores, int64_t k, int64_t prefix,
@@ -17,9 +17,9 @@ ragvit_status ragvit_topk_index(ragvit_context *ctx, const ragvit_tensor *out,
     const char *const names[] = {"scores", "out"};
     const ragvit_tensor *const all[] = {scores, out};
     int32_t device_type = 0, device_id = 0;
-    TRY(tensor_check_ndim(op, "scores", scores, 2));
-    TRY(tensor_check_float(op, "scores", scores));
-    TRY(tensor_check_last_contiguous(op, "scores", scores));
+    RAGVIT_TRY(tensor_check_ndim(op, "scores", scores, 2));
+    RAGVIT_TRY(tensor_check_float(op, "scores", scores));
+    RAGVIT_TRY(tensor_check_last_contiguous(op, "scores", scores));
     const int64_t B = scores->shape[0], L = scores->shape[1];
     if (L > RAGVIT_TOPK_MAX_COLS) {
         return ragvit_fail(RAGVIT_STATUS_INVALID_SHAPE,
@@ -41,21 +41,21 @@ ragvit_status ragvit_topk_index(ragvit_context *ctx, const ragvit_tensor *out,
     }
     const int64_t width = prefix + k;
     const int64_t out_shape[2] = {B, width};
-    TRY(tensor_check_shape(op, "out", out, 2, out_shape));
+    RAGVIT_TRY(tensor_check_shape(op, "out", out, 2, out_shape));
     if (out->dtype != RAGVIT_DTYPE_I32 && out->dtype != RAGVIT_DTYPE_I64) {
         return ragvit_fail(RAGVIT_STATUS_INVALID_DTYPE, "%s: out must be int32 or int64, got %s",
                            op, tensor_dtype_name(out->dtype));
     }
-    TRY(tensor_check_last_contiguous(op, "out", out));
-    TRY(tensor_check_writable(op, "out", out));
+    RAGVIT_TRY(tensor_check_last_contiguous(op, "out", out));
+    RAGVIT_TRY(tensor_check_writable(op, "out", out));
     if (B > 1 && width > 0 && out->strides[0] > -width && out->strides[0] < width) {
         return ragvit_fail(RAGVIT_STATUS_INVALID_SHAPE,
                            "%s: out must have rows that do not overlap (|row stride| >= prefix + "
                            "k = %" PRId64 "), got row stride %" PRId64,
                            op, width, out->strides[0]);
     }
-    TRY(tensor_check_devices(op, names, all, 2, &device_type, &device_id));
-    TRY(tensor_check_no_alias(op, "out", out, "scores", scores));
+    RAGVIT_TRY(tensor_check_devices(op, names, all, 2, &device_type, &device_id));
+    RAGVIT_TRY(tensor_check_no_alias(op, "out", out, "scores", scores));
     ragvit_topk_index_args a = {
         .out = out->data,
         .scores = scores->data,
@@ -70,16 +70,8 @@ ragvit_status ragvit_topk_index(ragvit_context *ctx, const ragvit_tensor *out,
     };
     if (B == 0 || width == 0) return RAGVIT_STATUS_OK;
     if (device_type == RAGVIT_DEVICE_CPU) return ragvit_cpu_topk_index(&a);
-#ifdef RAGVIT_WITH_CUDA
     const ragvit_device_info *dev = NULL;
-    TRY(ragvit_context_device(ctx, device_id, &dev));
-    TRY(ragvit_cuda_topk_index(&a, dev, stream));
-    return ragvit_context_finish(ctx, device_id, stream, op);
-#else
-    (void)ctx;
-    (void)stream;
-    return ragvit_fail(RAGVIT_STATUS_NO_CUDA,
-                       "%s: scores must be a CPU array in this CPU-only build, got a CUDA array",
-                       op);
-#endif
+    RAGVIT_TRY(dispatch_begin(ctx, op, device_id, &dev));
+    return dispatch_end(ctx, op, device_id, stream,
+                        DISPATCH_CUDA(ragvit_cuda_topk_index(&a, dev, stream)));
 }

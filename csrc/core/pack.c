@@ -10,11 +10,11 @@
  * one fused count + gather launch on CUDA, with no host sync and no scratch. */
 #include <inttypes.h>
 
-#include "cpu_backend.h"
-#include "tensor.h"
+#include "core/dispatch.h"
+#include "core/tensor.h"
 
 static ragvit_status pack_check_keep(const char *op, const ragvit_tensor *keep, int32_t ndim) {
-    TRY(tensor_check_ndim(op, "keep", keep, ndim));
+    RAGVIT_TRY(tensor_check_ndim(op, "keep", keep, ndim));
     if (keep->dtype != RAGVIT_DTYPE_BOOL && keep->dtype != RAGVIT_DTYPE_U8) {
         return ragvit_fail(RAGVIT_STATUS_INVALID_DTYPE, "%s: keep must be bool or uint8, got %s",
                            op, tensor_dtype_name(keep->dtype));
@@ -25,25 +25,18 @@ static ragvit_status pack_check_keep(const char *op, const ragvit_tensor *keep, 
 static ragvit_status pack_check_cu_seqlens(const char *op, const ragvit_tensor *cu_seqlens,
                                            int64_t batch, int is_output) {
     const int64_t shape[1] = {batch + 1};
-    TRY(tensor_check_dtype(op, "cu_seqlens", cu_seqlens, RAGVIT_DTYPE_I32));
-    TRY(tensor_check_shape(op, "cu_seqlens", cu_seqlens, 1, shape));
+    RAGVIT_TRY(tensor_check_dtype(op, "cu_seqlens", cu_seqlens, RAGVIT_DTYPE_I32));
+    RAGVIT_TRY(tensor_check_shape(op, "cu_seqlens", cu_seqlens, 1, shape));
     return is_output ? tensor_check_writable(op, "cu_seqlens", cu_seqlens) : RAGVIT_STATUS_OK;
 }
-
-#ifndef RAGVIT_WITH_CUDA
-static ragvit_status pack_no_cuda(const char *op) {
-    return ragvit_fail(RAGVIT_STATUS_NO_CUDA,
-                       "%s: arrays must be on the CPU in this CPU-only build, got CUDA arrays", op);
-}
-#endif
 
 /* Validates keep + cu_seqlens_out and fills the count part of a. */
 static ragvit_status pack_count_check(const char *op, ragvit_pack_args *a,
                                       const ragvit_tensor *cu_seqlens_out,
                                       const ragvit_tensor *keep) {
-    TRY(pack_check_keep(op, keep, 2));
-    TRY(pack_check_cu_seqlens(op, cu_seqlens_out, keep->shape[0], 1));
-    TRY(tensor_check_no_alias(op, "cu_seqlens", cu_seqlens_out, "keep", keep));
+    RAGVIT_TRY(pack_check_keep(op, keep, 2));
+    RAGVIT_TRY(pack_check_cu_seqlens(op, cu_seqlens_out, keep->shape[0], 1));
+    RAGVIT_TRY(tensor_check_no_alias(op, "cu_seqlens", cu_seqlens_out, "keep", keep));
     a->keep = (const uint8_t *)keep->data;
     a->keep_stride_b = keep->strides[0];
     a->keep_stride_n = keep->strides[1];
@@ -62,20 +55,20 @@ static ragvit_status pack_check_outputs(const char *op, const char *x_name,
                                         const ragvit_tensor *keep,
                                         const ragvit_tensor *cu_seqlens) {
     const int64_t out_shape[2] = {-1, x->shape[x->ndim - 1]};
-    TRY(tensor_check_shape(op, "out", out, 2, out_shape));
-    TRY(tensor_check_same_dtype(op, "out", out, x_name, x));
-    TRY(tensor_check_last_contiguous(op, "out", out));
-    TRY(tensor_check_writable(op, "out", out));
+    RAGVIT_TRY(tensor_check_shape(op, "out", out, 2, out_shape));
+    RAGVIT_TRY(tensor_check_same_dtype(op, "out", out, x_name, x));
+    RAGVIT_TRY(tensor_check_last_contiguous(op, "out", out));
+    RAGVIT_TRY(tensor_check_writable(op, "out", out));
     if (indices_out->is_present) {
         const int64_t indices_shape[1] = {out->shape[0]};
-        TRY(tensor_check_shape(op, indices_name, indices_out, 1, indices_shape));
-        TRY(tensor_check_dtype(op, indices_name, indices_out, RAGVIT_DTYPE_I32));
-        TRY(tensor_check_writable(op, indices_name, indices_out));
+        RAGVIT_TRY(tensor_check_shape(op, indices_name, indices_out, 1, indices_shape));
+        RAGVIT_TRY(tensor_check_dtype(op, indices_name, indices_out, RAGVIT_DTYPE_I32));
+        RAGVIT_TRY(tensor_check_writable(op, indices_name, indices_out));
     }
     const char *const names[] = {x_name, "keep", "cu_seqlens"};
     const ragvit_tensor *const ins[] = {x, keep, cu_seqlens};
-    TRY(tensor_check_no_alias_any(op, "out", out, names, ins, 3));
-    TRY(tensor_check_no_alias_any(op, indices_name, indices_out, names, ins, 3));
+    RAGVIT_TRY(tensor_check_no_alias_any(op, "out", out, names, ins, 3));
+    RAGVIT_TRY(tensor_check_no_alias_any(op, indices_name, indices_out, names, ins, 3));
     return tensor_check_no_alias(op, indices_name, indices_out, "out", out);
 }
 
@@ -99,10 +92,10 @@ static ragvit_status pack_check_count_output(const char *op, const char *x_name,
                                              const ragvit_tensor *out,
                                              const ragvit_tensor *indices_out,
                                              const ragvit_tensor *x, const ragvit_tensor *keep) {
-    TRY(tensor_check_writable(op, cu_name, cu_seqlens_out));
-    TRY(tensor_check_no_alias(op, cu_name, cu_seqlens_out, x_name, x));
-    TRY(tensor_check_no_alias(op, cu_name, cu_seqlens_out, "keep", keep));
-    TRY(tensor_check_no_alias(op, "out", out, cu_name, cu_seqlens_out));
+    RAGVIT_TRY(tensor_check_writable(op, cu_name, cu_seqlens_out));
+    RAGVIT_TRY(tensor_check_no_alias(op, cu_name, cu_seqlens_out, x_name, x));
+    RAGVIT_TRY(tensor_check_no_alias(op, cu_name, cu_seqlens_out, "keep", keep));
+    RAGVIT_TRY(tensor_check_no_alias(op, "out", out, cu_name, cu_seqlens_out));
     return tensor_check_no_alias(op, indices_name, indices_out, cu_name, cu_seqlens_out);
 }
 
@@ -111,14 +104,14 @@ static ragvit_status pack_gather_check(const char *op, ragvit_pack_args *a,
                                        const ragvit_tensor *out, const ragvit_tensor *indices_out,
                                        const ragvit_tensor *x, const ragvit_tensor *keep,
                                        const ragvit_tensor *cu_seqlens) {
-    TRY(tensor_check_ndim(op, "x", x, 3));
-    TRY(tensor_check_float(op, "x", x));
-    TRY(tensor_check_last_contiguous(op, "x", x));
-    TRY(pack_check_keep(op, keep, 2));
+    RAGVIT_TRY(tensor_check_ndim(op, "x", x, 3));
+    RAGVIT_TRY(tensor_check_float(op, "x", x));
+    RAGVIT_TRY(tensor_check_last_contiguous(op, "x", x));
+    RAGVIT_TRY(pack_check_keep(op, keep, 2));
     const int64_t keep_shape[2] = {x->shape[0], x->shape[1]};
-    TRY(tensor_check_shape(op, "keep", keep, 2, keep_shape));
-    TRY(pack_check_cu_seqlens(op, cu_seqlens, x->shape[0], 0));
-    TRY(pack_check_outputs(op, "x", "indices", out, indices_out, x, keep, cu_seqlens));
+    RAGVIT_TRY(tensor_check_shape(op, "keep", keep, 2, keep_shape));
+    RAGVIT_TRY(pack_check_cu_seqlens(op, cu_seqlens, x->shape[0], 0));
+    RAGVIT_TRY(pack_check_outputs(op, "x", "indices", out, indices_out, x, keep, cu_seqlens));
     a->x = x->data;
     a->keep = (const uint8_t *)keep->data;
     a->cu_seqlens = (int32_t *)cu_seqlens->data;
@@ -138,11 +131,11 @@ static ragvit_status pack_gather_check(const char *op, ragvit_pack_args *a,
 enum { PACK_COUNT = 1, PACK_GATHER = 2 };
 
 /* Runs the steps on validated args. */
-static ragvit_status pack_run(const char *op, ragvit_context *ctx, const ragvit_pack_args *a,
-                              int steps, int32_t device_type, int32_t device_id, void *stream) {
+static ragvit_status pack_run(const char *op, ragvit_context *ctx, ragvit_pack_args *a, int steps,
+                              int32_t device_type, int32_t device_id, void *stream) {
     if (device_type == RAGVIT_DEVICE_CPU) {
         /* On the host a refused call writes no packed row: check capacity first. */
-        if (steps & PACK_COUNT) TRY(ragvit_cpu_pack_count(a));
+        if (steps & PACK_COUNT) RAGVIT_TRY(ragvit_cpu_pack_count(a));
         if (!(steps & PACK_GATHER)) return RAGVIT_STATUS_OK;
         int64_t total = a->cu_seqlens[a->batch * a->cu_seqlens_stride];
         if (total > a->capacity) {
@@ -153,24 +146,14 @@ static ragvit_status pack_run(const char *op, ragvit_context *ctx, const ragvit_
         }
         return ragvit_cpu_pack_gather(a);
     }
-#ifdef RAGVIT_WITH_CUDA
     const ragvit_device_info *dev = NULL;
-    TRY(ragvit_context_device(ctx, device_id, &dev));
-    ragvit_pack_args launch = *a;
-    launch.error_flag = dev->error_flag;
-    if (steps == PACK_COUNT)
-        TRY(ragvit_cuda_pack_count(&launch, dev, stream));
-    else if (steps == PACK_GATHER)
-        TRY(ragvit_cuda_pack_gather(&launch, dev, stream));
-    else
-        TRY(ragvit_cuda_pack_fused(&launch, dev, stream));
-    return ragvit_context_finish(ctx, device_id, stream, op);
-#else
-    (void)ctx;
-    (void)device_id;
-    (void)stream;
-    return pack_no_cuda(op);
-#endif
+    RAGVIT_TRY(dispatch_begin(ctx, op, device_id, &dev));
+    a->error_flag = dev->error_flag;
+    return dispatch_end(ctx, op, device_id, stream,
+                        DISPATCH_CUDA(steps == PACK_COUNT ? ragvit_cuda_pack_count(a, dev, stream)
+                                      : steps == PACK_GATHER
+                                          ? ragvit_cuda_pack_gather(a, dev, stream)
+                                          : ragvit_cuda_pack_into(a, dev, stream)));
 }
 
 ragvit_status ragvit_pack_count(ragvit_context *ctx, const ragvit_tensor *cu_seqlens_out,
@@ -180,8 +163,8 @@ ragvit_status ragvit_pack_count(ragvit_context *ctx, const ragvit_tensor *cu_seq
     const ragvit_tensor *const all[] = {keep, cu_seqlens_out};
     int32_t device_type = 0, device_id = 0;
     ragvit_pack_args a = {0};
-    TRY(pack_count_check(op, &a, cu_seqlens_out, keep));
-    TRY(tensor_check_devices(op, names, all, 2, &device_type, &device_id));
+    RAGVIT_TRY(pack_count_check(op, &a, cu_seqlens_out, keep));
+    RAGVIT_TRY(tensor_check_devices(op, names, all, 2, &device_type, &device_id));
     return pack_run(op, ctx, &a, PACK_COUNT, device_type, device_id, stream);
 }
 
@@ -194,8 +177,8 @@ ragvit_status ragvit_pack_gather(ragvit_context *ctx, const ragvit_tensor *out,
     const ragvit_tensor *const all[] = {x, keep, cu_seqlens, out, indices_out};
     int32_t device_type = 0, device_id = 0;
     ragvit_pack_args a = {0};
-    TRY(pack_gather_check(op, &a, out, indices_out, x, keep, cu_seqlens));
-    TRY(tensor_check_devices(op, names, all, 5, &device_type, &device_id));
+    RAGVIT_TRY(pack_gather_check(op, &a, out, indices_out, x, keep, cu_seqlens));
+    RAGVIT_TRY(tensor_check_devices(op, names, all, 5, &device_type, &device_id));
     return pack_run(op, ctx, &a, PACK_GATHER, device_type, device_id, stream);
 }
 
@@ -208,10 +191,10 @@ ragvit_status ragvit_pack_into(ragvit_context *ctx, const ragvit_tensor *out,
     const ragvit_tensor *const all[] = {x, keep, out, cu_seqlens_out, indices_out};
     int32_t device_type = 0, device_id = 0;
     ragvit_pack_args a = {0};
-    TRY(pack_gather_check(op, &a, out, indices_out, x, keep, cu_seqlens_out));
-    TRY(pack_check_count_output(op, "x", "indices", "cu_seqlens", cu_seqlens_out, out, indices_out,
-                                x, keep));
-    TRY(tensor_check_devices(op, names, all, 5, &device_type, &device_id));
+    RAGVIT_TRY(pack_gather_check(op, &a, out, indices_out, x, keep, cu_seqlens_out));
+    RAGVIT_TRY(pack_check_count_output(op, "x", "indices", "cu_seqlens", cu_seqlens_out, out,
+                                       indices_out, x, keep));
+    RAGVIT_TRY(tensor_check_devices(op, names, all, 5, &device_type, &device_id));
     return pack_run(op, ctx, &a, PACK_COUNT | PACK_GATHER, device_type, device_id, stream);
 }
 
@@ -221,10 +204,10 @@ static ragvit_status repack_check_inputs(const char *op, ragvit_pack_args *a,
                                          const ragvit_tensor *packed,
                                          const ragvit_tensor *cu_seqlens,
                                          const ragvit_tensor *keep) {
-    TRY(tensor_check_packed(op, packed, cu_seqlens));
-    TRY(pack_check_keep(op, keep, 1));
+    RAGVIT_TRY(tensor_check_packed(op, packed, cu_seqlens));
+    RAGVIT_TRY(pack_check_keep(op, keep, 1));
     const int64_t keep_shape[1] = {packed->shape[0]};
-    TRY(tensor_check_shape(op, "keep", keep, 1, keep_shape));
+    RAGVIT_TRY(tensor_check_shape(op, "keep", keep, 1, keep_shape));
     if (packed->shape[0] > INT32_MAX) {
         return ragvit_fail(RAGVIT_STATUS_INVALID_SHAPE,
                            "%s: packed must have at most 2^31-1 rows for int32 src, got %" PRId64,
@@ -258,39 +241,40 @@ static ragvit_status repack_run(const char *op, ragvit_context *ctx, const ragvi
                                         src_out, cu_seqlens_out, fuse_weights};
     int32_t device_type = 0, device_id = 0;
     ragvit_pack_args a = {0};
-    TRY(repack_check_inputs(op, &a, packed, cu_seqlens, keep));
+    RAGVIT_TRY(repack_check_inputs(op, &a, packed, cu_seqlens, keep));
     if (fuse_weights->is_present) {
         const int64_t weights_shape[1] = {packed->shape[0]};
-        TRY(tensor_check_shape(op, "fuse_weights", fuse_weights, 1, weights_shape));
-        TRY(tensor_check_dtype(op, "fuse_weights", fuse_weights, RAGVIT_DTYPE_F32));
-        TRY(tensor_check_no_alias(op, "out", out, "fuse_weights", fuse_weights));
-        TRY(tensor_check_no_alias(op, "src", src_out, "fuse_weights", fuse_weights));
-        TRY(tensor_check_no_alias(op, "cu_seqlens_out", cu_seqlens_out, "fuse_weights",
-                                  fuse_weights));
+        RAGVIT_TRY(tensor_check_shape(op, "fuse_weights", fuse_weights, 1, weights_shape));
+        RAGVIT_TRY(tensor_check_dtype(op, "fuse_weights", fuse_weights, RAGVIT_DTYPE_F32));
+        RAGVIT_TRY(tensor_check_no_alias(op, "out", out, "fuse_weights", fuse_weights));
+        RAGVIT_TRY(tensor_check_no_alias(op, "src", src_out, "fuse_weights", fuse_weights));
+        RAGVIT_TRY(tensor_check_no_alias(op, "cu_seqlens_out", cu_seqlens_out, "fuse_weights",
+                                         fuse_weights));
         a.fuse_weights = (const float *)fuse_weights->data;
         a.fuse_weights_stride = fuse_weights->strides[0];
         a.is_fusing = 1;
     }
     const int64_t shape[1] = {cu_seqlens->shape[0]};
-    TRY(tensor_check_dtype(op, "cu_seqlens_out", cu_seqlens_out, RAGVIT_DTYPE_I32));
-    TRY(tensor_check_shape(op, "cu_seqlens_out", cu_seqlens_out, 1, shape));
-    TRY(tensor_check_no_alias(op, "cu_seqlens_out", cu_seqlens_out, "cu_seqlens", cu_seqlens));
+    RAGVIT_TRY(tensor_check_dtype(op, "cu_seqlens_out", cu_seqlens_out, RAGVIT_DTYPE_I32));
+    RAGVIT_TRY(tensor_check_shape(op, "cu_seqlens_out", cu_seqlens_out, 1, shape));
+    RAGVIT_TRY(
+        tensor_check_no_alias(op, "cu_seqlens_out", cu_seqlens_out, "cu_seqlens", cu_seqlens));
     if (out->is_present) {
-        TRY(pack_check_outputs(op, "packed", "src", out, src_out, packed, keep, cu_seqlens));
+        RAGVIT_TRY(pack_check_outputs(op, "packed", "src", out, src_out, packed, keep, cu_seqlens));
         pack_fill_outputs(&a, out, src_out, packed);
     }
     if (do_count) {
-        TRY(pack_check_count_output(op, "packed", "src", "cu_seqlens_out", cu_seqlens_out, out,
-                                    src_out, packed, keep));
+        RAGVIT_TRY(pack_check_count_output(op, "packed", "src", "cu_seqlens_out", cu_seqlens_out,
+                                           out, src_out, packed, keep));
     } else {
-        TRY(tensor_check_no_alias(op, "out", out, "cu_seqlens_out", cu_seqlens_out));
-        TRY(tensor_check_no_alias(op, "src", src_out, "cu_seqlens_out", cu_seqlens_out));
+        RAGVIT_TRY(tensor_check_no_alias(op, "out", out, "cu_seqlens_out", cu_seqlens_out));
+        RAGVIT_TRY(tensor_check_no_alias(op, "src", src_out, "cu_seqlens_out", cu_seqlens_out));
     }
     a.cu_seqlens = (int32_t *)cu_seqlens_out->data;
     a.cu_seqlens_stride = cu_seqlens_out->strides[0];
-    TRY(tensor_check_devices(op, names, all, 7, &device_type, &device_id));
+    RAGVIT_TRY(tensor_check_devices(op, names, all, 7, &device_type, &device_id));
     if (device_type == RAGVIT_DEVICE_CPU) {
-        TRY(tensor_check_cu_seqlens_host(op, cu_seqlens, packed->shape[0], -1, NULL, NULL));
+        RAGVIT_TRY(tensor_check_cu_seqlens_host(op, cu_seqlens, packed->shape[0], -1, NULL, NULL));
     }
     const int steps = (do_count ? PACK_COUNT : 0) | (out->is_present ? PACK_GATHER : 0);
     return pack_run(op, ctx, &a, steps, device_type, device_id, stream);
@@ -367,25 +351,25 @@ static ragvit_status unpack_run(const char *op, ragvit_context *ctx, const ragvi
     const char *const names[] = {"packed", "cu_seqlens", "indices", "out"};
     const ragvit_tensor *const all[] = {packed, cu_seqlens, indices, out};
     int32_t device_type = 0, device_id = 0;
-    TRY(tensor_check_packed(op, packed, cu_seqlens));
-    TRY(tensor_check_ndim(op, "out", out, 3));
+    RAGVIT_TRY(tensor_check_packed(op, packed, cu_seqlens));
+    RAGVIT_TRY(tensor_check_ndim(op, "out", out, 3));
     const int64_t out_shape[3] = {cu_seqlens->shape[0] - 1, out->shape[1], packed->shape[1]};
-    TRY(tensor_check_shape(op, "out", out, 3, out_shape));
-    TRY(tensor_check_same_dtype(op, "out", out, "packed", packed));
-    TRY(tensor_check_last_contiguous(op, "out", out));
-    TRY(tensor_check_writable(op, "out", out));
+    RAGVIT_TRY(tensor_check_shape(op, "out", out, 3, out_shape));
+    RAGVIT_TRY(tensor_check_same_dtype(op, "out", out, "packed", packed));
+    RAGVIT_TRY(tensor_check_last_contiguous(op, "out", out));
+    RAGVIT_TRY(tensor_check_writable(op, "out", out));
     if (indices->is_present) {
         const int64_t indices_shape[1] = {packed->shape[0]};
-        TRY(tensor_check_shape(op, "indices", indices, 1, indices_shape));
-        TRY(tensor_check_dtype(op, "indices", indices, RAGVIT_DTYPE_I32));
+        RAGVIT_TRY(tensor_check_shape(op, "indices", indices, 1, indices_shape));
+        RAGVIT_TRY(tensor_check_dtype(op, "indices", indices, RAGVIT_DTYPE_I32));
     }
-    TRY(tensor_check_devices(op, names, all, 4, &device_type, &device_id));
-    TRY(tensor_check_no_alias_any(op, "out", out, names, all, 3));
+    RAGVIT_TRY(tensor_check_devices(op, names, all, 4, &device_type, &device_id));
+    RAGVIT_TRY(tensor_check_no_alias_any(op, "out", out, names, all, 3));
     if (device_type == RAGVIT_DEVICE_CPU) {
-        TRY(tensor_check_cu_seqlens_host(op, cu_seqlens, packed->shape[0],
-                                         is_prefix ? -1 : out->shape[1], "N", NULL));
-        TRY(unpack_check_indices_host(op, indices, cu_seqlens, out->shape[1]));
-        if (is_prefix) TRY(prefix_check_lengths_host(op, cu_seqlens, out->shape[1]));
+        RAGVIT_TRY(tensor_check_cu_seqlens_host(op, cu_seqlens, packed->shape[0],
+                                                is_prefix ? -1 : out->shape[1], "N", NULL));
+        RAGVIT_TRY(unpack_check_indices_host(op, indices, cu_seqlens, out->shape[1]));
+        if (is_prefix) RAGVIT_TRY(prefix_check_lengths_host(op, cu_seqlens, out->shape[1]));
     }
     ragvit_unpack_args a = {
         .out = out->data,
@@ -407,22 +391,16 @@ static ragvit_status unpack_run(const char *op, ragvit_context *ctx, const ragvi
     };
     if (a.batch == 0 || a.seqlen == 0 || a.channels == 0) return RAGVIT_STATUS_OK;
     if (device_type == RAGVIT_DEVICE_CPU) return ragvit_cpu_unpack(&a);
-#ifdef RAGVIT_WITH_CUDA
     const ragvit_device_info *dev = NULL;
-    TRY(ragvit_context_device(ctx, device_id, &dev));
+    RAGVIT_TRY(dispatch_begin(ctx, op, device_id, &dev));
     a.error_flag = dev->error_flag;
-    TRY(ragvit_cuda_unpack(&a, dev, stream));
-    return ragvit_context_finish(ctx, device_id, stream, op);
-#else
-    (void)ctx;
-    (void)stream;
-    return pack_no_cuda(op);
-#endif
+    return dispatch_end(ctx, op, device_id, stream,
+                        DISPATCH_CUDA(ragvit_cuda_unpack(&a, dev, stream)));
 }
 
-ragvit_status ragvit_unpack_forward(ragvit_context *ctx, const ragvit_tensor *out,
-                                    const ragvit_tensor *packed, const ragvit_tensor *cu_seqlens,
-                                    const ragvit_tensor *indices, double fill, void *stream) {
+ragvit_status ragvit_unpack(ragvit_context *ctx, const ragvit_tensor *out,
+                            const ragvit_tensor *packed, const ragvit_tensor *cu_seqlens,
+                            const ragvit_tensor *indices, double fill, void *stream) {
     return unpack_run("unpack", ctx, out, packed, cu_seqlens, indices, fill, 0, stream);
 }
 

@@ -9,7 +9,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "cuda_check.cuh"
+#include "cuda_util.cuh"
 
 /* One-time per-device setup of ragged_attention.cu (cudaFuncSetAttribute). */
 extern "C" ragvit_status ragged_attention_init(const ragvit_device_info *dev);

@@ -7,8 +7,8 @@
  * vectorizes without -ffast-math. Contents the core should have rejected are
  * skipped, the in-bounds work is still done, then INVALID_VALUE is returned,
  * as the CUDA kernels write what they can and raise the error flag. */
-#include "cpu_backend.h"
-#include "topk_key.h"
+#include "cpu/cpu_backend.h"
+#include "ragvit_topk_key.h"
 
 #include <float.h>
 #include <math.h>

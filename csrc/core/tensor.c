@@ -8,7 +8,7 @@
 #include <stdio.h>
 #include <string.h>
 
-#include "tensor.h"
+#include "core/tensor.h"
 
 static const char *const dtype_names[RAGVIT_DTYPE_COUNT] = {
     [RAGVIT_DTYPE_F16] = "float16", [RAGVIT_DTYPE_BF16] = "bfloat16",
@@ -155,11 +155,11 @@ ragvit_status tensor_check_devices(const char *op, const char *const *names,
 
 ragvit_status tensor_check_packed(const char *op, const ragvit_tensor *packed,
                                   const ragvit_tensor *cu_seqlens) {
-    TRY(tensor_check_ndim(op, "packed", packed, 2));
-    TRY(tensor_check_float(op, "packed", packed));
-    TRY(tensor_check_last_contiguous(op, "packed", packed));
-    TRY(tensor_check_ndim(op, "cu_seqlens", cu_seqlens, 1));
-    TRY(tensor_check_dtype(op, "cu_seqlens", cu_seqlens, RAGVIT_DTYPE_I32));
+    RAGVIT_TRY(tensor_check_ndim(op, "packed", packed, 2));
+    RAGVIT_TRY(tensor_check_float(op, "packed", packed));
+    RAGVIT_TRY(tensor_check_last_contiguous(op, "packed", packed));
+    RAGVIT_TRY(tensor_check_ndim(op, "cu_seqlens", cu_seqlens, 1));
+    RAGVIT_TRY(tensor_check_dtype(op, "cu_seqlens", cu_seqlens, RAGVIT_DTYPE_I32));
     if (cu_seqlens->shape[0] >= 1) return RAGVIT_STATUS_OK;
     return ragvit_fail(RAGVIT_STATUS_INVALID_SHAPE,
                        "%s: cu_seqlens must have num_seqs+1 >= 1 entries, got 0", op);
@@ -199,5 +199,45 @@ ragvit_status tensor_check_cu_seqlens_host(const char *op, const ragvit_tensor *
                            op, total_tokens, last);
     }
     if (longest) *longest = best;
+    return RAGVIT_STATUS_OK;
+}
+
+ragvit_status tensor_check_rows(const char *op, const ragvit_tensor *out, const ragvit_tensor *x,
+                                const char *const *param_names, const ragvit_tensor *const *params,
+                                int param_count, int32_t *device_type, int32_t *device_id) {
+    const char *names[4] = {"x"}; /* x, the params, out: the order devices are named */
+    const ragvit_tensor *all[4] = {x};
+    RAGVIT_TRY(tensor_check_ndim(op, "x", x, 2));
+    RAGVIT_TRY(tensor_check_float(op, "x", x));
+    RAGVIT_TRY(tensor_check_last_contiguous(op, "x", x));
+    const int64_t M = x->shape[0], C = x->shape[1];
+    const int64_t shape[2] = {M, C}, vec[1] = {C};
+    RAGVIT_TRY(tensor_check_shape(op, "out", out, 2, shape));
+    RAGVIT_TRY(tensor_check_same_dtype(op, "out", out, "x", x));
+    RAGVIT_TRY(tensor_check_last_contiguous(op, "out", out));
+    RAGVIT_TRY(tensor_check_writable(op, "out", out));
+    for (int i = 0; i < param_count; i++) {
+        names[1 + i] = param_names[i];
+        all[1 + i] = params[i];
+        if (!params[i]->is_present) continue;
+        RAGVIT_TRY(tensor_check_shape(op, param_names[i], params[i], 1, vec));
+        RAGVIT_TRY(tensor_check_same_dtype(op, param_names[i], params[i], "x", x));
+    }
+    names[1 + param_count] = "out";
+    all[1 + param_count] = out;
+    RAGVIT_TRY(tensor_check_devices(op, names, all, 2 + param_count, device_type, device_id));
+    if (out->data == x->data && M > 1 && C > 0) {
+        if (out->strides[0] != x->strides[0]) {
+            return ragvit_fail(RAGVIT_STATUS_INVALID_SHAPE,
+                               "%s: out must have x's row stride when it is x (in place), got "
+                               "%lld and %lld",
+                               op, (long long)out->strides[0], (long long)x->strides[0]);
+        }
+    } else if (out->data != x->data) {
+        RAGVIT_TRY(tensor_check_no_alias(op, "out", out, "x", x));
+    }
+    for (int i = 0; i < param_count; i++) {
+        RAGVIT_TRY(tensor_check_no_alias(op, "out", out, param_names[i], params[i]));
+    }
     return RAGVIT_STATUS_OK;
 }
