@@ -24,6 +24,7 @@ backward; drop-path and dropout are identities in eval).
 from __future__ import annotations
 
 import contextlib
+import warnings
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -60,9 +61,9 @@ class _PatchState:
     avg_pool: bool
     pool_skip: int
     dense_until_pruning: bool | None = None
-    fused_ops: bool | None = None  # None: on CUDA; True: on any device; False: never
-    fused_embed: bool = False  # the patch embedding is a plain strided conv (_can_fuse_embed)
-    fused_pos_embed: bool = False  # timm's own _pos_embed, static size (_can_fuse_pos_embed)
+    row_ops: bool | None = None  # None: on CUDA; True: on any device; False: never
+    gemm_embed: bool = False  # the patch embedding is a plain strided conv (_embed_is_gemm)
+    direct_pos_embed: bool = False  # timm's own _pos_embed, static size (_can_pos_embed)
     cu_cache: dict = field(default_factory=dict)
 
 
@@ -102,7 +103,7 @@ def _check_supported(model) -> None:
         attn = blk.attn
         if type(attn) is not Attention:
             raise _refuse(f"attention type {type(attn).__name__}",
-                          f"block {i}; only timm Attention (no diff/fused-parallel variants)")
+                          f"block {i}; only timm Attention (no diff or parallel-block variants)")
         if not (isinstance(attn.q_norm, torch.nn.Identity)
                 and isinstance(attn.k_norm, torch.nn.Identity)):
             raise _refuse("qk_norm", f"block {i}")
@@ -117,7 +118,7 @@ def _check_supported(model) -> None:
             raise _refuse("convolutional Mlp", f"block {i}")
 
 
-def _can_fuse(model) -> bool:
+def _blocks_allow_row_ops(model) -> bool:
     """Whether every block is LayerNorm -> Linear qkv -> attention -> Linear proj and
     LayerNorm -> Linear -> exact GELU -> Linear (timm's Block with its default Mlp), with
     LayerScale or Identity on each branch: the blocks ragvit's row ops can run."""
@@ -142,7 +143,7 @@ def _can_fuse(model) -> bool:
     return True
 
 
-def _can_fuse_embed(model) -> bool:
+def _embed_is_gemm(model) -> bool:
     """Whether the patch embedding is timm's PatchEmbed with a Conv2d whose kernel equals
     its stride (no padding, dilation, groups or norm), flattened to tokens: then it is one
     GEMM over the image's patches (im2col is a reshape), run by ragvit.linear."""
@@ -158,11 +159,11 @@ def _can_fuse_embed(model) -> bool:
             and not getattr(pe, "dynamic_img_pad", False))
 
 
-def _embed_patches(pe, x: torch.Tensor, fused: bool) -> torch.Tensor:
-    """model.patch_embed(x), as one GEMM on the patches when fused and x has the size the
+def _embed_patches(pe, x: torch.Tensor, as_gemm: bool) -> torch.Tensor:
+    """model.patch_embed(x), as one GEMM on the patches when as_gemm and x has the size the
     model was built for (the conv otherwise; cuDNN's default algorithm for this stride-p
     conv is slow at small batch)."""
-    if not fused or x.ndim != 4 or tuple(x.shape[-2:]) != tuple(pe.img_size):
+    if not as_gemm or x.ndim != 4 or tuple(x.shape[-2:]) != tuple(pe.img_size):
         return pe(x)
     conv = pe.proj
     B, C, H, W = x.shape
@@ -191,7 +192,7 @@ def _patch_rows(x: torch.Tensor, ph: int, pw: int) -> torch.Tensor:
     return x.reshape(B, C, h, ph, w, pw).permute(0, 2, 4, 1, 3, 5).reshape(-1, C * ph * pw)
 
 
-def _can_fuse_pos_embed(model) -> bool:
+def _can_pos_embed(model) -> bool:
     """Whether model._pos_embed is VisionTransformer's own with a learned pos_embed of
     static size (not a subclass's, e.g. the distilled DeiT's, not dynamic_img_size)."""
     from timm.models.vision_transformer import VisionTransformer
@@ -228,7 +229,7 @@ def _pos_embed(model, tokens: torch.Tensor) -> torch.Tensor:
 
 def patch(model, policy: PruningPolicy | None = None, *, capacity: bool = False,
           attention=None, dense_until_pruning: bool | None = None,
-          fused_ops: bool | None = None):
+          row_ops: bool | None = None, fused_ops: bool | None = None):
     """Makes a timm ViT/DeiT run on packed (optionally pruned) tokens, in place.
 
     Args:
@@ -251,8 +252,8 @@ def patch(model, policy: PruningPolicy | None = None, *, capacity: bool = False,
             whole pruned forward replayed as a graph, and trails it at 32+ images of 577).
             A block whose attention must also return CLS scores (EViT, ATS) always calls
             `attention`. No effect without a policy (the lossless path is all ragvit).
-        fused_ops: run each block's LayerNorms, its four linears (bias in the GEMM
-            epilogue, the residual add fused too) and GELU through ragvit.layer_norm /
+        row_ops: run each block's LayerNorms, its four linears (bias and residual add in
+            the GEMM's epilogue) and GELU through ragvit.layer_norm /
             linear / gelu, launched from C (cuBLASLt GEMMs on CUDA), and a plain
             stride-p patch-embedding conv as one ragvit.linear over the image's patches
             (whenever the input has the model's img_size): about 8 calls a block
@@ -264,6 +265,7 @@ def patch(model, policy: PruningPolicy | None = None, *, capacity: bool = False,
             LayerScale branches; used for a forward when the rows' dtype equals the
             weights' and autocast is off. Same math as torch's modules; results differ by
             rounding only (the residual is added before the GEMM output is rounded).
+        fused_ops: the former name of row_ops, still accepted (DeprecationWarning).
 
     Returns:
         model itself. Call it under torch.no_grad() or torch.inference_mode(), in eval.
@@ -284,9 +286,15 @@ def patch(model, policy: PruningPolicy | None = None, *, capacity: bool = False,
             raise TypeError(f"ragvit.patch: policy must be a ragvit.pruning.PruningPolicy or "
                             f"None, got {type(policy).__name__}")
         policy.check(len(model.blocks))
-    can_fuse = fused_ops is not False and _can_fuse(model)
-    if fused_ops and not can_fuse:
-        raise ValueError("ragvit.patch: fused_ops=True needs every block to be timm's Block "
+    if fused_ops is not None:
+        if row_ops is not None:
+            raise TypeError("ragvit.patch: pass row_ops only (fused_ops is its former name)")
+        warnings.warn("ragvit.patch: fused_ops is now called row_ops", DeprecationWarning,
+                      stacklevel=2)
+        row_ops = fused_ops
+    allows_row_ops = row_ops is not False and _blocks_allow_row_ops(model)
+    if row_ops and not allows_row_ops:
+        raise ValueError("ragvit.patch: row_ops=True needs every block to be timm's Block "
                          "with nn.LayerNorm, the default Mlp with exact GELU and Identity or "
                          "LayerScale branches")
     had_forward = "forward" in vars(model)
@@ -302,9 +310,9 @@ def patch(model, policy: PruningPolicy | None = None, *, capacity: bool = False,
             model.num_prefix_tokens),
         dense_until_pruning=None if dense_until_pruning is None else bool(dense_until_pruning),
         # None (on CUDA) stays None where the blocks allow the row ops, else off
-        fused_ops=(None if fused_ops is None else True) if can_fuse else False,
-        fused_embed=_can_fuse_embed(model),
-        fused_pos_embed=_can_fuse_pos_embed(model),
+        row_ops=(None if row_ops is None else True) if allows_row_ops else False,
+        gemm_embed=_embed_is_gemm(model),
+        direct_pos_embed=_can_pos_embed(model),
     )
 
     def forward(x: torch.Tensor) -> torch.Tensor:
@@ -429,11 +437,11 @@ def _check_mode(model) -> None:
 
 
 def _attention_half(blk, cur: _Rows, attention, cls_attn=None, want_value_norm=False,
-                    want_keys=False, dense=False, fused=False):
+                    want_keys=False, dense=False, row_ops=False):
     """rows + ls1(attn(norm1(rows))) on packed rows (T, C); attention reads views of qkv,
     with bias log(size) per key once tokens have been merged (ToMe's proportional attention);
     dense: the rows are B whole images of seq_len tokens, attention is SDPA on (B, H, N, D)
-    views instead (no cls_attn, no bias); fused: norm1, qkv and proj (with the residual
+    views instead (no cls_attn, no bias); row_ops: norm1, qkv and proj (with the residual
     add, in place on cur.rows) through ragvit's row ops.
 
     Returns:
@@ -442,7 +450,7 @@ def _attention_half(blk, cur: _Rows, attention, cls_attn=None, want_value_norm=F
         else None.
     """
     attn = blk.attn
-    if fused:
+    if row_ops:
         h = ops.layer_norm(cur.rows, blk.norm1.weight, blk.norm1.bias, eps=blk.norm1.eps)
         qkv = ops.linear(h, attn.qkv.weight, attn.qkv.bias)
     else:
@@ -467,25 +475,25 @@ def _attention_half(blk, cur: _Rows, attention, cls_attn=None, want_value_norm=F
     if want_keys:
         keys = qkv[:, 1].float().mean(dim=1)
     o = o.reshape(o.shape[0], attn.attn_dim)
-    if fused:
-        return _fused_residual(blk.ls1, attn.proj, o, cur.rows), value_norm, keys
+    if row_ops:
+        return _linear_residual(blk.ls1, attn.proj, o, cur.rows), value_norm, keys
     o = attn.proj_drop(attn.proj(o))
     return cur.rows + blk.drop_path1(blk.ls1(o)), value_norm, keys
 
 
-def _mlp_half(blk, rows, fused=False):
-    if not fused:
+def _mlp_half(blk, rows, row_ops=False):
+    if not row_ops:
         return rows + blk.drop_path2(blk.ls2(blk.mlp(blk.norm2(rows))))
     mlp = blk.mlp
     h = ops.layer_norm(rows, blk.norm2.weight, blk.norm2.bias, eps=blk.norm2.eps)
     h = ops.linear(h, mlp.fc1.weight, mlp.fc1.bias)
     ops.gelu(h, out=h)
-    return _fused_residual(blk.ls2, mlp.fc2, h, rows)
+    return _linear_residual(blk.ls2, mlp.fc2, h, rows)
 
 
-def _fused_residual(scale, linear, h, rows):
+def _linear_residual(scale, linear, h, rows):
     """rows + scale(linear(h)) written into rows (eval: dropout and drop-path are
-    identities): the add rides in the GEMM, or one addcmul_ for LayerScale."""
+    identities): the add is the GEMM's residual epilogue, or one addcmul_ for LayerScale."""
     if isinstance(scale, torch.nn.Identity):
         return ops.linear(h, linear.weight, linear.bias, residual=rows, out=rows)
     return rows.addcmul_(ops.linear(h, linear.weight, linear.bias), scale.gamma)
@@ -499,10 +507,10 @@ def _dense_sdpa(state: _PatchState, num_tokens: int) -> bool:
     return state.dense_until_pruning
 
 
-def _use_fused(model, state: _PatchState, rows: torch.Tensor) -> bool:
-    """The fused row ops apply: allowed (CUDA rows unless forced), rows of the blocks'
-    weight dtype, autocast off."""
-    if state.fused_ops is False or (state.fused_ops is None and not rows.is_cuda):
+def _use_row_ops(model, state: _PatchState, rows: torch.Tensor) -> bool:
+    """The row ops apply: allowed (CUDA rows unless forced), rows of the blocks' weight
+    dtype, autocast off."""
+    if state.row_ops is False or (state.row_ops is None and not rows.is_cuda):
         return False
     return (rows.dtype == model.blocks[0].attn.qkv.weight.dtype
             and not torch.is_autocast_enabled(rows.device.type))
@@ -510,9 +518,9 @@ def _use_fused(model, state: _PatchState, rows: torch.Tensor) -> bool:
 
 def _forward(model, state: _PatchState, x: torch.Tensor, record: bool = False):
     _check_mode(model)
-    fused = _use_fused(model, state, x)
-    tokens = _embed_patches(model.patch_embed, x, fused and state.fused_embed)
-    h = _pos_embed(model, tokens) if fused and state.fused_pos_embed else \
+    row_ops = _use_row_ops(model, state, x)
+    tokens = _embed_patches(model.patch_embed, x, row_ops and state.gemm_embed)
+    h = _pos_embed(model, tokens) if row_ops and state.direct_pos_embed else \
         model._pos_embed(tokens)
     h = model.norm_pre(model.patch_drop(h))
     B, N, C = h.shape
@@ -541,13 +549,13 @@ def _forward(model, state: _PatchState, x: torch.Tensor, record: bool = False):
                  and _dense_sdpa(state, B * N))
         cur.rows, value_norm, keys = _attention_half(
             blk, cur, state.attention, cls_attn, feeds and policy.needs_value_norm,
-            feeds and policy.needs_keys, dense, fused)
+            feeds and policy.needs_keys, dense, row_ops)
         if mid and feeds:
             cur = _prune(state, cur, i, stage, cls_attn, value_norm, keys)
             if record:
                 decisions.append(_decision(cur, B, N))
             stage += 1
-        cur.rows = _mlp_half(blk, cur.rows, fused)
+        cur.rows = _mlp_half(blk, cur.rows, row_ops)
     return _head(model, state, cur), decisions
 
 
