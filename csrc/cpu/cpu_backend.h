@@ -1,8 +1,10 @@
-/* cpu_backend.h — the ops in plain C for host tensors, taking the same
- * argument structs as the CUDA launchers (ragvit_args.h). The core has
- * already validated shapes, dtypes and (on the host, where it is cheap)
- * cu_seqlens contents; these functions still stay in bounds on their own.
- * Math is float32 with fp16/bf16 converted in C (round-to-nearest-even). */
+/* cpu_backend.h — the C backend: every op in plain C for host tensors, one file per op
+ * (cpu/<op>.c, named after core/<op>.c), taking the same argument structs as the
+ * CUDA launchers (ragvit_args.h). The core has already validated shapes, dtypes and
+ * (on the host, where it is cheap) cu_seqlens contents; these functions still stay
+ * in bounds on their own. fp16/bf16 are converted in C (cpu/elem.h). Decision: the
+ * pack family (pack, repack, unpack, gather_prefix) shares cpu/pack.c, as it shares
+ * core/pack.c and kernels/pack.cu. */
 #ifndef RAGVIT_CPU_BACKEND_H
 #define RAGVIT_CPU_BACKEND_H
 
