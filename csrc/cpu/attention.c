@@ -10,30 +10,27 @@
 #include "cpu/fail.h"
 
 #include <math.h>
-#include <stdio.h>
 #include <stdlib.h>
 
 #define TILE 16 /* floats per register-blocked strip of the attention loops */
 
 static inline int64_t round_up_tile(int64_t n) { return (n + TILE - 1) / TILE * TILE; }
 
-/* 1 when sequence s has in-bounds, short-enough contents; otherwise 0, and
- * the reason goes to msg (when not NULL) unless a message is already there. */
+/* 1 when sequence s has in-bounds, short-enough contents; otherwise 0, with the
+ * reason noted in msg (note_problem; NULL notes nothing). */
 static int attention_seq_is_valid(const ragvit_attention_args *a, int32_t s, int64_t *start,
                                   int64_t *end, char *msg) {
     *start = a->cu_seqlens[s];
     *end = a->cu_seqlens[s + 1];
-    if (*start < 0 || *end < *start || *end > a->total_tokens) {
-        if (msg != NULL && msg[0] == '\0')
-            snprintf(msg, MESSAGE_SIZE,
+    if (!range_is_valid(*start, *end, a->total_tokens)) {
+        note_problem(msg,
                      "attention: cu_seqlens must be non-decreasing within [0, T=%lld], "
                      "got %lld, %lld at sequence %d",
                      (long long)a->total_tokens, (long long)*start, (long long)*end, (int)s);
         return 0;
     }
     if (*end - *start > a->max_seqlen) {
-        if (msg != NULL && msg[0] == '\0')
-            snprintf(msg, MESSAGE_SIZE,
+        note_problem(msg,
                      "attention: every length must be <= max_seqlen=%d, got %lld at sequence %d",
                      (int)a->max_seqlen, (long long)(*end - *start), (int)s);
         return 0;
@@ -126,10 +123,7 @@ static void attention_seq_head(const ragvit_attention_args *a, int64_t start, in
 
 ragvit_status ragvit_cpu_attention(const ragvit_attention_args *a) {
     char msg[MESSAGE_SIZE] = "";
-    if (dtype_size(a->dtype) == 0)
-        return ragvit_fail(RAGVIT_STATUS_INVALID_DTYPE,
-                           "attention: q must be float16, bfloat16 or float32, got dtype code %d",
-                           (int)a->dtype);
+    if (dtype_size(a->dtype) == 0) return cpu_fail_dtype("attention", "q", a->dtype);
     if (a->num_seqs <= 0 || a->num_heads <= 0 || a->head_dim < 0) return RAGVIT_STATUS_OK;
 
     /* Size scratch by the longest valid sequence, not by max_seqlen: the
@@ -171,6 +165,5 @@ ragvit_status ragvit_cpu_attention(const ragvit_attention_args *a) {
         free(scratch);
     }
 
-    if (msg[0] != '\0') return ragvit_fail(RAGVIT_STATUS_INVALID_VALUE, "%s", msg);
-    return RAGVIT_STATUS_OK;
+    return problem_status(msg);
 }

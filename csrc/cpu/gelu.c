@@ -5,15 +5,13 @@
  * Covered by tests/test_gelu.py. */
 #include "cpu/cpu_backend.h"
 #include "cpu/elem.h"
+#include "cpu/fail.h"
 
 #include <math.h>
 
 ragvit_status ragvit_cpu_gelu(const ragvit_rowwise_args *a) {
     const int64_t es = dtype_size(a->dtype);
-    if (es == 0)
-        return ragvit_fail(RAGVIT_STATUS_INVALID_DTYPE,
-                           "gelu: x must be float16, bfloat16 or float32, got dtype code %d",
-                           (int)a->dtype);
+    if (es == 0) return cpu_fail_dtype("gelu", "x", a->dtype);
     for (int64_t m = 0; m < a->rows; m++) {
         const void *xrow = elem_at(a->x, m * a->x_stride, es);
         void *orow = elem_at_mut(a->out, m * a->out_stride, es);

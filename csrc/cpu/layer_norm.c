@@ -13,12 +13,9 @@
 
 ragvit_status ragvit_cpu_layer_norm(const ragvit_rowwise_args *a) {
     const int64_t es = dtype_size(a->dtype), C = a->channels;
-    if (es == 0)
-        return ragvit_fail(RAGVIT_STATUS_INVALID_DTYPE,
-                           "layer_norm: x must be float16, bfloat16 or float32, got dtype code %d",
-                           (int)a->dtype);
+    if (es == 0) return cpu_fail_dtype("layer_norm", "x", a->dtype);
     float *row = malloc((size_t)(C > 0 ? C : 1) * sizeof *row);
-    if (row == NULL) return cpu_scratch_fail("layer_norm", C);
+    if (row == NULL) return cpu_fail_scratch("layer_norm", C);
     for (int64_t m = 0; m < a->rows; m++) {
         load_row(row, elem_at(a->x, m * a->x_stride, es), C, a->dtype);
         double mean = 0.0, var = 0.0;

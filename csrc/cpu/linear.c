@@ -13,10 +13,7 @@
 
 ragvit_status ragvit_cpu_linear(const ragvit_linear_args *a) {
     const int64_t es = dtype_size(a->dtype), M = a->rows, N = a->cols, K = a->inner;
-    if (es == 0)
-        return ragvit_fail(RAGVIT_STATUS_INVALID_DTYPE,
-                           "linear: x must be float16, bfloat16 or float32, got dtype code %d",
-                           (int)a->dtype);
+    if (es == 0) return cpu_fail_dtype("linear", "x", a->dtype);
     /* weight as float (N, K), one x row as float (K), one output row as double (N) */
     const int64_t floats = N * K + K;
     float *w = malloc((size_t)(floats > 0 ? floats : 1) * sizeof *w);
@@ -24,7 +21,7 @@ ragvit_status ragvit_cpu_linear(const ragvit_linear_args *a) {
     if (w == NULL || acc == NULL) {
         free(w);
         free(acc);
-        return cpu_scratch_fail("linear", floats + 2 * N);
+        return cpu_fail_scratch("linear", floats + 2 * N);
     }
     float *xrow = w + N * K;
     for (int64_t n = 0; n < N; n++)

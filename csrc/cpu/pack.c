@@ -10,8 +10,8 @@
 #include "cpu/elem.h"
 #include "cpu/fail.h"
 
-#include <stdio.h>
 #include <stdlib.h>
+#include <string.h>
 
 /* Rows [start, start + len) of image b: pack reads all N rows of x[b]; repack
  * reads rows [cu_in[b], cu_in[b+1]) of the packed x, and an image whose range
@@ -22,7 +22,7 @@ static int pack_image_range(const ragvit_pack_args *a, int64_t b, int64_t *start
     if (a->cu_seqlens_in == NULL) return 1;
     const int64_t s = a->cu_seqlens_in[b * a->cu_seqlens_in_stride];
     const int64_t e = a->cu_seqlens_in[(b + 1) * a->cu_seqlens_in_stride];
-    if (s < 0 || e < s || e > a->seqlen) {
+    if (!range_is_valid(s, e, a->seqlen)) {
         *len = 0;
         return 0;
     }
@@ -94,11 +94,7 @@ ragvit_status ragvit_cpu_pack_gather(const ragvit_pack_args *a) {
     float *scratch = NULL; /* 2 C floats for the fused token */
     if (a->is_fusing) {
         scratch = malloc((size_t)(a->channels > 0 ? 2 * a->channels : 1) * sizeof *scratch);
-        if (scratch == NULL)
-            return ragvit_fail(RAGVIT_STATUS_OUT_OF_MEMORY,
-                               "repack: scratch must be allocatable, got no memory for %lld "
-                               "floats",
-                               (long long)(2 * a->channels));
+        if (scratch == NULL) return cpu_fail_scratch("repack", 2 * a->channels);
     }
 
     int64_t needed = 0; /* one past the last packed row any image wants */
@@ -106,9 +102,7 @@ ragvit_status ragvit_cpu_pack_gather(const ragvit_pack_args *a) {
         int64_t pos = a->cu_seqlens[b * a->cu_seqlens_stride];
         int64_t start, len;
         if (pos < 0) {
-            if (msg[0] == '\0')
-                snprintf(msg, MESSAGE_SIZE,
-                         "pack: cu_seqlens must be non-negative, got %lld at image %lld",
+            note_problem(msg, "pack: cu_seqlens must be non-negative, got %lld at image %lld",
                          (long long)pos, (long long)b);
             continue;
         }
@@ -134,13 +128,12 @@ ragvit_status ragvit_cpu_pack_gather(const ragvit_pack_args *a) {
     }
     free(scratch);
 
-    if (needed > a->capacity && msg[0] == '\0')
-        snprintf(msg, MESSAGE_SIZE,
-                 "pack: out must have room for every kept token (capacity %lld), "
-                 "got %lld kept tokens",
-                 (long long)a->capacity, (long long)needed);
-    if (msg[0] != '\0') return ragvit_fail(RAGVIT_STATUS_INVALID_VALUE, "%s", msg);
-    return RAGVIT_STATUS_OK;
+    if (needed > a->capacity)
+        note_problem(msg,
+                     "pack: out must have room for every kept token (capacity %lld), "
+                     "got %lld kept tokens",
+                     (long long)a->capacity, (long long)needed);
+    return problem_status(msg);
 }
 
 /* ---- unpack ---- */
@@ -164,10 +157,7 @@ ragvit_status ragvit_cpu_unpack(const ragvit_unpack_args *a) {
     case RAGVIT_DTYPE_F16: fill_bits = float_to_f16(double_to_float_odd(a->fill)); break;
     case RAGVIT_DTYPE_BF16: fill_bits = float_to_bf16(double_to_float_odd(a->fill)); break;
     case RAGVIT_DTYPE_F32: fill_bits = float_bits((float)a->fill); break;
-    default:
-        return ragvit_fail(RAGVIT_STATUS_INVALID_DTYPE,
-                           "unpack: packed must be float16, bfloat16 or float32, got dtype code %d",
-                           (int)a->dtype);
+    default: return cpu_fail_dtype("unpack", "packed", a->dtype);
     }
     const int64_t N = a->seqlen, C = a->channels;
     const size_t row_bytes = (size_t)(C * es);
@@ -177,9 +167,8 @@ ragvit_status ragvit_cpu_unpack(const ragvit_unpack_args *a) {
         const int64_t end = a->cu_seqlens[(b + 1) * a->cu_seqlens_stride];
         int64_t copied = 0; /* rows [0, copied) come from packed (no indices) */
         int64_t len = 0;
-        if (start < 0 || end < start || end > a->total_tokens) {
-            if (msg[0] == '\0')
-                snprintf(msg, MESSAGE_SIZE,
+        if (!range_is_valid(start, end, a->total_tokens)) {
+            note_problem(msg,
                          "unpack: cu_seqlens must be non-decreasing within [0, T=%lld], "
                          "got %lld, %lld at image %lld",
                          (long long)a->total_tokens, (long long)start, (long long)end,
@@ -187,17 +176,14 @@ ragvit_status ragvit_cpu_unpack(const ragvit_unpack_args *a) {
         } else {
             len = end - start;
             if (a->is_prefix && len < N) {
-                if (msg[0] == '\0')
-                    snprintf(msg, MESSAGE_SIZE,
+                note_problem(msg,
                              "gather_prefix: every sequence must have at least k=%lld tokens, "
                              "got length %lld for sequence %lld",
                              (long long)N, (long long)len, (long long)b);
             } else if (a->is_prefix) {
                 len = N;
             } else if (len > N) {
-                if (msg[0] == '\0')
-                    snprintf(msg, MESSAGE_SIZE,
-                             "unpack: every length must be <= N=%lld, got %lld at image %lld",
+                note_problem(msg, "unpack: every length must be <= N=%lld, got %lld at image %lld",
                              (long long)N, (long long)len, (long long)b);
                 len = N;
             }
@@ -215,9 +201,7 @@ ragvit_status ragvit_cpu_unpack(const ragvit_unpack_args *a) {
         for (int64_t t = start; t < start + len; t++) {
             const int64_t n = a->indices[t * a->indices_stride];
             if (n < 0 || n >= N) {
-                if (msg[0] == '\0')
-                    snprintf(msg, MESSAGE_SIZE,
-                             "unpack: indices must lie in [0, N=%lld), got %lld at token %lld",
+                note_problem(msg, "unpack: indices must lie in [0, N=%lld), got %lld at token %lld",
                              (long long)N, (long long)n, (long long)t);
                 continue;
             }
@@ -226,6 +210,5 @@ ragvit_status ragvit_cpu_unpack(const ragvit_unpack_args *a) {
         }
     }
 
-    if (msg[0] != '\0') return ragvit_fail(RAGVIT_STATUS_INVALID_VALUE, "%s", msg);
-    return RAGVIT_STATUS_OK;
+    return problem_status(msg);
 }

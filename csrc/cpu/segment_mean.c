@@ -6,23 +6,16 @@
  * phases, so the two may differ in the last bits. Covered by tests/test_segment_mean.py. */
 #include "cpu/cpu_backend.h"
 #include "cpu/elem.h"
+#include "cpu/fail.h"
 
 #include <stdlib.h>
 #include <string.h>
 
 ragvit_status ragvit_cpu_segment_mean(const ragvit_segment_mean_args *a) {
     const int64_t es = dtype_size(a->dtype), C = a->channels;
-    if (es == 0)
-        return ragvit_fail(RAGVIT_STATUS_INVALID_DTYPE,
-                           "segment_mean: packed must be float16, bfloat16 or float32, got dtype "
-                           "code %d",
-                           (int)a->dtype);
+    if (es == 0) return cpu_fail_dtype("segment_mean", "packed", a->dtype);
     float *acc = malloc((size_t)(2 * C > 0 ? 2 * C : 1) * sizeof *acc);
-    if (acc == NULL)
-        return ragvit_fail(RAGVIT_STATUS_OUT_OF_MEMORY,
-                           "segment_mean: scratch must be allocatable, got no memory for %lld "
-                           "floats",
-                           (long long)(2 * C));
+    if (acc == NULL) return cpu_fail_scratch("segment_mean", 2 * C);
     float *row = acc + C;
     int is_bad = 0;
     for (int64_t b = 0; b < a->batch; b++) {
@@ -30,7 +23,7 @@ ragvit_status ragvit_cpu_segment_mean(const ragvit_segment_mean_args *a) {
         const int64_t end = a->cu_seqlens[(b + 1) * a->cu_seqlens_stride];
         int64_t first = start + a->skip, count = 0;
         memset(acc, 0, (size_t)C * sizeof *acc);
-        if (start < 0 || end < start || end > a->total_tokens)
+        if (!range_is_valid(start, end, a->total_tokens))
             is_bad = 1;
         else if (first < end)
             count = end - first;

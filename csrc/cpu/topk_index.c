@@ -6,6 +6,7 @@
  * Covered by tests/test_topk_index.py. */
 #include "cpu/cpu_backend.h"
 #include "cpu/elem.h"
+#include "cpu/fail.h"
 #include "ragvit_topk_key.h"
 
 #include <stdlib.h>
@@ -29,11 +30,7 @@ static int topk_entry_order(const void *pa, const void *pb) {
 
 ragvit_status ragvit_cpu_topk_index(const ragvit_topk_index_args *a) {
     const int64_t es = dtype_size(a->dtype), L = a->cols, P = a->prefix, k = a->k, n = L - P;
-    if (es == 0)
-        return ragvit_fail(RAGVIT_STATUS_INVALID_DTYPE,
-                           "topk_index: scores must be float16, bfloat16 or float32, got dtype "
-                           "code %d",
-                           (int)a->dtype);
+    if (es == 0) return cpu_fail_dtype("topk_index", "scores", a->dtype);
     if (a->out_dtype != RAGVIT_DTYPE_I32 && a->out_dtype != RAGVIT_DTYPE_I64)
         return ragvit_fail(RAGVIT_STATUS_INVALID_DTYPE,
                            "topk_index: out must be int32 or int64, got dtype code %d",
