@@ -52,16 +52,11 @@ static ragvit_status attention_check(const ragvit_tensor *out, const ragvit_tens
     RAGVIT_TRY(tensor_check_same_dtype(op, "out", out, "q", q));
     RAGVIT_TRY(tensor_check_last_contiguous(op, "out", out));
     RAGVIT_TRY(tensor_check_writable(op, "out", out));
-    RAGVIT_TRY(tensor_check_ndim(op, "cu_seqlens", cu_seqlens, 1));
-    RAGVIT_TRY(tensor_check_dtype(op, "cu_seqlens", cu_seqlens, RAGVIT_DTYPE_I32));
+    RAGVIT_TRY(tensor_check_cu_seqlens(op, cu_seqlens));
     if (cu_seqlens->strides[0] != 1 && cu_seqlens->shape[0] > 1) {
         return ragvit_fail(RAGVIT_STATUS_INVALID_SHAPE,
                            "%s: cu_seqlens must be contiguous, got stride %" PRId64, op,
                            cu_seqlens->strides[0]);
-    }
-    if (cu_seqlens->shape[0] < 1) {
-        return ragvit_fail(RAGVIT_STATUS_INVALID_SHAPE,
-                           "%s: cu_seqlens must have num_seqs+1 >= 1 entries, got 0", op);
     }
     if (cls_attn->is_present) {
         const int64_t shape[1] = {q->shape[0]};

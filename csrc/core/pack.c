@@ -30,6 +30,18 @@ static ragvit_status pack_check_cu_seqlens(const char *op, const ragvit_tensor *
     return is_output ? tensor_check_writable(op, "cu_seqlens", cu_seqlens) : RAGVIT_STATUS_OK;
 }
 
+/* The count part of a from keep (B, N) and cu_seqlens (B+1,), both validated. */
+static void pack_fill_count(ragvit_pack_args *a, const ragvit_tensor *keep,
+                            const ragvit_tensor *cu_seqlens) {
+    a->keep = (const uint8_t *)keep->data;
+    a->keep_stride_b = keep->strides[0];
+    a->keep_stride_n = keep->strides[1];
+    a->cu_seqlens = (int32_t *)cu_seqlens->data;
+    a->cu_seqlens_stride = cu_seqlens->strides[0];
+    a->batch = keep->shape[0];
+    a->seqlen = keep->shape[1];
+}
+
 /* Validates keep + cu_seqlens_out and fills the count part of a. */
 static ragvit_status pack_count_check(const char *op, ragvit_pack_args *a,
                                       const ragvit_tensor *cu_seqlens_out,
@@ -37,13 +49,7 @@ static ragvit_status pack_count_check(const char *op, ragvit_pack_args *a,
     RAGVIT_TRY(pack_check_keep(op, keep, 2));
     RAGVIT_TRY(pack_check_cu_seqlens(op, cu_seqlens_out, keep->shape[0], 1));
     RAGVIT_TRY(tensor_check_no_alias(op, "cu_seqlens", cu_seqlens_out, "keep", keep));
-    a->keep = (const uint8_t *)keep->data;
-    a->keep_stride_b = keep->strides[0];
-    a->keep_stride_n = keep->strides[1];
-    a->cu_seqlens = (int32_t *)cu_seqlens_out->data;
-    a->cu_seqlens_stride = cu_seqlens_out->strides[0];
-    a->batch = keep->shape[0];
-    a->seqlen = keep->shape[1];
+    pack_fill_count(a, keep, cu_seqlens_out);
     return RAGVIT_STATUS_OK;
 }
 
@@ -112,16 +118,10 @@ static ragvit_status pack_gather_check(const char *op, ragvit_pack_args *a,
     RAGVIT_TRY(tensor_check_shape(op, "keep", keep, 2, keep_shape));
     RAGVIT_TRY(pack_check_cu_seqlens(op, cu_seqlens, x->shape[0], 0));
     RAGVIT_TRY(pack_check_outputs(op, "x", "indices", out, indices_out, x, keep, cu_seqlens));
+    pack_fill_count(a, keep, cu_seqlens);
     a->x = x->data;
-    a->keep = (const uint8_t *)keep->data;
-    a->cu_seqlens = (int32_t *)cu_seqlens->data;
     a->x_stride_b = x->strides[0];
     a->x_stride_n = x->strides[1];
-    a->keep_stride_b = keep->strides[0];
-    a->keep_stride_n = keep->strides[1];
-    a->cu_seqlens_stride = cu_seqlens->strides[0];
-    a->batch = x->shape[0];
-    a->seqlen = x->shape[1];
     pack_fill_outputs(a, out, indices_out, x);
     return RAGVIT_STATUS_OK;
 }

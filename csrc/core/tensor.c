@@ -153,16 +153,20 @@ ragvit_status tensor_check_devices(const char *op, const char *const *names,
     return RAGVIT_STATUS_OK;
 }
 
-ragvit_status tensor_check_packed(const char *op, const ragvit_tensor *packed,
-                                  const ragvit_tensor *cu_seqlens) {
-    RAGVIT_TRY(tensor_check_ndim(op, "packed", packed, 2));
-    RAGVIT_TRY(tensor_check_float(op, "packed", packed));
-    RAGVIT_TRY(tensor_check_last_contiguous(op, "packed", packed));
+ragvit_status tensor_check_cu_seqlens(const char *op, const ragvit_tensor *cu_seqlens) {
     RAGVIT_TRY(tensor_check_ndim(op, "cu_seqlens", cu_seqlens, 1));
     RAGVIT_TRY(tensor_check_dtype(op, "cu_seqlens", cu_seqlens, RAGVIT_DTYPE_I32));
     if (cu_seqlens->shape[0] >= 1) return RAGVIT_STATUS_OK;
     return ragvit_fail(RAGVIT_STATUS_INVALID_SHAPE,
                        "%s: cu_seqlens must have num_seqs+1 >= 1 entries, got 0", op);
+}
+
+ragvit_status tensor_check_packed(const char *op, const ragvit_tensor *packed,
+                                  const ragvit_tensor *cu_seqlens) {
+    RAGVIT_TRY(tensor_check_ndim(op, "packed", packed, 2));
+    RAGVIT_TRY(tensor_check_float(op, "packed", packed));
+    RAGVIT_TRY(tensor_check_last_contiguous(op, "packed", packed));
+    return tensor_check_cu_seqlens(op, cu_seqlens);
 }
 
 ragvit_status tensor_check_cu_seqlens_host(const char *op, const ragvit_tensor *cu_seqlens,

@@ -100,8 +100,10 @@ ragvit_status tensor_check_devices(const char *op, const char *const *names,
 ragvit_status tensor_check_rows(const char *op, const ragvit_tensor *out, const ragvit_tensor *x,
                                 const char *const *param_names, const ragvit_tensor *const *params,
                                 int param_count, int32_t *device_type, int32_t *device_id);
-/* packed (T, C) float16/bfloat16/float32, channels contiguous, and cu_seqlens
- * (S+1,) int32 with S+1 >= 1: the inputs of every op on packed sequences. */
+/* cu_seqlens (S+1,) int32 with S+1 >= 1. */
+ragvit_status tensor_check_cu_seqlens(const char *op, const ragvit_tensor *cu_seqlens);
+/* packed (T, C) float16/bfloat16/float32, channels contiguous, and cu_seqlens as
+ * tensor_check_cu_seqlens: the inputs of every op on packed sequences. */
 ragvit_status tensor_check_packed(const char *op, const ragvit_tensor *packed,
                                   const ragvit_tensor *cu_seqlens);
 /* Host cu_seqlens (S+1,) int32: 0 <= [0], non-decreasing, [S] <= total_tokens,
