@@ -1,14 +1,11 @@
 /* attention.c — host side of ragged attention: validate every argument once,
- * resolve max_seqlen and scale, fill ragvit_attention_args and hand it to the
- * CPU backend or the CUDA launcher.
- * Shapes: q, k, v, out (T, H, D), head dim contiguous, any token/head strides;
- * cu_seqlens (S+1,) int32; cls_attn (T,) float32 or absent; bias (T,) float32
- * or absent (per-key additive logit bias; on the CPU its values on the tokens
- * of sequences must be finite, checked here; on CUDA its contents are not read
- * by the host and non-finite values propagate).
- * Decision: contents of host cu_seqlens are checked fully here (cheap); those
- * of device cu_seqlens are never read (that would sync): the kernels stay in
- * bounds on their own and the debug switch reads their error flag back. */
+ * resolve max_seqlen and scale, fill ragvit_attention_args and hand it to
+ * cpu/attention.c or kernels/attention.cu. Shapes: q, k, v, out (T, H, D), head dim
+ * contiguous, any token/head strides; cu_seqlens (S+1,) int32; cls_attn and bias
+ * (T,) float32, optional. Decision: host cu_seqlens and bias contents are checked
+ * here (cheap); device contents are never read (that would sync): the kernels stay
+ * in bounds on their own, non-finite bias values propagate, and the debug switch
+ * reads the kernels' error flag back. */
 #include <inttypes.h>
 #include <math.h>
 

@@ -1,8 +1,9 @@
-/* gelu.c — host side of gelu: the exact (erf) GELU of packed rows. Shapes: x
- * and out (M, C), unit column stride, any row stride. out may be x itself (in
- * place, same strides); any other overlap is refused (tensor_check_rows).
- * Decision: the arithmetic is float32 whatever the dtype, rounded once on store,
- * as torch computes it. */
+/* gelu.c — host side of gelu: the exact (erf) GELU of packed rows, validated by
+ * tensor_check_rows, handed to cpu/gelu.c or kernels/gelu.cu. Shapes: x and out
+ * (M, C), unit column stride, any row stride; out may be x itself (same strides),
+ * any other overlap is refused. Decision: a single row's stride is passed as C:
+ * an extent-1 dim may have any stride, and the kernel's 16-byte path needs row
+ * strides that are 16-byte multiples. */
 #include "core/dispatch.h"
 #include "core/tensor.h"
 

@@ -1,9 +1,10 @@
 /* layer_norm.c — host side of layer_norm: LayerNorm over the last dim of packed
- * rows. Shapes: x and out (M, C), unit column stride, any row stride; weight and
- * bias (C,) of x's dtype, each optional. out may be x itself (in place, same
- * strides); any other overlap is refused (tensor_check_rows). Decision: the
- * statistics are float32 whatever the dtype (biased variance), rounded once on
- * store, as torch computes them. */
+ * rows, validated by tensor_check_rows, handed to cpu/layer_norm.c or
+ * kernels/layer_norm.cu. Shapes: x and out (M, C), unit column stride, any row
+ * stride; weight and bias (C,) of x's dtype, each optional; out may be x itself
+ * (same strides), any other overlap is refused. Decision: a single row's stride
+ * is passed as C: an extent-1 dim may have any stride, and the kernel's 16-byte
+ * path needs row strides that are 16-byte multiples. */
 #include <math.h>
 
 #include "core/dispatch.h"

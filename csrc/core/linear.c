@@ -1,10 +1,11 @@
-/* linear.c — host side of linear: validate, fill ragvit_linear_args, dispatch
- * to the CPU backend or the cuBLASLt launcher (kernels/linear.cu).
+/* linear.c — host side of linear: validate, fill ragvit_linear_args, hand it to
+ * cpu/linear.c or the cuBLASLt launcher (kernels/linear.cu).
  * Shapes: x (M, K), weight (N, K) as nn.Linear stores it, bias (N,) contiguous,
  * residual and out (M, N); unit column strides, any row strides (x may be a
- * view of a wider buffer). Decision: the residual add of a transformer block rides in the
- * GEMM (beta = 1 on residual, which may be out itself), so a block half is one
- * GEMM launch instead of a GEMM and an add, and one Python call instead of two. */
+ * view of a wider buffer). Decision: the residual add of a transformer block is
+ * the GEMM's residual epilogue (beta = 1 on residual, which may be out itself), so
+ * a block half is one GEMM launch instead of a GEMM and an add, and one Python
+ * call instead of two. */
 #include "core/dispatch.h"
 #include "core/tensor.h"
 

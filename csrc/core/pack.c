@@ -1,13 +1,11 @@
-/* pack.c — host side of the token packer (pack, repack, unpack, gather_prefix):
- * validate, fill ragvit_pack_args / ragvit_unpack_args, dispatch to the CPU
- * backend or the CUDA launchers. Shapes: x (B, N, C) channels contiguous; keep
- * (B, N) (pack) or (T,) (repack) bool/uint8; packed (T or capacity, C);
- * cu_seqlens (B+1,) int32; indices / src (capacity,) int32. repack is pack with
- * image b read from rows [cu_seqlens[b], cu_seqlens[b+1]) of a packed tensor,
- * so both share one argument struct, one CPU loop and one pair of kernels.
- * Decision: the eager forms are two steps (count, then gather) so they can
- * learn T on the host between them; the _into forms validate once and enqueue
- * one fused count + gather launch on CUDA, with no host sync and no scratch. */
+/* pack.c — host side of the pack family (pack, pack_into, repack, repack_into,
+ * unpack, gather_prefix): validate, fill ragvit_pack_args / ragvit_unpack_args, hand
+ * them to cpu/pack.c or kernels/pack.cu. Shapes: x (B, N, C) channels contiguous;
+ * keep (B, N) (pack) or (T,) (repack) bool/uint8; packed (T or capacity, C);
+ * cu_seqlens (B+1,) int32; indices / src (capacity,) int32. repack is pack with image
+ * b read from rows [cu_seqlens[b], cu_seqlens[b+1]) of a packed tensor. Decision: the
+ * eager forms count, then gather, so the host learns T in between; the _into forms
+ * enqueue both as one CUDA launch (ragvit_cuda_pack_into): no host sync, no scratch. */
 #include <inttypes.h>
 
 #include "core/dispatch.h"
@@ -126,11 +124,12 @@ static ragvit_status pack_gather_check(const char *op, ragvit_pack_args *a,
     return RAGVIT_STATUS_OK;
 }
 
-/* Steps of pack_run: the count alone (eager forms, step 1), the gather alone
- * (step 2, cu_seqlens already written) or both (the _into forms; one launch). */
+/* What pack_run does: the count alone (the eager forms' first call), the gather
+ * alone (their second, cu_seqlens already written) or both (the _into forms; one
+ * launch on CUDA). */
 enum { PACK_COUNT = 1, PACK_GATHER = 2 };
 
-/* Runs the steps on validated args. */
+/* Runs PACK_COUNT and/or PACK_GATHER on validated args. */
 static ragvit_status pack_run(const char *op, ragvit_context *ctx, ragvit_pack_args *a, int steps,
                               int32_t device_type, int32_t device_id, void *stream) {
     if (device_type == RAGVIT_DEVICE_CPU) {

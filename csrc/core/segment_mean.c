@@ -1,5 +1,5 @@
-/* segment.c — host side of segment_mean: validate, fill
- * ragvit_segment_mean_args, dispatch to the CPU backend or the CUDA launcher.
+/* segment_mean.c — host side of segment_mean: validate, fill
+ * ragvit_segment_mean_args, hand it to cpu/segment_mean.c or kernels/segment_mean.cu.
  * Shapes: packed (T, C) channels contiguous; cu_seqlens (B+1,) int32; out (B, C)
  * of packed's dtype, channels contiguous. Decision: an empty range (length <=
  * skip) gives a zero row rather than NaN, so a pooled head stays finite and the

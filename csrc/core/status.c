@@ -1,9 +1,10 @@
 /* status.c — the one status → message table and the per-thread message of
  * the last failure. Every failing core function returns through ragvit_fail,
  * which formats "<op>: <arg> must be <rule>, got <actual>" (or a CUDA error
- * with its expression and file:line) into a thread-local buffer; module.c
- * reads it once when it raises. Decision: thread-local storage rather than
- * an out-parameter keeps every prototype short and is safe without the GIL. */
+ * with its expression and file:line) into a thread-local buffer; the glue's
+ * status → exception map (csrc/python/errors.c) reads it once when it raises.
+ * Decision: thread-local storage rather than an out-parameter keeps every
+ * prototype short and is safe without the GIL. */
 #include <stdarg.h>
 #include <stdio.h>
 

@@ -93,7 +93,7 @@ static inline ragvit_status tensor_check_no_alias(const char *op, const char *na
 ragvit_status tensor_check_devices(const char *op, const char *const *names,
                                    const ragvit_tensor *const *tensors, int count,
                                    int32_t *device_type, int32_t *device_id);
-/* The row ops (layer_norm, gelu): x (M, C) float, columns contiguous; out (M, C) of
+/* The row-wise ops (layer_norm, gelu): x (M, C) float, columns contiguous; out (M, C) of
  * x's dtype, columns contiguous, writable; out may be x itself (same row stride)
  * and shares no other byte with x or the present params[i] ((C,) of x's dtype,
  * named param_names[i]; at most 2). All on one device: *device_type, *device_id out. */

@@ -1,5 +1,5 @@
-/* topk.c — host side of topk_index: validate, fill ragvit_topk_index_args,
- * dispatch to the CPU backend or the CUDA launcher.
+/* topk_index.c — host side of topk_index: validate, fill ragvit_topk_index_args,
+ * hand it to cpu/topk_index.c or kernels/topk_index.cu.
  * Shapes: scores (B, L) float16/bfloat16/float32, unit column stride, any row
  * stride; out (B, prefix + k) int32 or int64, unit column stride, rows that do
  * not overlap. Decision: L is capped at RAGVIT_TOPK_MAX_COLS (8192) so a row's
