@@ -1,14 +1,11 @@
 /* ragvit.h — the public C API of ragvit's core: status and dtype enums, the
- * ragvit_tensor view, the per-process context and the op prototypes.
- *
- * Layout: every tensor is a strided view with element strides (DLPack units).
- * Shapes use S seqs, T tokens, H heads, D head_dim, C channels, B images, N
- * tokens per padded image. No Python and no CUDA header is included here: the
- * CPython glue (csrc/python/) and the kernels (csrc/kernels/) both see only this
- * and the argument structs of ragvit_args.h.
- * Decision: failures return a ragvit_status and leave a formatted message in
- * thread-local storage (ragvit_error_message), so the single place that raises
- * Python exceptions can say exactly which argument was wrong and why. */
+ * ragvit_tensor view, the per-process context and one prototype per op, each in a
+ * section named after the core/<op>.c that defines it. Every tensor is a strided view
+ * with element strides (DLPack units); shapes use S seqs, T tokens, H heads, D
+ * head_dim, C channels, B images, N tokens per padded image, M rows. No Python and no
+ * CUDA header is included. Decision: failures return a ragvit_status and leave a
+ * formatted message in thread-local storage (ragvit_error_message), so the single
+ * place that raises Python exceptions can say which argument was wrong and why. */
 #ifndef RAGVIT_H
 #define RAGVIT_H
 
@@ -22,6 +19,8 @@ extern "C" {
 #define RAGVIT_MAX_DIMS 6
 #define RAGVIT_MAX_DEVICES 64
 
+/* What a core function returns; 0 is success. The comments name the Python
+ * exception the glue raises for each. */
 typedef enum {
     RAGVIT_STATUS_OK = 0,
     RAGVIT_STATUS_INVALID_SHAPE,  /* rank, extent, stride, aliasing -> ValueError */
@@ -38,13 +37,15 @@ typedef enum {
     RAGVIT_STATUS_COUNT
 } ragvit_status;
 
-/* Returns the status of x from the enclosing function unless it is OK. */
+/* Returns the status of x from the enclosing function unless it is OK: the one
+ * status-forwarding macro of the core, the C backend and the kernels. */
 #define RAGVIT_TRY(x)                                                                              \
     do {                                                                                           \
         ragvit_status s_ = (x);                                                                    \
         if (s_ != RAGVIT_STATUS_OK) return s_;                                                     \
     } while (0)
 
+/* Element types; ops on floats take F16 (IEEE binary16), BF16 (bfloat16) and F32. */
 typedef enum {
     RAGVIT_DTYPE_F16 = 0,
     RAGVIT_DTYPE_BF16,
@@ -52,7 +53,7 @@ typedef enum {
     RAGVIT_DTYPE_I32,
     RAGVIT_DTYPE_I64,
     RAGVIT_DTYPE_U8,
-    RAGVIT_DTYPE_BOOL,
+    RAGVIT_DTYPE_BOOL, /* one byte, nonzero = true */
     RAGVIT_DTYPE_F64,
     RAGVIT_DTYPE_COUNT
 } ragvit_dtype;
@@ -62,18 +63,27 @@ typedef enum {
     RAGVIT_DEVICE_CUDA = 2
 } ragvit_device_type;
 
-/* A borrowed strided view. data already includes any byte offset. strides
- * count elements. is_present is 0 for an optional argument the caller left
- * out; every other field is then meaningless. */
+/* A borrowed strided view of a caller's array (the glue fills it from DLPack, the
+ * CUDA array interface or NumPy; nothing here owns memory). */
 typedef struct {
+    /* First element: any byte offset is already applied. */
     void *data;
+    /* Extents of the ndim dimensions; entries past ndim are unused. */
     int64_t shape[RAGVIT_MAX_DIMS];
+    /* Strides in elements, not bytes (DLPack units), per dimension. */
     int64_t strides[RAGVIT_MAX_DIMS];
+    /* Number of dimensions, 0 to RAGVIT_MAX_DIMS. */
     int32_t ndim;
-    int32_t device_type; /* ragvit_device_type */
+    /* A ragvit_device_type. */
+    int32_t device_type;
+    /* The device index (0 for the host). */
     int32_t device_id;
-    int32_t dtype; /* ragvit_dtype */
+    /* A ragvit_dtype. */
+    int32_t dtype;
+    /* 1 when the producer marked the array read-only (refused as an output). */
     int32_t is_read_only;
+    /* 0 for an optional argument the caller left out; every other field is then
+     * meaningless. */
     int32_t is_present;
 } ragvit_tensor;
 
@@ -92,21 +102,31 @@ typedef struct {
 #define RAGVIT_PDL_SEGMENT 16u /* segment_mean, topk_index */
 #define RAGVIT_PDL_ALL 31u
 
-/* Per-device facts cached on first use (kernels fill it, the core keeps it). */
+/* Per-device facts cached on first use: kernels/device.cu fills them, the context
+ * keeps them, so no launch queries device properties. */
 typedef struct {
+    /* 1 once filled; the other fields are meaningless before. */
     int32_t is_initialized;
+    /* The CUDA device index these facts describe. */
     int32_t device_id;
+    /* Streaming multiprocessors (grid sizing). */
     int32_t sm_count;
+    /* Compute capability, major.minor. */
     int32_t cc_major;
     int32_t cc_minor;
+    /* Bytes of shared memory a block may opt in to. */
     int64_t smem_per_block_optin;
-    uint32_t pdl_ops;         /* RAGVIT_PDL_* ops launched with programmatic dependent launch */
-    unsigned int *error_flag; /* device pointer, one word, zeroed */
+    /* RAGVIT_PDL_* bits: op families launched with programmatic dependent launch. */
+    uint32_t pdl_ops;
+    /* Device pointer to one zeroed word that kernels OR RAGVIT_ERROR_* bits into. */
+    unsigned int *error_flag;
 } ragvit_device_info;
 
 /* Process state owned by the Python module (module state, not a C global). */
 typedef struct {
-    int32_t is_debug; /* read the device error flag after every CUDA op */
+    /* 1: read the device error flag back after every CUDA op (a sync per op). */
+    int32_t is_debug;
+    /* Indexed by device_id; filled on first use. */
     ragvit_device_info devices[RAGVIT_MAX_DEVICES];
 } ragvit_context;
 
@@ -135,7 +155,8 @@ ragvit_status ragvit_context_check_device(ragvit_context *ctx, int32_t device_id
 /* The end of every CUDA op: in debug mode ragvit_context_check_device, else OK. */
 ragvit_status ragvit_context_finish(ragvit_context *ctx, int32_t device_id, void *stream,
                                     const char *op);
-/* Host copy of cu_seqlens[index] (syncs the stream for CUDA tensors). */
+/* *value = t[index] for t (n,) int32 at any stride, host or device (a device read
+ * syncs stream). */
 ragvit_status ragvit_read_int32(int32_t *value, const ragvit_tensor *t, int64_t index,
                                 void *stream);
 ragvit_status ragvit_device_count(int32_t *count);
@@ -147,11 +168,12 @@ ragvit_status ragvit_launch_empty(ragvit_context *ctx, int32_t device_id, void *
 ragvit_status ragvit_stream_wait(int32_t device_id, void *consumer, void *producer);
 
 /* ---- core/attention.c ----
- * out: (T, H, D); q, k, v: (T, H, D), last dim contiguous, any token/head
- * strides; cu_seqlens: (S+1,) int32; cls_attn: optional (T,) float32;
- * bias: optional (T,) float32 added to every logit of key j (ToMe's
- * proportional attention: log(size_j)), finite on the tokens of every
- * sequence (checked on the CPU; on CUDA non-finite values propagate);
+ * out: (T, H, D) of q's dtype; q, k, v: (T, H, D) float16/bfloat16/float32, head dim
+ * contiguous, any token/head strides; cu_seqlens: (S+1,) int32, contiguous;
+ * cls_attn: optional (T,) float32, receives each sequence's head-mean probabilities
+ * of its first query; bias: optional (T,) float32 added to every logit of key j
+ * (ToMe's proportional attention: log(size_j)), finite on the tokens of every
+ * sequence (checked on the CPU; on CUDA non-finite values propagate).
  * max_seqlen: upper bound on lengths, or RAGVIT_MAX_SEQLEN_AUTO to derive it
  * (CPU: read from cu_seqlens; CUDA: T, since lengths live on the device);
  * scale: NULL means 1/sqrt(D), otherwise finite and > 0. */
@@ -163,40 +185,48 @@ ragvit_status ragvit_attention(ragvit_context *ctx, const ragvit_tensor *out,
                                int64_t max_seqlen, const double *scale, void *stream);
 
 /* ---- core/pack.c: pack, pack_into, unpack, gather_prefix, repack, repack_into ----
- * Step 1 of pack: cu_seqlens_out (B+1,) int32 from keep (B, N) bool/uint8. */
+ * pack is two calls, count then gather, so the caller can size out from
+ * cu_seqlens[B] in between; the _into forms do both into caller-sized buffers,
+ * validated once, with no host sync. Kept tokens keep their order; rows past
+ * capacity are never written. */
+/* pack's count: cu_seqlens_out (B+1,) int32 from keep (B, N) bool/uint8. */
 ragvit_status ragvit_pack_count(ragvit_context *ctx, const ragvit_tensor *cu_seqlens_out,
                                 const ragvit_tensor *keep, void *stream);
-/* Step 2: out (capacity, C) and optional indices_out (capacity,) int32 from
- * x (B, N, C), keep (B, N) and the cu_seqlens written by step 1. Kept tokens
- * keep their order; rows past capacity are never written. */
+/* pack's gather: out (capacity, C) of x's dtype and optional indices_out (capacity,)
+ * int32 (each row's n within its image) from x (B, N, C), keep (B, N) and
+ * cu_seqlens (B+1,) int32 as written by the count. */
 ragvit_status ragvit_pack_gather(ragvit_context *ctx, const ragvit_tensor *out,
                                  const ragvit_tensor *indices_out, const ragvit_tensor *x,
                                  const ragvit_tensor *keep, const ragvit_tensor *cu_seqlens,
                                  void *stream);
-/* Both steps into caller-sized buffers, validated once, no host sync. */
+/* pack_into: out (capacity, C), optional indices_out (capacity,) int32 and
+ * cu_seqlens_out (B+1,) int32 from x (B, N, C) and keep (B, N) bool/uint8. */
 ragvit_status ragvit_pack_into(ragvit_context *ctx, const ragvit_tensor *out,
                                const ragvit_tensor *indices_out,
                                const ragvit_tensor *cu_seqlens_out, const ragvit_tensor *x,
                                const ragvit_tensor *keep, void *stream);
-/* out (B, N, C) from packed (T, C) and cu_seqlens (B+1,): row j < len of image
- * b is packed[cu_seqlens[b] + j], or, when indices (T,) int32 is present,
- * packed token t lands at out[b, indices[t]]; every other row is `fill`. */
+/* unpack: out (B, N, C) of packed's dtype from packed (T, C) and cu_seqlens (B+1,)
+ * int32: row j < len of image b is packed[cu_seqlens[b] + j], or, when indices (T,)
+ * int32 is present, packed token t lands at out[b, indices[t]]; every other row is
+ * `fill`. */
 ragvit_status ragvit_unpack(ragvit_context *ctx, const ragvit_tensor *out,
                             const ragvit_tensor *packed, const ragvit_tensor *cu_seqlens,
                             const ragvit_tensor *indices, double fill, void *stream);
-/* out (B, k, C) from packed (T, C) and cu_seqlens (B+1,): the first k rows of
- * every sequence. Host: a sequence shorter than k is an error (nothing is
- * written). CUDA: its missing rows are zeros and RAGVIT_ERROR_SHORT_SEQ is set. */
+/* gather_prefix: out (B, k, C) of packed's dtype from packed (T, C) and cu_seqlens
+ * (B+1,) int32: the first k rows of every sequence. Host: a sequence shorter than k
+ * is an error (nothing is written). CUDA: its missing rows are zeros and
+ * RAGVIT_ERROR_SHORT_SEQ is set. */
 ragvit_status ragvit_gather_prefix(ragvit_context *ctx, const ragvit_tensor *out,
                                    const ragvit_tensor *packed, const ragvit_tensor *cu_seqlens,
                                    void *stream);
-/* Repack for multi-stage pruning: packed (T, C), cu_seqlens (B+1,) int32 and
- * keep (T,) bool/uint8 over packed rows (rows outside every sequence are
- * ignored). Count: cu_seqlens_out (B+1,) of the kept counts. Gather: out
- * (capacity, C) and optional src_out (capacity,) int32 row of packed.
- * fuse_weights, optional (T,) float32 (EViT fusion): each sequence gets one
- * more row after its kept rows, sum(w x) / sum(w) over its dropped rows
- * (zeros when that sum is 0), src -1, counted in cu_seqlens_out. */
+/* repack (multi-stage pruning), count and gather: packed (T, C), cu_seqlens (B+1,)
+ * int32 and keep (T,) bool/uint8 over packed rows (rows outside every sequence are
+ * ignored). Count: cu_seqlens_out (B+1,) int32 of the kept counts. Gather: out
+ * (capacity, C) of packed's dtype and optional src_out (capacity,) int32, the row of
+ * packed each out row came from, with cu_seqlens_out as written by the count.
+ * fuse_weights, optional (T,) float32 (EViT fusion): each sequence gets one more
+ * row after its kept rows, sum(w x) / sum(w) over its dropped rows (zeros when
+ * that sum is 0), src -1, counted in cu_seqlens_out. */
 ragvit_status ragvit_repack_count(ragvit_context *ctx, const ragvit_tensor *cu_seqlens_out,
                                   const ragvit_tensor *packed, const ragvit_tensor *cu_seqlens,
                                   const ragvit_tensor *keep, const ragvit_tensor *fuse_weights,
@@ -206,7 +236,7 @@ ragvit_status ragvit_repack_gather(ragvit_context *ctx, const ragvit_tensor *out
                                    const ragvit_tensor *cu_seqlens, const ragvit_tensor *keep,
                                    const ragvit_tensor *fuse_weights,
                                    const ragvit_tensor *cu_seqlens_out, void *stream);
-/* Both steps into caller-sized buffers, validated once, no host sync. */
+/* repack_into: count and gather at once, the tensors as for repack. */
 ragvit_status ragvit_repack_into(ragvit_context *ctx, const ragvit_tensor *out,
                                  const ragvit_tensor *src_out, const ragvit_tensor *cu_seqlens_out,
                                  const ragvit_tensor *packed, const ragvit_tensor *cu_seqlens,
@@ -215,31 +245,33 @@ ragvit_status ragvit_repack_into(ragvit_context *ctx, const ragvit_tensor *out,
 
 /* ---- core/segment_mean.c ----
  * out (B, C) of packed's dtype: the float32-accumulated mean of rows
- * [cu_seqlens[b] + skip, cu_seqlens[b+1]) of packed (T, C); zeros for an empty
- * range. skip >= 0. */
+ * [cu_seqlens[b] + skip, cu_seqlens[b+1]) of packed (T, C), with cu_seqlens (B+1,)
+ * int32; zeros for an empty range. skip >= 0. */
 ragvit_status ragvit_segment_mean(ragvit_context *ctx, const ragvit_tensor *out,
                                   const ragvit_tensor *packed, const ragvit_tensor *cu_seqlens,
                                   int64_t skip, void *stream);
 
 /* ---- core/linear.c ----
  * out (M, N) = x (M, K) . weight (N, K)^T [+ bias (N,)] [+ residual (M, N)]:
- * nn.Linear on packed rows with an optional fused residual add. One float
- * dtype for all; unit column strides; residual may be out itself (in place),
+ * nn.Linear on packed rows with an optional residual epilogue. One float dtype for
+ * all; unit column strides; bias contiguous; residual may be out itself (in place),
  * nothing else may overlap out. bias/residual: is_present == 0 when absent. */
 ragvit_status ragvit_linear(ragvit_context *ctx, const ragvit_tensor *out, const ragvit_tensor *x,
                             const ragvit_tensor *weight, const ragvit_tensor *bias,
                             const ragvit_tensor *residual, void *stream);
 
 /* ---- core/layer_norm.c ----
- * out (M, C) from x (M, C), optional weight and bias (C,) of x's dtype, eps
- * finite and in (0, 1]. out may be x itself (same strides); no other overlap. */
+ * out (M, C) of x's dtype from x (M, C) float16/bfloat16/float32, optional weight
+ * and bias (C,) of x's dtype; eps finite and in (0, 1]. x and out have unit column
+ * strides; out may be x itself (same strides), no other overlap. */
 ragvit_status ragvit_layer_norm(ragvit_context *ctx, const ragvit_tensor *out,
                                 const ragvit_tensor *x, const ragvit_tensor *weight,
                                 const ragvit_tensor *bias, double eps, void *stream);
 
 /* ---- core/gelu.c ----
- * out (M, C) = GELU(x (M, C)), exact erf form. out may be x itself (same
- * strides); no other overlap. */
+ * out (M, C) of x's dtype = GELU(x (M, C)), the exact erf form; x is
+ * float16/bfloat16/float32. x and out have unit column strides; out may be x itself
+ * (same strides), no other overlap. */
 ragvit_status ragvit_gelu(ragvit_context *ctx, const ragvit_tensor *out, const ragvit_tensor *x,
                           void *stream);
 

@@ -1,8 +1,9 @@
-/* topk_key.h — the order-preserving key of a topk_index score, one definition for the
- * CPU backend (cpu_backend.c) and the kernel (kernels/topk_index.cu), so both rank
- * scores bit for bit alike: key(a) > key(b) iff a > b, every NaN above +inf (as
- * torch.topk ranks it), -0.0 equal to +0.0. It works on the float's bits, so no
- * compiler flag can fold the -0.0 case. Plain C; nvcc sees a host-and-device function. */
+/* ragvit_topk_key.h — the order-preserving key of a topk_index score, one definition
+ * for the C backend (cpu/topk_index.c) and the kernel (kernels/topk_index.cu), so
+ * both rank scores bit for bit alike: key(a) > key(b) iff a > b, every NaN above
+ * +inf (as torch.topk ranks it), -0.0 equal to +0.0. It works on the float's bits,
+ * so no compiler flag can fold the -0.0 case. Plain C; nvcc sees a host-and-device
+ * function. */
 #ifndef RAGVIT_TOPK_KEY_H
 #define RAGVIT_TOPK_KEY_H
 
