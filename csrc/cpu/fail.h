@@ -28,6 +28,14 @@ static inline ragvit_status cpu_fail_scratch(const char *op, int64_t count) {
                        (long long)count);
 }
 
+/* "<op>: cu_seqlens must be non-decreasing within [0, T]", for a loop that met a
+ * bad range and summarises it once. */
+static inline ragvit_status cpu_fail_cu_seqlens(const char *op, int64_t total_tokens) {
+    return ragvit_fail(RAGVIT_STATUS_INVALID_VALUE,
+                       "%s: cu_seqlens must be non-decreasing within [0, T=%lld]", op,
+                       (long long)total_tokens);
+}
+
 /* 1 when rows [start, end) lie within [0, total]. */
 static inline int range_is_valid(int64_t start, int64_t end, int64_t total) {
     return start >= 0 && end >= start && end <= total;

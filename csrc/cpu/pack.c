@@ -56,10 +56,7 @@ ragvit_status ragvit_cpu_pack_count(const ragvit_pack_args *a) {
         total += a->is_fusing; /* the fused token */
         a->cu_seqlens[(b + 1) * a->cu_seqlens_stride] = (int32_t)total;
     }
-    if (is_bad)
-        return ragvit_fail(RAGVIT_STATUS_INVALID_VALUE,
-                           "repack: cu_seqlens must be non-decreasing within [0, T=%lld]",
-                           (long long)a->seqlen);
+    if (is_bad) return cpu_fail_cu_seqlens("repack", a->seqlen);
     return RAGVIT_STATUS_OK;
 }
 

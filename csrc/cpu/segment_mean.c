@@ -35,9 +35,6 @@ ragvit_status ragvit_cpu_segment_mean(const ragvit_segment_mean_args *a) {
                   count > 0 ? 1.0f / (float)count : 0.0f, C, a->dtype);
     }
     free(acc);
-    if (is_bad)
-        return ragvit_fail(RAGVIT_STATUS_INVALID_VALUE,
-                           "segment_mean: cu_seqlens must be non-decreasing within [0, T=%lld]",
-                           (long long)a->total_tokens);
+    if (is_bad) return cpu_fail_cu_seqlens("segment_mean", a->total_tokens);
     return RAGVIT_STATUS_OK;
 }
