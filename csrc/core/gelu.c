@@ -20,7 +20,6 @@ ragvit_status ragvit_gelu(ragvit_context *ctx, const ragvit_tensor *out, const r
         .x_stride = M > 1 ? x->strides[0] : C,
         .rows = M,
         .channels = C,
-        .eps = 1e-5f,
         .dtype = x->dtype,
     };
     if (M == 0 || C == 0) return RAGVIT_STATUS_OK;
