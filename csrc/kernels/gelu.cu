@@ -66,7 +66,7 @@ template <typename T> static __device__ __forceinline__ float gelu_value(float v
  * both and the row/column split (a 64-bit division per chunk) is skipped. */
 template <typename T, int kVec, bool kIsFlat>
 static __global__ void __launch_bounds__(kGeluThreads) gelu_kernel(const ragvit_rowwise_args a) {
-    cuda_pdl_wait(); /* first: see cuda_check.cuh */
+    cuda_pdl_wait(); /* first: see cuda_util.cuh */
     struct alignas(kVec * sizeof(T)) chunk {
         T v[kVec];
     };
@@ -82,8 +82,7 @@ static __global__ void __launch_bounds__(kGeluThreads) gelu_kernel(const ragvit_
         }
         chunk in = *reinterpret_cast<const chunk *>(static_cast<const T *>(a.x) + x_at);
 #pragma unroll
-        for (int j = 0; j < kVec; j++)
-            float_elems_store(&in.v[j], gelu_value<T>(float_elems_load(&in.v[j])));
+        for (int j = 0; j < kVec; j++) elem_store(&in.v[j], gelu_value<T>(elem_load(&in.v[j])));
         *reinterpret_cast<chunk *>(static_cast<T *>(a.out) + out_at) = in;
     }
 }

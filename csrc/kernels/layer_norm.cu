@@ -45,7 +45,7 @@ static __device__ __forceinline__ Chunk layer_norm_param(const T *p, int ch, flo
     Chunk c;
     if (p == nullptr) {
 #pragma unroll
-        for (int j = 0; j < 8; j++) float_elems_store(&c.v[j], fill);
+        for (int j = 0; j < 8; j++) elem_store(&c.v[j], fill);
         return c;
     }
     constexpr int kWords = (int)(sizeof(Chunk) / 16); /* 16-byte loads: 1, or 2 for float */
@@ -73,7 +73,7 @@ static __device__ __forceinline__ Chunk layer_norm_param(const T *p, int ch, flo
 template <typename T, int kChunks>
 static __global__ void __launch_bounds__(kLayerNormWarps * 32)
     layer_norm_vec_kernel(const ragvit_rowwise_args a) {
-    cuda_pdl_wait(); /* first: see cuda_check.cuh */
+    cuda_pdl_wait(); /* first: see cuda_util.cuh */
     struct alignas(16) chunk {
         T v[8];
     };
@@ -108,14 +108,13 @@ static __global__ void __launch_bounds__(kLayerNormWarps * 32)
         for (int i = 0; i < kChunks; i++)
 #pragma unroll
             for (int j = 0; j < 8; j++)
-                mean += lane + 32 * i < num_chunks ? float_elems_load(&cur[i].v[j]) : 0.0f;
+                mean += lane + 32 * i < num_chunks ? elem_load(&cur[i].v[j]) : 0.0f;
         mean = layer_norm_warp_sum(mean) * inv_c;
 #pragma unroll
         for (int i = 0; i < kChunks; i++)
 #pragma unroll
             for (int j = 0; j < 8; j++) {
-                const float d =
-                    lane + 32 * i < num_chunks ? float_elems_load(&cur[i].v[j]) - mean : 0.0f;
+                const float d = lane + 32 * i < num_chunks ? elem_load(&cur[i].v[j]) - mean : 0.0f;
                 var += d * d;
             }
         const float rstd = rsqrtf(layer_norm_warp_sum(var) * inv_c + a.eps);
@@ -129,10 +128,9 @@ static __global__ void __launch_bounds__(kLayerNormWarps * 32)
                 chunk o;
 #pragma unroll
                 for (int j = 0; j < 8; j++)
-                    float_elems_store(&o.v[j],
-                                      layer_norm_affine(float_elems_load(&cur[i].v[j]), mean, rstd,
-                                                        float_elems_load(&wc.v[j]),
-                                                        float_elems_load(&bc.v[j])));
+                    elem_store(&o.v[j],
+                               layer_norm_affine(elem_load(&cur[i].v[j]), mean, rstd,
+                                                 elem_load(&wc.v[j]), elem_load(&bc.v[j])));
                 out[ch] = o;
             }
         }
@@ -144,7 +142,7 @@ static __global__ void __launch_bounds__(kLayerNormWarps * 32)
 template <typename T, int kPerLane>
 static __global__ void __launch_bounds__(kLayerNormWarps * 32)
     layer_norm_kernel(const ragvit_rowwise_args a) {
-    cuda_pdl_wait(); /* first: see cuda_check.cuh */
+    cuda_pdl_wait(); /* first: see cuda_util.cuh */
     const int lane = threadIdx.x % 32;
     const int64_t m = (int64_t)blockIdx.x * kLayerNormWarps + threadIdx.x / 32;
     if (m >= a.rows) return;
@@ -160,9 +158,9 @@ static __global__ void __launch_bounds__(kLayerNormWarps * 32)
 #pragma unroll
         for (int i = 0; i < kPerLane; i++) {
             const int64_t c = lane + 32 * i;
-            v[i] = c < C ? float_elems_load(x + c) : 0.0f;
-            wf[i] = c < C && w != nullptr ? float_elems_load(w + c * a.weight_stride) : 1.0f;
-            bf[i] = c < C && b != nullptr ? float_elems_load(b + c * a.bias_stride) : 0.0f;
+            v[i] = c < C ? elem_load(x + c) : 0.0f;
+            wf[i] = c < C && w != nullptr ? elem_load(w + c * a.weight_stride) : 1.0f;
+            bf[i] = c < C && b != nullptr ? elem_load(b + c * a.bias_stride) : 0.0f;
             mean += v[i];
         }
         mean = layer_norm_warp_sum(mean) * inv_c;
@@ -175,23 +173,21 @@ static __global__ void __launch_bounds__(kLayerNormWarps * 32)
 #pragma unroll
         for (int i = 0; i < kPerLane; i++) {
             const int64_t c = lane + 32 * i;
-            if (c < C)
-                float_elems_store(out + c, layer_norm_affine(v[i], mean, rstd, wf[i], bf[i]));
+            if (c < C) elem_store(out + c, layer_norm_affine(v[i], mean, rstd, wf[i], bf[i]));
         }
     } else {
-        for (int64_t c = lane; c < C; c += 32) mean += float_elems_load(x + c);
+        for (int64_t c = lane; c < C; c += 32) mean += elem_load(x + c);
         mean = layer_norm_warp_sum(mean) * inv_c;
         for (int64_t c = lane; c < C; c += 32) {
-            const float d = float_elems_load(x + c) - mean;
+            const float d = elem_load(x + c) - mean;
             var += d * d;
         }
         const float rstd = rsqrtf(layer_norm_warp_sum(var) * inv_c + a.eps);
         __syncwarp(); /* in place: every lane has read the row before any lane writes */
         for (int64_t c = lane; c < C; c += 32) {
-            const float wv = w != nullptr ? float_elems_load(w + c * a.weight_stride) : 1.0f;
-            const float bv = b != nullptr ? float_elems_load(b + c * a.bias_stride) : 0.0f;
-            float_elems_store(out + c,
-                              layer_norm_affine(float_elems_load(x + c), mean, rstd, wv, bv));
+            const float wv = w != nullptr ? elem_load(w + c * a.weight_stride) : 1.0f;
+            const float bv = b != nullptr ? elem_load(b + c * a.bias_stride) : 0.0f;
+            elem_store(out + c, layer_norm_affine(elem_load(x + c), mean, rstd, wv, bv));
         }
     }
 }

@@ -125,10 +125,10 @@ static __device__ __forceinline__ void pack_tokens_fuse_row(const ragvit_pack_ar
         float acc = 0.0f;
         for (int64_t n = start; n < start + len; n++) {
             if (keep[n * a.keep_stride_n] == 0)
-                acc += a.fuse_weights[n * a.fuse_weights_stride] *
-                       float_elems_load(x + n * a.x_stride_n + c);
+                acc +=
+                    a.fuse_weights[n * a.fuse_weights_stride] * elem_load(x + n * a.x_stride_n + c);
         }
-        float_elems_store(out + c, weight_sum != 0.0f ? acc / weight_sum : 0.0f);
+        elem_store(out + c, weight_sum != 0.0f ? acc / weight_sum : 0.0f);
     }
 }
 
@@ -211,7 +211,7 @@ static __device__ int64_t pack_tokens_count_before(const ragvit_pack_args &a, in
 
 static __global__ void __launch_bounds__(kCountThreads)
     pack_tokens_count_kernel(const ragvit_pack_args a) {
-    cuda_pdl_wait(); /* first: see cuda_check.cuh */
+    cuda_pdl_wait(); /* first: see cuda_util.cuh */
     __shared__ int count_s[kCountThreads];
     __shared__ int warp_s[32];
     const int tid = threadIdx.x;
@@ -267,7 +267,7 @@ template <typename V, bool kFuse, bool kIsFused>
 static __global__ void __launch_bounds__(kMoveThreads, kFuse ? 2 : 4)
     pack_tokens_chunk_kernel(const ragvit_pack_args a, int chunks, int vecs_per_row,
                              int cols_per_slice) {
-    cuda_pdl_wait();                      /* first: see cuda_check.cuh */
+    cuda_pdl_wait();                      /* first: see cuda_util.cuh */
     __shared__ int token_s[kMoveThreads]; /* source position of each kept token of the tile */
     __shared__ int warp_s[32];
     const int tid = threadIdx.x;
@@ -448,7 +448,7 @@ template <typename V>
 static __global__ void __launch_bounds__(kMoveThreads, 4)
     pack_tokens_unpack_kernel(const ragvit_unpack_args a, int es, int vecs_per_row,
                               int cols_per_slice, unsigned int fill_bits) {
-    cuda_pdl_wait(); /* first: see cuda_check.cuh */
+    cuda_pdl_wait(); /* first: see cuda_util.cuh */
     const int64_t b = blockIdx.x;
     const int tid = threadIdx.x;
     const bool is_first_slice = blockIdx.y == 0;

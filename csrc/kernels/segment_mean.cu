@@ -21,7 +21,7 @@ static constexpr int kMeanThreads = kMeanChannels * kMeanPhases;
 template <typename T>
 static __global__ void __launch_bounds__(kMeanThreads)
     segment_mean_kernel(const ragvit_segment_mean_args a) {
-    cuda_pdl_wait(); /* first: see cuda_check.cuh */
+    cuda_pdl_wait(); /* first: see cuda_util.cuh */
     __shared__ float partial_s[kMeanPhases][kMeanChannels];
     const int64_t b = blockIdx.x;
     const int lane_c = threadIdx.x % kMeanChannels;
@@ -41,7 +41,7 @@ static __global__ void __launch_bounds__(kMeanThreads)
     float acc = 0.0f;
     if (c < a.channels) {
         for (int64_t t = phase; t < count; t += kMeanPhases)
-            acc += float_elems_load(packed + (first + t) * a.packed_stride_token + c);
+            acc += elem_load(packed + (first + t) * a.packed_stride_token + c);
     }
     partial_s[phase][lane_c] = acc;
     __syncthreads();
@@ -50,7 +50,7 @@ static __global__ void __launch_bounds__(kMeanThreads)
 #pragma unroll
         for (int p = 1; p < kMeanPhases; p++) sum += partial_s[p][lane_c];
         const float scale = count > 0 ? 1.0f / (float)count : 0.0f;
-        float_elems_store(static_cast<T *>(a.out) + b * a.out_stride_b + c, sum * scale);
+        elem_store(static_cast<T *>(a.out) + b * a.out_stride_b + c, sum * scale);
     }
 }
 

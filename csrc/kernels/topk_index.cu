@@ -67,7 +67,7 @@ static __device__ __forceinline__ int topk_block_scan(int value, int *scratch) {
 template <typename T, typename I>
 static __global__ void __launch_bounds__(kTopkThreads)
     topk_index_kernel(const ragvit_topk_index_args a) {
-    cuda_pdl_wait();                     /* first: see cuda_check.cuh */
+    cuda_pdl_wait();                     /* first: see cuda_util.cuh */
     extern __shared__ uint32_t keys_s[]; /* key of column prefix + i at topk_slot(i) */
     __shared__ int hist_s[1 << kTopkRadixBits];
     __shared__ int scan_s[kTopkWarps];
@@ -87,7 +87,7 @@ static __global__ void __launch_bounds__(kTopkThreads)
         const T *row = static_cast<const T *>(a.scores) + b * a.scores_stride_b + prefix;
         __syncthreads(); /* the previous row's compaction has read keys_s */
         for (int i = tid; i < n; i += kTopkThreads)
-            keys_s[topk_slot(i)] = topk_key(float_elems_load(row + i));
+            keys_s[topk_slot(i)] = topk_key(elem_load(row + i));
 
         /* Radix select, most significant digit first: keep the candidates whose
          * key starts with `want` (under `mask`); `need` of them are still to be
