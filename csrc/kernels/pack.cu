@@ -1,28 +1,11 @@
-/* pack_tokens.cu — padded <-> packed token movement (bytes only, exact): count
- * keep (B, N) into cu_seqlens (B+1,); gather x (B, N, C) into out (capacity, C)
- * (+ indices); unpack packed (T, C) into out (B, N, C) by position or by indices.
- * repack is the same count + gather with image b read from packed rows
- * [cu_seqlens_in[b], cu_seqlens_in[b+1]); gather_prefix is unpack with N = k.
- * count: grid = (1), 1024 threads, a warp per image row, block scan in chunks of 1024.
- * gather (eager, after count) and fused (the _into forms: one launch, no scratch,
- * no host sync): grid = (B * chunks, 1), 256 threads; block (b, k) moves the kept
- * tokens among positions [k * step, (k + 1) * step) of image b. chunks comes from
- * (B, N, C): ~2 blocks per SM in all, so B = 1 gets dozens of short blocks (its
- * latency is a few round trips, not a walk over its rows) while B >= 256 keeps one
- * block per image. A fused block finds its first output row by counting the keep
- * bytes before it itself (8 x 16-byte loads in flight per thread: the mask is
- * L2-resident); the eager gather starts from cu_seqlens[b]. A small chunk
- * (<= 256 positions, <= 4 vectors per thread: small B) loads all its rows before
- * the mask is scanned and stores the kept ones, one round trip instead of two.
- * unpack: grid = (B, channel slices); one block owns all rows of its image's
- * slice, which is what orders its fill before its scatter.
- * Rows move as 16/8/4/2-byte vectors, the widest that sizes, pointers and strides
- * allow, 4 independent loads per thread before their stores.
- * repack's fused token (EViT fusion, fuse_weights) is float32 math in the same launch,
- * by the image's last chunk; those variants (kFuse) get __launch_bounds__(256, 2) so
- * nothing spills.
- * Covered by tests/test_ops.py and tests/test_pack.py (checked with torch.equal;
- * test_pack_into_chunked_shapes forces 1 to ~50 chunks per image). */
+/* pack.cu — the pack family, bytes only (exact): count keep (B, N) into cu_seqlens (B+1,); gather
+ * x (B, N, C) into out (capacity, C) + indices (repack: image b is packed rows [cu_in[b],
+ * cu_in[b+1]) of packed (T, C)); unpack packed (T, C) into out (B, N, C) by position or indices
+ * (gather_prefix: unpack with N = k). count: grid = (1), a warp per image; gather and the _into
+ * form: grid = (B * chunks, slices), block (b, k) moves image b's kept tokens among positions
+ * [k * step, (k + 1) * step); unpack: grid = (B, slices). Decision: an _into block finds its
+ * first output row by counting the keep bytes before it itself (one launch, no scratch, no host
+ * sync; docs/kernels/pack.md). Covered by tests/test_pack.py (checked with torch.equal). */
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <stdint.h>
@@ -42,14 +25,14 @@ static constexpr unsigned kFullMask = 0xffffffffu;
 
 // ---- device helpers ----
 
-static __device__ __forceinline__ void pack_tokens_flag(unsigned int *flag, unsigned int bit) {
+static __device__ __forceinline__ void pack_flag(unsigned int *flag, unsigned int bit) {
     if (flag != nullptr) atomicOr(flag, bit);
 }
 
 /* Rows [*start, *start + *len) of image b (see ragvit_pack_args); false for a
  * repack range that is negative, decreasing or past T (read as empty). */
-static __device__ __forceinline__ bool pack_tokens_range(const ragvit_pack_args &a, int64_t b,
-                                                         int64_t *start, int64_t *len) {
+static __device__ __forceinline__ bool pack_range(const ragvit_pack_args &a, int64_t b,
+                                                  int64_t *start, int64_t *len) {
     *start = 0;
     *len = a.seqlen;
     if (a.cu_seqlens_in == nullptr) return true;
@@ -66,7 +49,7 @@ static __device__ __forceinline__ bool pack_tokens_range(const ragvit_pack_args 
 
 /* Exclusive prefix sum of x over the block (blockDim.x a multiple of 32); *total
  * gets the block's sum. Callers __syncthreads() between two calls (warp_s reuse). */
-static __device__ __forceinline__ int pack_tokens_block_scan(int x, int *warp_s, int *total) {
+static __device__ __forceinline__ int pack_block_scan(int x, int *warp_s, int *total) {
     const int lane = threadIdx.x & 31;
     const int warp = threadIdx.x >> 5;
     const int num_warps = blockDim.x >> 5;
@@ -93,16 +76,16 @@ static __device__ __forceinline__ int pack_tokens_block_scan(int x, int *warp_s,
 }
 
 /* A vector of copies of one element: bits holds the element twice for 2-byte types. */
-static __device__ __forceinline__ void pack_tokens_make_fill(uint4 *v, unsigned int bits) {
+static __device__ __forceinline__ void pack_make_fill(uint4 *v, unsigned int bits) {
     *v = make_uint4(bits, bits, bits, bits);
 }
-static __device__ __forceinline__ void pack_tokens_make_fill(uint2 *v, unsigned int bits) {
+static __device__ __forceinline__ void pack_make_fill(uint2 *v, unsigned int bits) {
     *v = make_uint2(bits, bits);
 }
-static __device__ __forceinline__ void pack_tokens_make_fill(unsigned int *v, unsigned int bits) {
+static __device__ __forceinline__ void pack_make_fill(unsigned int *v, unsigned int bits) {
     *v = bits;
 }
-static __device__ __forceinline__ void pack_tokens_make_fill(unsigned short *v, unsigned int bits) {
+static __device__ __forceinline__ void pack_make_fill(unsigned short *v, unsigned int bits) {
     *v = (unsigned short)bits;
 }
 
@@ -111,9 +94,9 @@ static __device__ __forceinline__ void pack_tokens_make_fill(unsigned short *v, 
  * rows in ascending order (deterministic); zeros when sum(w) == 0. Every
  * thread sums the weights itself (broadcast loads), so no barrier is needed. */
 template <typename T>
-static __device__ __forceinline__ void pack_tokens_fuse_row(const ragvit_pack_args &a, int64_t b,
-                                                            int64_t start, int64_t len, int64_t row,
-                                                            int64_t e0, int64_t e1) {
+static __device__ __forceinline__ void pack_fuse_row(const ragvit_pack_args &a, int64_t b,
+                                                     int64_t start, int64_t len, int64_t row,
+                                                     int64_t e0, int64_t e1) {
     const uint8_t *keep = a.keep + b * a.keep_stride_b;
     float weight_sum = 0.0f;
     for (int64_t n = start; n < start + len; n++) {
@@ -133,17 +116,17 @@ static __device__ __forceinline__ void pack_tokens_fuse_row(const ragvit_pack_ar
 }
 
 /* Nonzero bytes among the four of w, without branches: bit 7 of each byte of
- * (w & 0x7f..) + 0x7f.. is set iff its low 7 bits are nonzero (no carry crosses
- * a byte), OR w puts back the bytes whose own bit 7 was set. */
-static __device__ __forceinline__ int pack_tokens_nonzero_bytes(unsigned int w) {
+ * (w & 0x7f..) + 0x7f.. is set iff its low 7 bits are nonzero (each byte's sum stays below 256,
+ * so bytes never mix), OR w puts back the bytes whose own bit 7 was set. */
+static __device__ __forceinline__ int pack_nonzero_bytes(unsigned int w) {
     return __popc((((w & 0x7f7f7f7fu) + 0x7f7f7f7fu) | w) & 0x80808080u);
 }
 
 /* This thread's share of the nonzero bytes among p[e * stride], e in [0, n).
  * Unit stride reads 16 bytes per load, kCountLoads independent loads per thread
  * before any is used, so a block covers 32 KB of mask per memory round trip. */
-static __device__ __forceinline__ int pack_tokens_count_local(const uint8_t *p, int64_t stride,
-                                                              int64_t n) {
+static __device__ __forceinline__ int pack_count_local(const uint8_t *p, int64_t stride,
+                                                       int64_t n) {
     const int tid = threadIdx.x;
     int local = 0;
     if (n <= 0) return 0;
@@ -164,8 +147,8 @@ static __device__ __forceinline__ int pack_tokens_count_local(const uint8_t *p, 
         }
 #pragma unroll
         for (int j = 0; j < kCountLoads; j++)
-            local += pack_tokens_nonzero_bytes(w[j].x) + pack_tokens_nonzero_bytes(w[j].y) +
-                     pack_tokens_nonzero_bytes(w[j].z) + pack_tokens_nonzero_bytes(w[j].w);
+            local += pack_nonzero_bytes(w[j].x) + pack_nonzero_bytes(w[j].y) +
+                     pack_nonzero_bytes(w[j].z) + pack_nonzero_bytes(w[j].w);
     }
     const int64_t done = head + (num_vecs << 4);
     if (tid < n - done) /* fewer than 16 left */
@@ -174,9 +157,9 @@ static __device__ __forceinline__ int pack_tokens_count_local(const uint8_t *p, 
 }
 
 /* Sum of x over the block, to every thread (all must call). */
-static __device__ __forceinline__ int64_t pack_tokens_block_sum(int x, int *warp_s) {
+static __device__ __forceinline__ int64_t pack_block_sum(int x, int *warp_s) {
     int total = 0;
-    pack_tokens_block_scan(x, warp_s, &total);
+    pack_block_scan(x, warp_s, &total);
     __syncthreads(); /* warp_s is reused by the caller's next scan */
     return total;
 }
@@ -187,16 +170,16 @@ static __device__ __forceinline__ int64_t pack_tokens_block_sum(int x, int *warp
  * which for valid cu_seqlens_in are exactly the rows before it (for garbage: any
  * in-bounds count, the bad image is flagged). keep is B*N bytes and L2-resident
  * after the first blocks touch it, so this is one or two round trips per block. */
-static __device__ int64_t pack_tokens_count_before(const ragvit_pack_args &a, int64_t b,
-                                                   int64_t pos, int *warp_s) {
+static __device__ int64_t pack_count_before(const ragvit_pack_args &a, int64_t b, int64_t pos,
+                                            int *warp_s) {
     int local = 0;
     if (a.cu_seqlens_in != nullptr) {
         const int64_t lo = max((int64_t)0, (int64_t)a.cu_seqlens_in[0]);
         int64_t hi = min(a.seqlen, (int64_t)a.cu_seqlens_in[b * a.cu_seqlens_in_stride] + pos);
         hi = max(hi, lo);
-        local = pack_tokens_count_local(a.keep + lo * a.keep_stride_n, a.keep_stride_n, hi - lo);
+        local = pack_count_local(a.keep + lo * a.keep_stride_n, a.keep_stride_n, hi - lo);
     } else if (a.keep_stride_b == a.seqlen * a.keep_stride_n) { /* flat: e at keep[e * s_n] */
-        local = pack_tokens_count_local(a.keep, a.keep_stride_n, b * a.seqlen + pos);
+        local = pack_count_local(a.keep, a.keep_stride_n, b * a.seqlen + pos);
     } else {
         const int64_t hi = b * a.seqlen + pos;
         for (int64_t e = threadIdx.x; e < hi; e += kMoveThreads) {
@@ -204,13 +187,16 @@ static __device__ int64_t pack_tokens_count_before(const ragvit_pack_args &a, in
             local += a.keep[i * a.keep_stride_b + (e - i * a.seqlen) * a.keep_stride_n] != 0;
         }
     }
-    return pack_tokens_block_sum(local, warp_s);
+    return pack_block_sum(local, warp_s);
 }
 
 // ---- kernels ----
 
+/* One block: a warp counts each image's kept tokens (plus its fused token), then a block scan turns
+ * kCountThreads counts at a time into cu_seqlens entries; rows_before is the sum of earlier
+ * rounds. A bad repack range counts as empty and is flagged. */
 static __global__ void __launch_bounds__(kCountThreads)
-    pack_tokens_count_kernel(const ragvit_pack_args a) {
+    pack_count_kernel(const ragvit_pack_args a) {
     cuda_pdl_wait(); /* first: see cuda_util.cuh */
     __shared__ int count_s[kCountThreads];
     __shared__ int warp_s[32];
@@ -220,15 +206,15 @@ static __global__ void __launch_bounds__(kCountThreads)
     constexpr int kWarps = kCountThreads / 32;
 
     if (tid == 0) a.cu_seqlens[0] = 0;
-    int64_t carry = 0;
+    int64_t rows_before = 0;
     for (int64_t base = 0; base < a.batch; base += kCountThreads) {
         for (int r = warp; r < kCountThreads; r += kWarps) {
             const int64_t b = base + r;
             int count = 0;
             if (b < a.batch) { /* warp-uniform, so the shuffles below see all lanes */
                 int64_t start = 0, len = 0;
-                if (!pack_tokens_range(a, b, &start, &len) && lane == 0)
-                    pack_tokens_flag(a.error_flag, RAGVIT_ERROR_BAD_CU_SEQLENS);
+                if (!pack_range(a, b, &start, &len) && lane == 0)
+                    pack_flag(a.error_flag, RAGVIT_ERROR_BAD_CU_SEQLENS);
                 const uint8_t *row = a.keep + b * a.keep_stride_b;
                 for (int64_t n = start + lane; n < start + len; n += 32)
                     count += row[n * a.keep_stride_n] != 0;
@@ -242,31 +228,31 @@ static __global__ void __launch_bounds__(kCountThreads)
         __syncthreads();
         int total = 0;
         const int mine = count_s[tid];
-        const int before = pack_tokens_block_scan(mine, warp_s, &total);
+        const int before = pack_block_scan(mine, warp_s, &total);
         if (base + tid < a.batch)
-            a.cu_seqlens[(base + tid + 1) * a.cu_seqlens_stride] = (int32_t)(carry + before + mine);
-        carry += total;
+            a.cu_seqlens[(base + tid + 1) * a.cu_seqlens_stride] =
+                (int32_t)(rows_before + before + mine);
+        rows_before += total;
         __syncthreads(); /* count_s and warp_s are rewritten by the next chunk */
     }
 }
 
-/* Block (k, y) of image b = blockIdx.x / chunks copies the kept tokens among
- * positions [k * step, (k + 1) * step) of the image (step = ceil(len / chunks))
- * to consecutive rows, vector columns [y * cols_per_slice, ...) only; slice 0
- * also writes indices_out and, in the fused form, cu_seqlens. Its first output
- * row: kIsFused: the kept tokens before it in packing order, counted by the
- * block itself (pack_tokens_count_before: no scratch, no cross-block waiting,
- * so any launch order and graph replay are safe); otherwise cu_seqlens[b],
- * written by the count kernel, plus the kept tokens of the image before the
- * chunk. The last chunk also writes the fused token (kFuse) and, fused,
- * cu_seqlens[b + 1] (block 0 also cu_seqlens[0]). Rows past capacity are
- * skipped and flagged. Every row moves as kCopyLoads independent vector loads
- * per thread, then the stores; rows and columns advance by constant steps, so
- * the copy loop divides nothing. */
-template <typename V, bool kFuse, bool kIsFused>
-static __global__ void __launch_bounds__(kMoveThreads, kFuse ? 2 : 4)
-    pack_tokens_chunk_kernel(const ragvit_pack_args a, int chunks, int vecs_per_row,
-                             int cols_per_slice) {
+/* Block (k, y) of image b = blockIdx.x / chunks copies the kept tokens among positions
+ * [k * step, (k + 1) * step) of the image (step = ceil(len / chunks)) to consecutive rows, vector
+ * columns [y * cols_per_slice, ...) only; slice 0 also writes indices_out and, in the _into form,
+ * cu_seqlens. Its first output row: kIsInto: the kept tokens before it in packing order, counted
+ * by the block itself (pack_count_before: no scratch, no cross-block waiting, so any launch order
+ * and graph replay are safe); otherwise cu_seqlens[b], written by the count kernel, plus the kept
+ * tokens of the image before the chunk. The last chunk also writes the EViT fused token
+ * (kIsFusing: float32 math, __launch_bounds__(256, 2) so nothing spills) and, in the _into form,
+ * cu_seqlens[b + 1] (block 0 also cu_seqlens[0]). Rows past capacity are skipped and flagged.
+ * Every row moves as kCopyLoads independent vector loads per thread, then the stores; rows and
+ * columns advance by constant steps, so the copy loop divides nothing. The stepping loop is
+ * written out twice (small-chunk preload, tile loop): as one helper it measured 1-3% slower
+ * (docs/experiments.md). */
+template <typename V, bool kIsFusing, bool kIsInto>
+static __global__ void __launch_bounds__(kMoveThreads, kIsFusing ? 2 : 4)
+    pack_chunk_kernel(const ragvit_pack_args a, int chunks, int vecs_per_row, int cols_per_slice) {
     cuda_pdl_wait();                      /* first: see cuda_util.cuh */
     __shared__ int token_s[kMoveThreads]; /* source position of each kept token of the tile */
     __shared__ int warp_s[32];
@@ -277,9 +263,9 @@ static __global__ void __launch_bounds__(kMoveThreads, kFuse ? 2 : 4)
     const bool is_last_chunk = k == chunks - 1;
     const bool should_write = is_first_slice && tid == 0;
     int64_t start = 0, len = 0; /* a bad repack range reads as empty */
-    const bool is_valid = pack_tokens_range(a, b, &start, &len);
-    if (kIsFused && !is_valid && k == 0 && should_write)
-        pack_tokens_flag(a.error_flag, RAGVIT_ERROR_BAD_CU_SEQLENS);
+    const bool is_valid = pack_range(a, b, &start, &len);
+    if (kIsInto && !is_valid && k == 0 && should_write)
+        pack_flag(a.error_flag, RAGVIT_ERROR_BAD_CU_SEQLENS);
     const int64_t step = (len + chunks - 1) / chunks;
     const int64_t c_begin = min(len, k * step), c_end = min(len, c_begin + step);
     const uint8_t *keep = a.keep + b * a.keep_stride_b; /* repack: keep_stride_b == 0 */
@@ -288,7 +274,7 @@ static __global__ void __launch_bounds__(kMoveThreads, kFuse ? 2 : 4)
     const int c0 = (int)blockIdx.y * cols_per_slice;
     const int num_cols = max(0, min(vecs_per_row - c0, cols_per_slice));
     /* Thread tid starts at (row tid / num_cols, column tid % num_cols) of the tile;
-     * each step of kMoveThreads vectors adds (dr, dc) with a carry. */
+     * each step of kMoveThreads vectors adds (dr, dc), wrapping c into the next row. */
     const int dr = num_cols > 0 ? kMoveThreads / num_cols : 0;
     const int dc = kMoveThreads - dr * num_cols;
     const int r_init = num_cols > 0 ? tid / num_cols : 0;
@@ -327,27 +313,25 @@ static __global__ void __launch_bounds__(kMoveThreads, kFuse ? 2 : 4)
         }
     }
     int64_t first = 0;
-    if constexpr (kIsFused) {
-        first =
-            pack_tokens_count_before(a, b, is_valid ? c_begin : 0, warp_s) + (a.is_fusing ? b : 0);
+    if constexpr (kIsInto) {
+        first = pack_count_before(a, b, is_valid ? c_begin : 0, warp_s) + (a.is_fusing ? b : 0);
     } else {
         first = a.cu_seqlens[b * a.cu_seqlens_stride]; /* uniform over the block */
         if (first < 0 || first > a.capacity) {
             if (should_write && k == 0)
-                pack_tokens_flag(a.error_flag,
-                                 first < 0 ? RAGVIT_ERROR_BAD_CU_SEQLENS : RAGVIT_ERROR_CAPACITY);
+                pack_flag(a.error_flag,
+                          first < 0 ? RAGVIT_ERROR_BAD_CU_SEQLENS : RAGVIT_ERROR_CAPACITY);
             return;
         }
-        first += pack_tokens_block_sum(
-            pack_tokens_count_local(keep + start * a.keep_stride_n, a.keep_stride_n, c_begin),
-            warp_s);
+        first += pack_block_sum(
+            pack_count_local(keep + start * a.keep_stride_n, a.keep_stride_n, c_begin), warp_s);
     }
 
     bool is_over = false;
-    int64_t carry = 0;
+    int64_t rows_done = 0;
     if (is_small) { /* block-uniform */
         int chunk_total = 0;
-        const int rank = pack_tokens_block_scan(is_kept, warp_s, &chunk_total);
+        const int rank = pack_block_scan(is_kept, warp_s, &chunk_total);
         token_s[tid] = is_kept ? rank : -1; /* output rank of position tid, or dropped */
         __syncthreads();
         const int rows = (int)max((int64_t)0, min((int64_t)chunk_total, a.capacity - first));
@@ -365,18 +349,18 @@ static __global__ void __launch_bounds__(kMoveThreads, kFuse ? 2 : 4)
                     reinterpret_cast<V *>(out_chunk + q * out_row_bytes)[cc[u]] = v[u];
             }
         }
-        carry = chunk_total;
+        rows_done = chunk_total;
     }
     for (int64_t p0 = c_begin; !is_small && p0 < c_end; p0 += kMoveThreads) {
         if (p0 != c_begin)
             is_kept = p0 + tid < c_end && keep[(start + p0 + tid) * a.keep_stride_n] != 0;
         int tile_total = 0;
-        const int rank = pack_tokens_block_scan(is_kept, warp_s, &tile_total);
+        const int rank = pack_block_scan(is_kept, warp_s, &tile_total);
         if (is_kept) /* < 2^31: B*N (pack) or T (repack) is checked */
             token_s[rank] = (int)(start + p0 + tid);
         __syncthreads();
 
-        const int64_t row0 = first + carry;
+        const int64_t row0 = first + rows_done;
         const int rows = (int)max((int64_t)0, min((int64_t)tile_total, a.capacity - row0));
         if (is_first_slice) {
             is_over |= tid == 0 && rows < tile_total;
@@ -411,33 +395,34 @@ static __global__ void __launch_bounds__(kMoveThreads, kFuse ? 2 : 4)
                     reinterpret_cast<V *>(out_tile + rr[u] * out_row_bytes)[cc[u]] = v[u];
             }
         }
-        carry += tile_total;
+        rows_done += tile_total;
         __syncthreads(); /* token_s and warp_s are rewritten by the next tile */
     }
-    if constexpr (kFuse) { /* a.is_fusing */
+    if constexpr (kIsFusing) { /* a.is_fusing */
         if (is_last_chunk) {
-            const int64_t row = first + carry;
+            const int64_t row = first + rows_done;
             if (row < a.capacity) {
                 const int64_t per_vec = (int64_t)sizeof(V) / es; /* vec_bytes >= elem_size */
                 const int64_t e0 = c0 * per_vec, e1 = (c0 + num_cols) * per_vec;
                 if (a.dtype == RAGVIT_DTYPE_F16)
-                    pack_tokens_fuse_row<__half>(a, b, start, len, row, e0, e1);
+                    pack_fuse_row<__half>(a, b, start, len, row, e0, e1);
                 else if (a.dtype == RAGVIT_DTYPE_BF16)
-                    pack_tokens_fuse_row<__nv_bfloat16>(a, b, start, len, row, e0, e1);
+                    pack_fuse_row<__nv_bfloat16>(a, b, start, len, row, e0, e1);
                 else
-                    pack_tokens_fuse_row<float>(a, b, start, len, row, e0, e1);
+                    pack_fuse_row<float>(a, b, start, len, row, e0, e1);
                 if (should_write && a.indices_out != nullptr)
                     a.indices_out[row * a.indices_stride] = -1;
             } else if (should_write) {
                 is_over = true;
             }
         }
-        carry += 1;
+        rows_done += 1;
     }
-    if (is_over) pack_tokens_flag(a.error_flag, RAGVIT_ERROR_CAPACITY);
-    if (kIsFused && should_write) {
+    if (is_over) pack_flag(a.error_flag, RAGVIT_ERROR_CAPACITY);
+    if (kIsInto && should_write) {
         if (b == 0 && k == 0) a.cu_seqlens[0] = 0;
-        if (is_last_chunk) a.cu_seqlens[(b + 1) * a.cu_seqlens_stride] = (int32_t)(first + carry);
+        if (is_last_chunk)
+            a.cu_seqlens[(b + 1) * a.cu_seqlens_stride] = (int32_t)(first + rows_done);
     }
 }
 
@@ -446,8 +431,8 @@ static __global__ void __launch_bounds__(kMoveThreads, kFuse ? 2 : 4)
  * image's packed tokens over its own fills after a __syncthreads. */
 template <typename V>
 static __global__ void __launch_bounds__(kMoveThreads, 4)
-    pack_tokens_unpack_kernel(const ragvit_unpack_args a, int es, int vecs_per_row,
-                              int cols_per_slice, unsigned int fill_bits) {
+    pack_unpack_kernel(const ragvit_unpack_args a, int es, int vecs_per_row, int cols_per_slice,
+                       unsigned int fill_bits) {
     cuda_pdl_wait(); /* first: see cuda_util.cuh */
     const int64_t b = blockIdx.x;
     const int tid = threadIdx.x;
@@ -458,14 +443,13 @@ static __global__ void __launch_bounds__(kMoveThreads, 4)
     const int64_t end = a.cu_seqlens[(b + 1) * a.cu_seqlens_stride];
     int64_t len = 0; /* bad entries: the image is all fill */
     if (start < 0 || end < start || end > a.total_tokens) {
-        if (should_flag) pack_tokens_flag(a.error_flag, RAGVIT_ERROR_BAD_CU_SEQLENS);
+        if (should_flag) pack_flag(a.error_flag, RAGVIT_ERROR_BAD_CU_SEQLENS);
     } else {
         len = end - start;
         if (a.is_prefix && len < N) { /* copy what there is; the rest is fill (0) */
-            if (should_flag) pack_tokens_flag(a.error_flag, RAGVIT_ERROR_SHORT_SEQ);
+            if (should_flag) pack_flag(a.error_flag, RAGVIT_ERROR_SHORT_SEQ);
         } else if (len > N) {
-            if (should_flag && !a.is_prefix)
-                pack_tokens_flag(a.error_flag, RAGVIT_ERROR_SEQLEN_OVER_MAX);
+            if (should_flag && !a.is_prefix) pack_flag(a.error_flag, RAGVIT_ERROR_SEQLEN_OVER_MAX);
             len = N;
         }
     }
@@ -475,7 +459,7 @@ static __global__ void __launch_bounds__(kMoveThreads, 4)
     const int c0 = (int)blockIdx.y * cols_per_slice;
     const int num_cols = max(0, min(vecs_per_row - c0, cols_per_slice));
     V fill;
-    pack_tokens_make_fill(&fill, fill_bits);
+    pack_make_fill(&fill, fill_bits);
     char *out_image = static_cast<char *>(a.out) + b * a.out_stride_b * es;
     const char *packed = static_cast<const char *>(a.packed);
 
@@ -504,8 +488,7 @@ static __global__ void __launch_bounds__(kMoveThreads, 4)
             const int64_t t = start + t0 + r;
             const int64_t n = a.indices[t * a.indices_stride];
             if (n < 0 || n >= N) {
-                if (is_first_slice && c == c0)
-                    pack_tokens_flag(a.error_flag, RAGVIT_ERROR_BAD_INDEX);
+                if (is_first_slice && c == c0) pack_flag(a.error_flag, RAGVIT_ERROR_BAD_INDEX);
                 continue;
             }
             V *dst = reinterpret_cast<V *>(out_image + n * a.out_stride_n * es);
@@ -518,8 +501,8 @@ static __global__ void __launch_bounds__(kMoveThreads, 4)
 
 /* Widest vector (16, 8, 4 or 2 bytes, never below elem_size) that divides the
  * row size, both base pointers and every byte stride. */
-static int pack_tokens_vec_bytes(int64_t row_bytes, int64_t elem_size, const void *p0,
-                                 const void *p1, int64_t s0, int64_t s1, int64_t s2) {
+static int pack_vec_bytes(int64_t row_bytes, int64_t elem_size, const void *p0, const void *p1,
+                          int64_t s0, int64_t s1, int64_t s2) {
     for (int64_t v = 16; v > elem_size; v >>= 1) {
         if (row_bytes % v == 0 && (uintptr_t)p0 % v == 0 && (uintptr_t)p1 % v == 0 &&
             (s0 * elem_size) % v == 0 && (s1 * elem_size) % v == 0 && (s2 * elem_size) % v == 0)
@@ -530,8 +513,8 @@ static int pack_tokens_vec_bytes(int64_t row_bytes, int64_t elem_size, const voi
 
 /* Splits each row's vectors into grid.y slices: enough blocks to fill the device
  * when B is small, slices of >= 16 vectors, each slice small enough for int math. */
-static void pack_tokens_slices(int64_t vecs, int64_t batch, const ragvit_device_info *dev,
-                               int *num_slices, int *cols_per_slice) {
+static void pack_slices(int64_t vecs, int64_t batch, const ragvit_device_info *dev, int *num_slices,
+                        int *cols_per_slice) {
     const int64_t sm_count = dev->sm_count > 0 ? dev->sm_count : 1;
     int64_t slices = (2 * sm_count + batch - 1) / batch;
     const int64_t most = vecs / 16 > 1 ? vecs / 16 : 1;
@@ -550,7 +533,7 @@ static void pack_tokens_slices(int64_t vecs, int64_t batch, const ragvit_device_
 
 /* B*N (pack) or T (repack) fits the int32 cu_seqlens (the CPU backend's rule),
  * so n and ranks are ints; B fits grid.x. */
-static ragvit_status pack_tokens_check_batch(const ragvit_pack_args *a) {
+static ragvit_status pack_check_batch(const ragvit_pack_args *a) {
     const int64_t batch = a->batch, seqlen = a->seqlen;
     if (a->cu_seqlens_in != nullptr) {
         if (batch < 0 || batch > INT32_MAX || seqlen < 0 || seqlen > INT32_MAX)
@@ -569,8 +552,8 @@ static ragvit_status pack_tokens_check_batch(const ragvit_pack_args *a) {
 }
 
 /* Rows of at most 2^32 bytes keep every vector column an int in the kernels. */
-static ragvit_status pack_tokens_check_row(const char *op, const char *name, int64_t channels,
-                                           int64_t elem_size) {
+static ragvit_status pack_check_row(const char *op, const char *name, int64_t channels,
+                                    int64_t elem_size) {
     if (channels < 0 || channels > (int64_t)INT32_MAX * 2 / elem_size)
         return ragvit_fail(RAGVIT_STATUS_INVALID_SHAPE,
                            "%s: %s must have 0 <= C <= %lld channels, got %lld", op, name,
@@ -580,10 +563,10 @@ static ragvit_status pack_tokens_check_row(const char *op, const char *name, int
 
 extern "C" ragvit_status ragvit_cuda_pack_count(const ragvit_pack_args *a,
                                                 const ragvit_device_info *dev, void *stream) {
-    RAGVIT_TRY(pack_tokens_check_batch(a));
+    RAGVIT_TRY(pack_check_batch(a));
     cuda_device_guard guard;
     RAGVIT_TRY(guard.enter(dev->device_id));
-    CUDA_TRY(cuda_launch(dev, RAGVIT_PDL_PACK, pack_tokens_count_kernel, 1, kCountThreads, 0,
+    CUDA_TRY(cuda_launch(dev, RAGVIT_PDL_PACK, pack_count_kernel, 1, kCountThreads, 0,
                          (cudaStream_t)stream, *a));
     return RAGVIT_STATUS_OK;
 }
@@ -594,8 +577,8 @@ extern "C" ragvit_status ragvit_cuda_pack_count(const ragvit_pack_args *a,
  * before it is paid ~B times, not more), each chunk at least 4 positions and
  * enough to give every thread a vector; B * chunks fits grid.x. avg_len: N
  * (pack) or T / B (repack; lengths vary, every image gets the same chunks). */
-static int pack_tokens_chunks(int64_t batch, int64_t avg_len, int64_t vecs,
-                              const ragvit_device_info *dev) {
+static int pack_chunks(int64_t batch, int64_t avg_len, int64_t vecs,
+                       const ragvit_device_info *dev) {
     const int64_t sm_count = dev->sm_count > 0 ? dev->sm_count : 1;
     int64_t chunks = (2 * sm_count + batch - 1) / batch;
     int64_t min_len = vecs > 0 ? (kMoveThreads + vecs - 1) / vecs : kMoveThreads;
@@ -608,7 +591,7 @@ static int pack_tokens_chunks(int64_t batch, int64_t avg_len, int64_t vecs,
 
 /* Splits rows into grid.y column slices only where a slice would overflow the
  * kernel's int math (rows above 2^22 vectors). */
-static void pack_tokens_gather_slices(int64_t vecs, int *num_slices, int *cols_per_slice) {
+static void pack_gather_slices(int64_t vecs, int *num_slices, int *cols_per_slice) {
     int64_t slices = (vecs + kMaxSliceVecs - 1) / kMaxSliceVecs;
     if (slices < 1) slices = 1;
     int64_t cols = (vecs + slices - 1) / slices;
@@ -617,91 +600,90 @@ static void pack_tokens_gather_slices(int64_t vecs, int *num_slices, int *cols_p
 }
 
 template <typename V>
-static ragvit_status pack_tokens_gather_launch(const ragvit_pack_args *a, int vec_bytes,
-                                               bool is_fused, const ragvit_device_info *dev,
-                                               cudaStream_t stream) {
+static ragvit_status pack_gather_launch(const ragvit_pack_args *a, int vec_bytes, bool is_into,
+                                        const ragvit_device_info *dev, cudaStream_t stream) {
     const int64_t vecs = a->channels * a->elem_size / vec_bytes;
     int slices = 1, cols = 0;
-    pack_tokens_gather_slices(vecs, &slices, &cols);
+    pack_gather_slices(vecs, &slices, &cols);
     const int64_t avg_len = a->cu_seqlens_in != nullptr ? a->seqlen / a->batch : a->seqlen;
-    const int chunks = pack_tokens_chunks(a->batch, avg_len, vecs, dev);
+    const int chunks = pack_chunks(a->batch, avg_len, vecs, dev);
     const dim3 grid((unsigned)(a->batch * chunks), (unsigned)slices);
     const int v = (int)vecs;
     /* The fusing variants (repack with fuse_weights) get more registers each. */
     const bool is_fusing = a->is_fusing;
-    if (is_fused && is_fusing)
-        CUDA_TRY(cuda_launch(dev, RAGVIT_PDL_PACK, pack_tokens_chunk_kernel<V, true, true>, grid,
+    if (is_into && is_fusing)
+        CUDA_TRY(cuda_launch(dev, RAGVIT_PDL_PACK, pack_chunk_kernel<V, true, true>, grid,
                              kMoveThreads, 0, stream, *a, chunks, v, cols));
-    else if (is_fused)
-        CUDA_TRY(cuda_launch(dev, RAGVIT_PDL_PACK, pack_tokens_chunk_kernel<V, false, true>, grid,
+    else if (is_into)
+        CUDA_TRY(cuda_launch(dev, RAGVIT_PDL_PACK, pack_chunk_kernel<V, false, true>, grid,
                              kMoveThreads, 0, stream, *a, chunks, v, cols));
     else if (is_fusing)
-        CUDA_TRY(cuda_launch(dev, RAGVIT_PDL_PACK, pack_tokens_chunk_kernel<V, true, false>, grid,
+        CUDA_TRY(cuda_launch(dev, RAGVIT_PDL_PACK, pack_chunk_kernel<V, true, false>, grid,
                              kMoveThreads, 0, stream, *a, chunks, v, cols));
     else
-        CUDA_TRY(cuda_launch(dev, RAGVIT_PDL_PACK, pack_tokens_chunk_kernel<V, false, false>, grid,
+        CUDA_TRY(cuda_launch(dev, RAGVIT_PDL_PACK, pack_chunk_kernel<V, false, false>, grid,
                              kMoveThreads, 0, stream, *a, chunks, v, cols));
     return RAGVIT_STATUS_OK;
 }
 
-/* Checks sizes, then launches the gather (is_fused: the one-launch count +
+/* Checks sizes, then launches the gather (is_into: the one-launch count +
  * gather) with the widest vector the rows allow. B >= 1 and N >= 1 here. */
-static ragvit_status pack_tokens_move(const ragvit_pack_args *a, bool is_fused,
-                                      const ragvit_device_info *dev, void *stream) {
+static ragvit_status pack_move(const ragvit_pack_args *a, bool is_into,
+                               const ragvit_device_info *dev, void *stream) {
     cuda_device_guard guard;
     RAGVIT_TRY(guard.enter(dev->device_id));
     const int64_t es = a->elem_size;
     const cudaStream_t s = (cudaStream_t)stream;
-    const int v = pack_tokens_vec_bytes(a->channels * es, es, a->x, a->out, a->x_stride_b,
-                                        a->x_stride_n, a->out_stride_token);
+    const int v = pack_vec_bytes(a->channels * es, es, a->x, a->out, a->x_stride_b, a->x_stride_n,
+                                 a->out_stride_token);
     switch (v) {
-    case 16: return pack_tokens_gather_launch<uint4>(a, v, is_fused, dev, s);
-    case 8: return pack_tokens_gather_launch<uint2>(a, v, is_fused, dev, s);
-    case 4: return pack_tokens_gather_launch<unsigned int>(a, v, is_fused, dev, s);
-    default: return pack_tokens_gather_launch<unsigned short>(a, v, is_fused, dev, s);
+    case 16: return pack_gather_launch<uint4>(a, v, is_into, dev, s);
+    case 8: return pack_gather_launch<uint2>(a, v, is_into, dev, s);
+    case 4: return pack_gather_launch<unsigned int>(a, v, is_into, dev, s);
+    default: return pack_gather_launch<unsigned short>(a, v, is_into, dev, s);
     }
 }
 
-static ragvit_status pack_tokens_check_move(const ragvit_pack_args *a) {
+static ragvit_status pack_check_move(const ragvit_pack_args *a) {
     const int64_t es = a->elem_size;
     if (es != 2 && es != 4)
         return ragvit_fail(RAGVIT_STATUS_INVALID_DTYPE,
                            "pack: x must have 2- or 4-byte elements, got %d bytes",
                            (int)a->elem_size);
-    RAGVIT_TRY(pack_tokens_check_batch(a));
-    return pack_tokens_check_row("pack", "x", a->channels, es);
+    RAGVIT_TRY(pack_check_batch(a));
+    return pack_check_row("pack", "x", a->channels, es);
 }
 
 /* Nothing to write but cu_seqlens: no image, or no token and no fused token. */
-static bool pack_tokens_has_no_rows(const ragvit_pack_args *a) {
+static bool pack_has_no_rows(const ragvit_pack_args *a) {
     return a->batch == 0 || (a->seqlen == 0 && !a->is_fusing);
 }
 
 extern "C" ragvit_status ragvit_cuda_pack_gather(const ragvit_pack_args *a,
                                                  const ragvit_device_info *dev, void *stream) {
-    RAGVIT_TRY(pack_tokens_check_move(a));
-    if (pack_tokens_has_no_rows(a)) return RAGVIT_STATUS_OK;
-    return pack_tokens_move(a, false, dev, stream);
+    RAGVIT_TRY(pack_check_move(a));
+    if (pack_has_no_rows(a)) return RAGVIT_STATUS_OK;
+    return pack_move(a, false, dev, stream);
 }
 
 extern "C" ragvit_status ragvit_cuda_pack_into(const ragvit_pack_args *a,
                                                const ragvit_device_info *dev, void *stream) {
-    RAGVIT_TRY(pack_tokens_check_move(a));
-    if (pack_tokens_has_no_rows(a)) /* the count kernel writes the (zero) counts */
+    RAGVIT_TRY(pack_check_move(a));
+    if (pack_has_no_rows(a)) /* the count kernel writes the (zero) counts */
         return ragvit_cuda_pack_count(a, dev, stream);
-    return pack_tokens_move(a, true, dev, stream);
+    return pack_move(a, true, dev, stream);
 }
 
 template <typename V>
-static ragvit_status pack_tokens_unpack_launch(const ragvit_unpack_args *a, int es, int vec_bytes,
-                                               unsigned int fill_bits,
-                                               const ragvit_device_info *dev, cudaStream_t stream) {
+static ragvit_status pack_unpack_launch(const ragvit_unpack_args *a, int es, int vec_bytes,
+                                        unsigned int fill_bits, const ragvit_device_info *dev,
+                                        cudaStream_t stream) {
     const int64_t vecs = a->channels * es / vec_bytes;
     int slices = 1, cols = 0;
-    pack_tokens_slices(vecs, a->batch, dev, &slices, &cols);
+    pack_slices(vecs, a->batch, dev, &slices, &cols);
     const dim3 grid((unsigned)a->batch, (unsigned)slices);
-    CUDA_TRY(cuda_launch(dev, RAGVIT_PDL_PACK, pack_tokens_unpack_kernel<V>, grid, kMoveThreads, 0,
-                         stream, *a, es, (int)vecs, cols, fill_bits));
+    CUDA_TRY(cuda_launch(dev, RAGVIT_PDL_PACK, pack_unpack_kernel<V>, grid, kMoveThreads, 0, stream,
+                         *a, es, (int)vecs, cols, fill_bits));
     return RAGVIT_STATUS_OK;
 }
 
@@ -742,17 +724,17 @@ extern "C" ragvit_status ragvit_cuda_unpack(const ragvit_unpack_args *a,
         return ragvit_fail(RAGVIT_STATUS_INVALID_SHAPE,
                            "unpack: out must have 0 <= B < 2^31 and N >= 0, got B=%lld, N=%lld",
                            (long long)a->batch, (long long)a->seqlen);
-    RAGVIT_TRY(pack_tokens_check_row("unpack", "packed", a->channels, es));
+    RAGVIT_TRY(pack_check_row("unpack", "packed", a->channels, es));
     if (a->batch == 0 || a->seqlen == 0) return RAGVIT_STATUS_OK;
     cuda_device_guard guard;
     RAGVIT_TRY(guard.enter(dev->device_id));
     const cudaStream_t s = (cudaStream_t)stream;
-    const int v = pack_tokens_vec_bytes(a->channels * es, es, a->out, a->packed, a->out_stride_b,
-                                        a->out_stride_n, a->packed_stride_token);
+    const int v = pack_vec_bytes(a->channels * es, es, a->out, a->packed, a->out_stride_b,
+                                 a->out_stride_n, a->packed_stride_token);
     switch (v) {
-    case 16: return pack_tokens_unpack_launch<uint4>(a, es, v, fill_bits, dev, s);
-    case 8: return pack_tokens_unpack_launch<uint2>(a, es, v, fill_bits, dev, s);
-    case 4: return pack_tokens_unpack_launch<unsigned int>(a, es, v, fill_bits, dev, s);
-    default: return pack_tokens_unpack_launch<unsigned short>(a, es, v, fill_bits, dev, s);
+    case 16: return pack_unpack_launch<uint4>(a, es, v, fill_bits, dev, s);
+    case 8: return pack_unpack_launch<uint2>(a, es, v, fill_bits, dev, s);
+    case 4: return pack_unpack_launch<unsigned int>(a, es, v, fill_bits, dev, s);
+    default: return pack_unpack_launch<unsigned short>(a, es, v, fill_bits, dev, s);
     }
 }
