@@ -1,17 +1,11 @@
-/* gelu.cu — exact (erf) GELU of packed rows, out (M, C) = x * Phi(x) in
- * float32, rounded once; out may be x (in place: each element is read once,
- * then written by the same thread). Phi: float32 data through erff; float16 /
- * bfloat16 data through a rational erfc (Numerical Recipes' erfcc, fractional
- * error <= 1.2e-7; in float32 arithmetic the GELU is within 4e-7 of the float64
- * one everywhere, relatively within 2e-5 where it is below 1e-14), far under the
- * 16-bit output's rounding and with fewer instructions than erff's two-branch
- * polynomial. Decision, measured on the H200 (fp16, back-to-back launches):
- * M = 4624, C = 3072 (DeiT-B 384's fc1 at batch 16) 17.5 vs 20.5 us, M = 25344
- * 82.6 vs 95.5 us; 0.25% of outputs move by one ulp, none by more than 4e-6.
- * Grid-stride over M * ceil(C / kVec) chunks of kVec elements; the 16-byte
- * vector path (8 halves or 4 floats a load) runs when C, both row strides and
- * both pointers are 16-byte multiples, else one element a chunk.
- * Covered by tests/test_rowwise.py (vs float64 and torch's exact GELU). */
+/* gelu.cu — exact (erf) GELU of packed rows: out (M, C) = x * Phi(x) in float32, rounded once;
+ * out may be x (each element is read, then written, by the same thread). grid = (min(chunks / 256,
+ * 16 * SMs),), 256 threads, grid-stride over M * C / kVec chunks of kVec elements: 16 bytes when C,
+ * both row strides and both pointers allow it, else one element. Decision: float16 / bfloat16 take
+ * Phi from a rational erfc (gelu_erfc) instead of erff: fewer instructions, 17.5 vs 20.5 us at
+ * M = 4624, C = 3072 fp16 on the H200, and within 4e-7 of the float64 GELU, far under a 16-bit
+ * output's rounding (docs/kernels/pack.md). float32 keeps erff.
+ * Covered by tests/test_gelu.py (vs float64 and torch's exact GELU). */
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <stdint.h>
@@ -28,7 +22,10 @@ static __device__ __forceinline__ float gelu_erf(float v) {
 }
 
 /* x * Phi(x) with Phi(x) = 1 - e (x >= 0) or e (x < 0), e = erfc(|x| / sqrt 2) / 2 =
- * t exp(-z^2 + P(t)) / 2, t = 1 / (1 + z / 2): NR's erfcc, its 0.5 folded into exp2. */
+ * t exp(-z^2 + P(t)) / 2, t = 1 / (1 + z / 2): Numerical Recipes' erfcc (fractional error
+ * <= 1.2e-7), its 0.5 folded into exp2. In float32 arithmetic the GELU is within 4e-7 of the
+ * float64 one everywhere, relatively within 2e-5 where it is below 1e-14; against erff it moves
+ * 0.25% of fp16 outputs by one ulp, none by more than 4e-6. */
 static __device__ __forceinline__ float gelu_erfc(float x) {
     const float z = fabsf(x) * 0.70710678118654752f;
     float t;
@@ -61,9 +58,10 @@ template <typename T> static __device__ __forceinline__ float gelu_value(float v
 
 // ---- kernels ----
 
-/* kVec elements a chunk: 1, or 16 bytes' worth (the launcher checked alignment). */
-/* kIsFlat: x and out are both dense (row stride == C), so chunk i sits at i * kVec in
- * both and the row/column split (a 64-bit division per chunk) is skipped. */
+/* kVec elements a chunk: 1, or 16 bytes' worth (the launcher checked alignment). kIsFlat: x and
+ * out are both dense (row stride == C), so chunk i sits at i * kVec in both and the row/column
+ * split (a 64-bit division per chunk) is skipped. One chunk a thread per iteration: two in flight
+ * measured slower (the loop is bound by the erf math, docs/experiments.md). */
 template <typename T, int kVec, bool kIsFlat>
 static __global__ void __launch_bounds__(kGeluThreads) gelu_kernel(const ragvit_rowwise_args a) {
     cuda_pdl_wait(); /* first: see cuda_util.cuh */

@@ -1,14 +1,11 @@
-/* layer_norm.cu — LayerNorm over the last dim of packed rows: out (M, C) from
- * x (M, C), optional weight/bias (C,), float32 statistics (two passes over the
- * row held in registers: mean, then the biased variance of x - mean), rounded
- * once on store. 4 warps a block. Vector path (C % 8 == 0, C <= 1024, rows
- * 16-byte aligned): 16-byte chunks, at most 16 blocks an SM, each warp looping
- * over rows with the next row loaded while the current one is reduced: a row
- * costs one load and one store (weight and bias are L1 hits). Scalar path
- * (anything else): one warp a row, one element a load (C above 32 *
- * kLayerNormMaxPerLane re-reads the row).
- * In place (out == x) is safe: a warp reads its whole row before writing it.
- * Covered by tests/test_rowwise.py (vs float64 and torch.nn.functional.layer_norm). */
+/* layer_norm.cu — LayerNorm over the last dim of packed rows: out (M, C) from x (M, C) and
+ * optional weight / bias (C,), float32 statistics (mean, then the biased variance of x - mean),
+ * rounded once on store. Vector path (C % 8 == 0, C <= 1024, 16-byte aligned): grid = (min(M / 4,
+ * 16 * SMs),), 4 warps, each warp looping over rows; scalar path (anything else): grid =
+ * (ceil(M / 4),), one warp a row. Decision: the vector path keeps only raw rows in registers (see
+ * layer_norm_vec_kernel: 50 registers at C = 768 instead of 128). In place (out == x) is safe: a
+ * warp reads its whole row before writing it.
+ * Covered by tests/test_layer_norm.py (vs float64 and torch.nn.functional.layer_norm). */
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <stdint.h>
@@ -28,8 +25,6 @@ static __device__ __forceinline__ float layer_norm_warp_sum(float v) {
     for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
     return v;
 }
-
-// ---- kernels ----
 
 /* Row m's affine output for column c (weight and bias preloaded as floats). */
 static __device__ __forceinline__ float layer_norm_affine(float v, float mean, float rstd, float w,
@@ -59,6 +54,8 @@ static __device__ __forceinline__ Chunk layer_norm_param(const T *p, int ch, flo
     return c;
 }
 
+// ---- kernels ----
+
 /* Vector path: lane l holds 8-element chunks l, l + 32, ..., kChunks of them (C <= 256 *
  * kChunks, C % 8 == 0, rows, pointers and weight / bias 16-byte aligned, weight and bias
  * contiguous; a chunk is one 16-byte load for 16-bit types, two for float). A warp
@@ -67,9 +64,8 @@ static __device__ __forceinline__ Chunk layer_norm_param(const T *p, int ch, flo
  * global round trip and a warp with many overlaps their loads. Decision: registers hold
  * only the two raw rows (statistics and output convert each element again; weight and bias
  * come from L1 per row): 50 registers for fp16 at C = 768, where weight, bias and the row
- * as floats took 128 and left the SM a quarter of its warps. Measured on the H200 with a
- * standalone copy (fp16, C = 768): M = 9232 7.98 vs 8.66 us, M = 25344 24.7 vs 27.2 us;
- * in the module, 0.43-0.50x torch's layer_norm at M >= 4624. */
+ * as floats took 128 and left the SM a quarter of its warps; on the H200 (fp16, C = 768,
+ * M = 25344) 24.7 instead of 27.2 us (docs/kernels/pack.md). */
 template <typename T, int kChunks>
 static __global__ void __launch_bounds__(kLayerNormWarps * 32)
     layer_norm_vec_kernel(const ragvit_rowwise_args a) {

@@ -1,10 +1,10 @@
-/* segment_mean.cu — mean over each sequence's packed rows (global average
- * pooling heads): out (B, C) from packed (T, C) and cu_seqlens (B+1,), rows
- * [cu[b] + skip, cu[b+1]), float32 accumulation, zeros for an empty range.
- * grid = (B, ceil(C / 64)), 256 threads: 64 channels x 4 row phases; each thread
- * sums rows phase, phase + 4, ... of one channel, then phase 0 adds the four
- * partial sums in a fixed order (deterministic, no atomics).
- * Covered by tests/test_pack.py (segment_mean vs a float64 reference). */
+/* segment_mean.cu — mean over each sequence's packed rows (global average pooling heads): out
+ * (B, C) from packed (T, C) and cu_seqlens (B+1,), rows [cu[b] + skip, cu[b+1]), float32
+ * accumulation, zeros for an empty range. grid = (B, ceil(C / 64)), 256 threads: 64 channels x 4
+ * row phases; each thread sums rows phase, phase + 4, ... of one channel. Decision: phase 0 adds
+ * the four partial sums in a fixed order, no atomics, so the same rows always give the same bits
+ * (a pruning policy thresholding on the mean then decides the same way every run).
+ * Covered by tests/test_segment_mean.py (vs a float64 reference). */
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <stdint.h>

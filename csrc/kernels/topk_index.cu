@@ -1,13 +1,10 @@
-/* topk_index.cu — per row of scores (B, L): the `prefix` leading columns plus
- * the k highest-scoring columns of [prefix, L), ascending, as int32 or int64
- * indices (what the pruning policies built from topk + sort + arange + cat).
- * grid = (min(B, 2^31 - 1),), 256 threads, one row per block (grid-stride over
- * rows); the row's n = L - prefix keys sit in shared memory (<= 33 KiB).
- * Decision: radix select (4 passes of 8 bits over order-preserving uint32
- * keys) finds the k-th largest key and how many of its ties to keep, then one
- * ordered compaction (block scans over contiguous per-thread chunks) writes the
- * kept columns ascending: no sort, no global atomics, deterministic.
- * Covered by tests/test_topk.py (CUDA cases vs the Python reference). */
+/* topk_index.cu — per row of scores (B, L), L <= 8192: the `prefix` leading columns plus the k
+ * highest-scoring columns of [prefix, L), ascending, as int32 or int64 indices (what topk + sort +
+ * arange + cat computed). grid = (min(B, 2^31 - 1),), 256 threads, one row a block (grid-stride);
+ * the row's n = L - prefix keys sit in shared memory (<= 33 KiB). Decision: radix select (4
+ * passes of 8 bits over order-preserving uint32 keys) finds the k-th largest key and how many of
+ * its ties to keep, then one ordered compaction writes the kept columns ascending: one launch, no
+ * sort, no global atomics, deterministic. Covered by tests/test_topk_index.py. */
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <stdint.h>
@@ -22,7 +19,7 @@ static constexpr int kTopkRadixBits = 8;
 
 // ---- device helpers ----
 
-/* Order-preserving key of a score (topk_key.h, shared with the CPU backend). */
+/* Order-preserving key of a score (ragvit_topk_key.h, shared with the CPU backend). */
 static __device__ __forceinline__ uint32_t topk_key(float score) {
     return topk_key_from_bits(__float_as_uint(score));
 }
