@@ -1,33 +1,43 @@
-/* cuda_common.cu — per-device state and the small host helpers every op shares:
- * device count, one-time device init (SM count, compute capability, opt-in
- * shared memory, the one-word error flag, a __device__ global), error-flag and int32 read-back,
- * cross-stream waits, the CUDA error -> ragvit_status mapping, and an empty
- * kernel for the launch-floor benchmark (grid = (1), block = (1)).
- * Decision: every function that touches a device sets it for the call and
- * restores the caller's, so no caller ever sees its current device change.
- * Covered by tests/test_interop.py and every CUDA case of tests/test_ops.py. */
+/* device.cu — per-device state and the small host helpers every op shares: device count,
+ * one-time device init (SM count, compute capability, opt-in shared memory, the PDL op mask, the
+ * one-word error flag), error-flag and int32 read-back, cross-stream waits, the CUDA error ->
+ * ragvit_status mapping, and an empty kernel for the launch-floor benchmark (grid = (1), 1 thread).
+ * Decision: the error flag is a __device__ word, zero when the module loads, so init allocates
+ * nothing and a first call inside graph capture works; every function that touches a device sets
+ * it for the call and restores the caller's. Covered by tests/test_interop.py (devices, streams,
+ * the launch floor) and the debug-mode error-flag cases of each op's tests. */
 #include <stdlib.h>
 #include <string.h>
 
 #include "cuda_util.cuh"
 
-/* One-time per-device setup of ragged_attention.cu (cudaFuncSetAttribute). */
+/* One-time per-device setup of the attention kernels (cudaFuncSetAttribute), in attention.cu. */
 extern "C" ragvit_status ragged_attention_init(const ragvit_device_info *dev);
-
-// ---- device helpers ----
-
-/* Short file name for messages: the build passes absolute paths. */
-static const char *cuda_common_basename(const char *path) {
-    const char *slash = strrchr(path, '/');
-    return slash != NULL ? slash + 1 : path;
-}
 
 // ---- kernels ----
 
 /* RAGVIT_ERROR_* bits that kernels OR in (one word per device). */
-static __device__ unsigned int cuda_common_error_flag;
+static __device__ unsigned int device_error_flag;
 
-static __global__ void cuda_common_empty_kernel() {}
+static __global__ void device_empty_kernel() {}
+
+// ---- host helpers ----
+
+/* Short file name for messages: the build passes absolute paths. */
+static const char *device_basename(const char *path) {
+    const char *slash = strrchr(path, '/');
+    return slash != NULL ? slash + 1 : path;
+}
+
+/* RAGVIT_PDL: unset, the default set; else a RAGVIT_PDL_* mask in decimal or 0x hex
+ * (0: plain launches everywhere), for A/B timing and debugging. */
+static unsigned int device_pdl_ops() {
+    const char *env = getenv("RAGVIT_PDL");
+    if (env == NULL || *env == '\0') return RAGVIT_PDL_ALL;
+    char *end = NULL;
+    const unsigned long mask = strtoul(env, &end, 0);
+    return *end == '\0' ? (unsigned int)mask & RAGVIT_PDL_ALL : RAGVIT_PDL_ALL;
+}
 
 // ---- launcher ----
 
@@ -39,7 +49,7 @@ extern "C" ragvit_status ragvit_cuda_fail(int error, const char *expr, const cha
     const ragvit_status status =
         e == cudaErrorMemoryAllocation ? RAGVIT_STATUS_OUT_OF_MEMORY : RAGVIT_STATUS_CUDA_ERROR;
     return ragvit_fail(status, "%s: %s (%s @ %s:%d)", cudaGetErrorName(e), cudaGetErrorString(e),
-                       expr, cuda_common_basename(file), line);
+                       expr, device_basename(file), line);
 }
 
 extern "C" ragvit_status ragvit_cuda_device_count(int32_t *count) {
@@ -53,16 +63,6 @@ extern "C" ragvit_status ragvit_cuda_device_count(int32_t *count) {
     CUDA_TRY(e);
     *count = (int32_t)n;
     return RAGVIT_STATUS_OK;
-}
-
-/* RAGVIT_PDL: unset, the default set; else a RAGVIT_PDL_* mask in decimal or 0x hex
- * (0: plain launches everywhere), for A/B timing and debugging. */
-static unsigned int cuda_common_pdl_ops() {
-    const char *env = getenv("RAGVIT_PDL");
-    if (env == NULL || *env == '\0') return RAGVIT_PDL_ALL;
-    char *end = NULL;
-    const unsigned long mask = strtoul(env, &end, 0);
-    return *end == '\0' ? (unsigned int)mask & RAGVIT_PDL_ALL : RAGVIT_PDL_ALL;
 }
 
 extern "C" ragvit_status ragvit_cuda_device_init(int32_t device_id, ragvit_device_info *info) {
@@ -83,12 +83,12 @@ extern "C" ragvit_status ragvit_cuda_device_init(int32_t device_id, ragvit_devic
     filled.cc_major = cc_major;
     filled.cc_minor = cc_minor;
     filled.smem_per_block_optin = smem_optin;
-    filled.pdl_ops = cc_major >= 9 ? cuda_common_pdl_ops() : 0;
+    filled.pdl_ops = cc_major >= 9 ? device_pdl_ops() : 0;
 
     /* A __device__ word is zero when the module loads on each device: no
      * cudaMalloc/cudaMemset here, so a first call inside graph capture works. */
     void *flag = NULL;
-    CUDA_TRY(cudaGetSymbolAddress(&flag, cuda_common_error_flag));
+    CUDA_TRY(cudaGetSymbolAddress(&flag, device_error_flag));
     filled.error_flag = (unsigned int *)flag;
 
     RAGVIT_TRY(ragged_attention_init(&filled));
@@ -174,7 +174,7 @@ extern "C" ragvit_status ragvit_cuda_stream_wait(int32_t device_id, void *consum
 extern "C" ragvit_status ragvit_cuda_launch_empty(const ragvit_device_info *dev, void *stream) {
     cuda_device_guard guard;
     RAGVIT_TRY(guard.enter(dev->device_id));
-    cuda_common_empty_kernel<<<1, 1, 0, (cudaStream_t)stream>>>();
+    device_empty_kernel<<<1, 1, 0, (cudaStream_t)stream>>>();
     CUDA_TRY(cudaGetLastError());
     return RAGVIT_STATUS_OK;
 }
