@@ -1,15 +1,11 @@
-/* linear.cu — out (M, N) = x (M, K) . weight (N, K)^T + bias + residual through cuBLASLt:
- * column-major D (N, M) = op(A = weight, T) . B (= x), BIAS epilogue, beta = 1 on C =
- * residual (C == D, in place, is allowed). cuBLASLt is dlopen()ed on first use, so the
- * module imports and runs every other op without it. Per device: one handle; a 32 MiB
- * workspace for each of the first kLinearStreams streams (shared workspaces would race;
- * later streams, and a stream first seen while capturing, run workspace-free algorithms);
- * a plan cache (descriptors + the heuristic's algorithm) keyed by all the heuristic sees,
- * open addressing over kLinearProbe slots, so a seen shape costs no descriptor or query.
- * Decision: no timing of the heuristic's other candidates (tried: +1.7% on a DeiT-S
- * batch-1 graph, for a host sync per new shape). State lives as long as the process, like
- * the device error flag (freeing it at exit would race the CUDA runtime's teardown).
- * Covered by tests/test_linear.py (vs float64, fused residual, in place, capture, errors). */
+/* linear.cu — out (M, N) = x (M, K) . weight (N, K)^T + bias + residual through cuBLASLt (no
+ * kernel of its own): column-major D (N, M) = op(A = weight, T) . B (= x), the BIAS epilogue, and
+ * the residual epilogue: beta = 1 on C = residual (C == D, in place, is allowed). cuBLASLt is
+ * dlopen()ed on first use, so the module imports and runs every other op without it. Decision:
+ * per device one handle, per-stream workspaces and a plan cache (descriptors + the heuristic's
+ * first algorithm): a seen shape costs no descriptor or query; the heuristic's choice is taken as
+ * is (timing its candidates: +1.7% on an H200 DeiT-S batch-1 graph, a host sync per new shape).
+ * Covered by tests/test_linear.py (vs float64, residual epilogue, in place, capture, errors). */
 #include <dlfcn.h>
 #include <pthread.h>
 #include <stdint.h>
@@ -64,6 +60,10 @@ struct linear_plan {
     cublasLtMatmulAlgo_t algo;
 };
 
+/* A 32 MiB workspace for each of the first kLinearStreams streams (one shared workspace would race
+ * between streams; later streams, and a stream first seen while capturing, run workspace-free
+ * algorithms); plans: open addressing, a key in slots h .. h + kLinearProbe - 1, so the handful
+ * of shapes in a forward do not evict each other. */
 struct linear_device {
     int is_initialized;
     cublasLtHandle_t handle;
@@ -74,6 +74,8 @@ struct linear_device {
     linear_plan plans[kLinearCacheSlots];
 };
 
+/* Process-lifetime state, like the device error flag: freeing it at exit would race the CUDA
+ * runtime's teardown. */
 static pthread_mutex_t linear_lock = PTHREAD_MUTEX_INITIALIZER;
 static linear_api linear_lib;
 static linear_device linear_devices[RAGVIT_MAX_DEVICES];
