@@ -1,0 +1,139 @@
+/* args.c — METH_FASTCALL | METH_KEYWORDS parsing for the op wrappers: the
+ * signature (positional, keyword, required, None as absent), stream=, and the
+ * scalar arguments (max_seqlen, floats, counts). Every function returns 0, or
+ * -1 with an exception whose message names the op and the argument.
+ * Decision: None is the same as leaving an argument out, for every argument, so
+ * a Python caller can forward its own None defaults unchanged. */
+#include "glue.h"
+
+/* Fills values[i] for each name (NULL when absent or None). The first
+ * max_positional names may be positional; the first required must be given. */
+int parse_args(const char *op, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames,
+               const char *const *names, int count, int max_positional, int required,
+               PyObject **values) {
+    for (int i = 0; i < count; i++) values[i] = NULL;
+    if (nargs > max_positional) {
+        PyErr_Format(PyExc_TypeError, "%s() takes at most %d positional arguments (%zd given)", op,
+                     max_positional, nargs);
+        return -1;
+    }
+    for (Py_ssize_t i = 0; i < nargs; i++) values[i] = args[i];
+    Py_ssize_t nkw = kwnames ? PyTuple_GET_SIZE(kwnames) : 0;
+    for (Py_ssize_t j = 0; j < nkw; j++) {
+        PyObject *key = PyTuple_GET_ITEM(kwnames, j); /* borrowed */
+        int found = -1;
+        for (int i = 0; i < count; i++) {
+            if (keyword_is(key, names[i])) {
+                found = i;
+                break;
+            }
+        }
+        if (found < 0) {
+            PyErr_Format(PyExc_TypeError, "%s() got an unexpected keyword argument '%U'", op, key);
+            return -1;
+        }
+        if (found < nargs) {
+            PyErr_Format(PyExc_TypeError, "%s() got multiple values for argument '%s'", op,
+                         names[found]);
+            return -1;
+        }
+        values[found] = args[nargs + j];
+    }
+    for (int i = 0; i < count; i++) {
+        if (values[i] == Py_None) values[i] = NULL;
+        if (i < required && values[i] == NULL) {
+            PyErr_Format(PyExc_TypeError, "%s() missing required argument '%s'", op, names[i]);
+            return -1;
+        }
+    }
+    return 0;
+}
+
+/* stream=: an int cudaStream_t handle (0: legacy default) or an object with
+ * __cuda_stream__() -> (version, handle). */
+int parse_stream(call_state *cs, PyObject *obj) {
+    PyObject *pair = NULL, *handle = NULL;
+    int rc = -1;
+    if (obj == NULL) return 0;
+    if (PyLong_Check(obj)) {
+        handle = obj;
+        Py_INCREF(handle);
+    } else {
+        PyObject *method = PyObject_GetAttr(obj, cs->st->str_cuda_stream);
+        if (method == NULL) {
+            PyErr_Clear();
+            ragvit_fail(RAGVIT_STATUS_INVALID_TYPE,
+                        "%s: stream must be an int handle or have __cuda_stream__, got %s", cs->op,
+                        Py_TYPE(obj)->tp_name);
+            raise_status(RAGVIT_STATUS_INVALID_TYPE);
+            goto done;
+        }
+        pair = PyObject_CallNoArgs(method);
+        Py_DECREF(method);
+        if (pair == NULL) goto done;
+        if (!PyTuple_Check(pair) || PyTuple_GET_SIZE(pair) != 2) {
+            ragvit_fail(RAGVIT_STATUS_INVALID_VALUE,
+                        "%s: stream.__cuda_stream__() must return (version, handle), got %s",
+                        cs->op, Py_TYPE(pair)->tp_name);
+            raise_status(RAGVIT_STATUS_INVALID_VALUE);
+            goto done;
+        }
+        handle = PyTuple_GET_ITEM(pair, 1); /* borrowed from pair */
+        Py_INCREF(handle);
+    }
+    cs->stream = PyLong_AsVoidPtr(handle);
+    if (cs->stream == NULL && PyErr_Occurred()) goto done;
+    cs->is_stream_resolved = 1;
+    rc = 0;
+done:
+    Py_XDECREF(pair);
+    Py_XDECREF(handle);
+    return rc;
+}
+
+int parse_max_seqlen(call_state *cs, PyObject *obj, int64_t *max_seqlen) {
+    *max_seqlen = RAGVIT_MAX_SEQLEN_AUTO;
+    if (obj == NULL) return 0;
+    if (!PyLong_Check(obj)) {
+        ragvit_fail(RAGVIT_STATUS_INVALID_TYPE, "%s: max_seqlen must be an int or None, got %s",
+                    cs->op, Py_TYPE(obj)->tp_name);
+        return raise_status(RAGVIT_STATUS_INVALID_TYPE);
+    }
+    int overflow = 0;
+    long long value = PyLong_AsLongLongAndOverflow(obj, &overflow);
+    if (overflow || value == RAGVIT_MAX_SEQLEN_AUTO) value = overflow > 0 ? INT64_MAX : -1;
+    *max_seqlen = value;
+    return 0;
+}
+
+int parse_float(call_state *cs, PyObject *obj, const char *name, double fallback, double *value) {
+    *value = fallback;
+    if (obj == NULL) return 0;
+    if (!PyFloat_Check(obj) && !PyLong_Check(obj)) {
+        ragvit_fail(RAGVIT_STATUS_INVALID_TYPE, "%s: %s must be a float, got %s", cs->op, name,
+                    Py_TYPE(obj)->tp_name);
+        return raise_status(RAGVIT_STATUS_INVALID_TYPE);
+    }
+    *value = PyFloat_AsDouble(obj);
+    return (*value == -1.0 && PyErr_Occurred()) ? -1 : 0;
+}
+
+/* A required int >= 0 (bool refused: it is almost always a mistake here). */
+int parse_count(call_state *cs, PyObject *obj, const char *name, long long *value) {
+    if (!PyLong_Check(obj) || PyBool_Check(obj)) {
+        ragvit_fail(RAGVIT_STATUS_INVALID_TYPE, "%s: %s must be an int, got %s", cs->op, name,
+                    Py_TYPE(obj)->tp_name);
+        return raise_status(RAGVIT_STATUS_INVALID_TYPE);
+    }
+    int overflow = 0;
+    *value = PyLong_AsLongLongAndOverflow(obj, &overflow);
+    if (*value == -1 && PyErr_Occurred()) return -1;
+    if (overflow || *value < 0 || *value > INT32_MAX) {
+        ragvit_fail(RAGVIT_STATUS_INVALID_VALUE, "%s: %s must be in [0, 2**31), got %s%lld", cs->op,
+                    name, overflow ? "an int beyond " : "",
+                    overflow ? (overflow > 0 ? (long long)INT64_MAX : (long long)INT64_MIN)
+                             : *value);
+        return raise_status(RAGVIT_STATUS_INVALID_VALUE);
+    }
+    return 0;
+}

@@ -1,0 +1,143 @@
+/* glue.h — the internal header of ragvit._C: module and call state, import
+ * slots, and what each file of the glue offers the others (errors.c raises,
+ * args.c parses, interop.c imports and allocates, module.c wraps the ops and
+ * holds the lifecycle).
+ * Decision: the helpers every call passes through (raise_status, keyword_is,
+ * call_init, finish_streams) are static inline here: each .c is its own
+ * translation unit, and a call per helper would tax the ~4 us host path. */
+#ifndef RAGVIT_GLUE_H
+#define RAGVIT_GLUE_H
+
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+
+#include <string.h>
+
+#include "dlpack_abi.h"
+#include "ragvit.h"
+
+#define API_CACHE_SIZE 8
+#define MAX_IMPORTS 8
+
+typedef struct {
+    PyTypeObject *type;           /* strong reference */
+    const DLPackExchangeAPI *api; /* NULL: the type has none */
+} api_cache_entry;
+
+typedef struct {
+    ragvit_context ctx;
+    api_cache_entry api_cache[API_CACHE_SIZE];
+    int api_cache_count;
+    PyObject *str_dlpack;
+    PyObject *str_dlpack_device;
+    PyObject *str_cai;
+    PyObject *str_cuda_stream;
+    PyObject *str_exchange_api;
+    PyObject *str_stream;
+    PyObject *str_max_version;
+    PyObject *max_version; /* (1, 0) */
+} module_state;
+
+enum import_kind { IMPORT_EXCHANGE = 1, IMPORT_NUMPY, IMPORT_DLPACK, IMPORT_CAI };
+
+/* What one imported argument holds until the call ends. */
+typedef struct {
+    int kind;
+    PyTypeObject *type; /* borrowed: the argument outlives the call */
+    const DLPackExchangeAPI *api;
+    PyObject *capsule;       /* renamed "used_*" capsule whose tensor we must delete */
+    DLManagedTensor *legacy; /* owned through capsule */
+    DLManagedTensorVersioned *versioned;
+} import_slot;
+
+typedef struct {
+    module_state *st;
+    const char *op;
+    int is_stream_resolved;
+    void *stream;
+    import_slot slots[MAX_IMPORTS];
+    int slot_count;
+    void *cai_streams[MAX_IMPORTS]; /* producer streams to wait on (CAI v3) */
+    int32_t cai_devices[MAX_IMPORTS];
+    int cai_stream_count;
+} call_state;
+
+/* ---- errors.c ---- */
+
+/* The one place a failing ragvit_status becomes a Python exception. Returns -1. */
+int raise_failure(ragvit_status status);
+
+/* 0 for RAGVIT_STATUS_OK, else raise_failure (-1). */
+static inline int raise_status(ragvit_status status) {
+    return status == RAGVIT_STATUS_OK ? 0 : raise_failure(status);
+}
+
+#define RAISE_IF(status_expr)                                                                      \
+    do {                                                                                           \
+        ragvit_status rs_ = (status_expr);                                                         \
+        if (rs_ != RAGVIT_STATUS_OK) {                                                             \
+            raise_status(rs_);                                                                     \
+            goto done;                                                                             \
+        }                                                                                          \
+    } while (0)
+
+/* ---- args.c: FASTCALL parsing; each returns 0, or -1 with an exception ---- */
+
+/* Whether keyword key (a str) spells name. Call sites pass compact ASCII
+ * keywords, compared here without a call; anything else takes CPython's path. */
+static inline int keyword_is(PyObject *key, const char *name) {
+    if (PyUnicode_IS_COMPACT_ASCII(key)) {
+        if (PyUnicode_GET_LENGTH(key) == 0 || *(const char *)PyUnicode_DATA(key) != name[0])
+            return 0; /* most names differ at the first letter */
+        const size_t length = strlen(name);
+        return (size_t)PyUnicode_GET_LENGTH(key) == length &&
+               memcmp(PyUnicode_DATA(key), name, length) == 0;
+    }
+    return PyUnicode_CompareWithASCIIString(key, name) == 0;
+}
+
+/* Fills values[i] (borrowed) for each name: NULL when absent or None. */
+int parse_args(const char *op, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames,
+               const char *const *names, int count, int max_positional, int required,
+               PyObject **values);
+int parse_stream(call_state *cs, PyObject *obj);
+int parse_max_seqlen(call_state *cs, PyObject *obj, int64_t *max_seqlen);
+int parse_float(call_state *cs, PyObject *obj, const char *name, double fallback, double *value);
+int parse_count(call_state *cs, PyObject *obj, const char *name, long long *value);
+
+/* ---- interop.c: imports and allocation ---- */
+
+/* Imports NumPy's C API table, which NumPy keeps per translation unit (interop.c's). */
+int import_numpy_api(void);
+/* Imports obj (NULL: optional argument left out) into t. */
+int import_arg(call_state *cs, PyObject *obj, const char *name, ragvit_tensor *t);
+/* Runs the deleters of consumed capsules; safe to call more than once. */
+void release_slots(call_state *cs);
+/* New array shaped like `shape` on like's device, in the library of the
+ * argument imported into slot index `like_slot`; its view goes to *view. */
+PyObject *alloc_like(call_state *cs, int like_slot, const ragvit_tensor *like, const char *name,
+                     int32_t dtype, int ndim, const int64_t *shape, ragvit_tensor *view);
+
+/* ---- the call of every op wrapper ---- */
+
+/* Only the counters and flags: slots and CAI entries are written before use. */
+static inline void call_init(call_state *cs, PyObject *module, const char *op) {
+    cs->st = (module_state *)PyModule_GetState(module);
+    cs->op = op;
+    cs->is_stream_resolved = 0;
+    cs->stream = NULL;
+    cs->slot_count = 0;
+    cs->cai_stream_count = 0;
+}
+
+/* After all imports: the call runs on cs->stream; wait for CAI producers. */
+static inline int finish_streams(call_state *cs) {
+    for (int i = 0; i < cs->cai_stream_count; i++) {
+        if (raise_status(ragvit_stream_wait(cs->cai_devices[i], cs->stream, cs->cai_streams[i]))) {
+            return -1;
+        }
+    }
+    return 0;
+}
+
+#endif /* RAGVIT_GLUE_H */
