@@ -1,7 +1,7 @@
 /* glue.h — the internal header of ragvit._C: module and call state, import
  * slots, and what each file of the glue offers the others (errors.c raises,
- * args.c parses, interop.c imports and allocates, module.c wraps the ops and
- * holds the lifecycle).
+ * args.c parses, interop.c imports and allocates, bind_<family>.c wrap the
+ * ops, module.c holds the lifecycle).
  * Decision: the helpers every call passes through (raise_status, keyword_is,
  * call_init, finish_streams) are static inline here: each .c is its own
  * translation unit, and a call per helper would tax the ~4 us host path. */
@@ -139,5 +139,26 @@ static inline int finish_streams(call_state *cs) {
     }
     return 0;
 }
+
+/* ---- bind_<family>.c: the module's functions (module.c's method table) ---- */
+
+#define FASTCALL_ARGS PyObject *module, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames
+PyObject *py_attention(FASTCALL_ARGS);
+PyObject *py_pack(FASTCALL_ARGS);
+PyObject *py_pack_into(FASTCALL_ARGS);
+PyObject *py_unpack(FASTCALL_ARGS);
+PyObject *py_gather_prefix(FASTCALL_ARGS);
+PyObject *py_segment_mean(FASTCALL_ARGS);
+PyObject *py_repack(FASTCALL_ARGS);
+PyObject *py_repack_into(FASTCALL_ARGS);
+PyObject *py_linear(FASTCALL_ARGS);
+PyObject *py_layer_norm(FASTCALL_ARGS);
+PyObject *py_gelu(FASTCALL_ARGS);
+PyObject *py_topk_index(FASTCALL_ARGS);
+PyObject *py_launch_empty(FASTCALL_ARGS);
+PyObject *py_cuda_is_compiled(PyObject *module, PyObject *unused);
+PyObject *py_cuda_device_count(PyObject *module, PyObject *unused);
+PyObject *py_set_debug(PyObject *module, PyObject *flag);
+PyObject *py_is_debug(PyObject *module, PyObject *unused);
 
 #endif /* RAGVIT_GLUE_H */

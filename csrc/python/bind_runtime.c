@@ -1,0 +1,62 @@
+/* bind_runtime.c — ragvit._C's functions about the build and the process
+ * rather than an op: cuda_is_compiled, cuda_device_count, set_debug/is_debug
+ * (the module state's debug flag) and _launch_empty, the benchmarks' floor.
+ * Decision: _launch_empty parses by hand instead of through parse_args: it
+ * must accept any further arguments, so it can be called with exactly the
+ * call shape of the op it is compared with. */
+#include "glue.h"
+
+PyObject *py_cuda_is_compiled(PyObject *module, PyObject *unused) {
+    (void)module;
+    (void)unused;
+    return PyBool_FromLong(ragvit_cuda_is_compiled());
+}
+
+PyObject *py_cuda_device_count(PyObject *module, PyObject *unused) {
+    (void)module;
+    (void)unused;
+    int32_t count = 0;
+    if (raise_status(ragvit_device_count(&count))) return NULL;
+    return PyLong_FromLong(count);
+}
+
+PyObject *py_set_debug(PyObject *module, PyObject *flag) {
+    int value = PyObject_IsTrue(flag);
+    if (value < 0) return NULL;
+    ((module_state *)PyModule_GetState(module))->ctx.is_debug = value;
+    Py_RETURN_NONE;
+}
+
+PyObject *py_is_debug(PyObject *module, PyObject *unused) {
+    (void)unused;
+    return PyBool_FromLong(((module_state *)PyModule_GetState(module))->ctx.is_debug);
+}
+
+/* _launch_empty(device=0, stream=0, *args, **kwargs): the benchmarks' floor.
+ * Arguments past device and stream, positional or keyword, are accepted and
+ * ignored, so the floor can be called with exactly the call shape of the op it
+ * is compared with (same argument count, same keyword names). */
+PyObject *py_launch_empty(PyObject *module, PyObject *const *args, Py_ssize_t nargs,
+                          PyObject *kwnames) {
+    PyObject *device_obj = nargs > 0 ? args[0] : NULL; /* borrowed */
+    PyObject *stream_obj = nargs > 1 ? args[1] : NULL; /* borrowed */
+    Py_ssize_t nkw = kwnames ? PyTuple_GET_SIZE(kwnames) : 0;
+    for (Py_ssize_t j = 0; j < nkw; j++) {
+        PyObject *key = PyTuple_GET_ITEM(kwnames, j); /* borrowed */
+        int index = keyword_is(key, "device") ? 0 : keyword_is(key, "stream") ? 1 : -1;
+        if (index < 0) continue;
+        if (index < nargs) {
+            PyErr_Format(PyExc_TypeError, "launch_empty() got multiple values for argument '%U'",
+                         key);
+            return NULL;
+        }
+        *(index == 0 ? &device_obj : &stream_obj) = args[nargs + j];
+    }
+    call_state cs;
+    call_init(&cs, module, "launch_empty");
+    long device = (device_obj && device_obj != Py_None) ? PyLong_AsLong(device_obj) : 0;
+    if (device == -1 && PyErr_Occurred()) return NULL;
+    if (parse_stream(&cs, stream_obj == Py_None ? NULL : stream_obj)) return NULL;
+    if (raise_status(ragvit_launch_empty(&cs.st->ctx, (int32_t)device, cs.stream))) return NULL;
+    Py_RETURN_NONE;
+}
