@@ -62,20 +62,20 @@ int parse_stream(call_state *cs, PyObject *obj) {
         PyObject *method = PyObject_GetAttr(obj, cs->st->str_cuda_stream);
         if (method == NULL) {
             PyErr_Clear();
-            ragvit_fail(RAGVIT_STATUS_INVALID_TYPE,
-                        "%s: stream must be an int handle or have __cuda_stream__, got %s", cs->op,
-                        Py_TYPE(obj)->tp_name);
-            raise_status(RAGVIT_STATUS_INVALID_TYPE);
+            raise_failure(
+                ragvit_fail(RAGVIT_STATUS_INVALID_TYPE,
+                            "%s: stream must be an int handle or have __cuda_stream__, got %s",
+                            cs->op, Py_TYPE(obj)->tp_name));
             goto done;
         }
         pair = PyObject_CallNoArgs(method);
         Py_DECREF(method);
         if (pair == NULL) goto done;
         if (!PyTuple_Check(pair) || PyTuple_GET_SIZE(pair) != 2) {
-            ragvit_fail(RAGVIT_STATUS_INVALID_VALUE,
-                        "%s: stream.__cuda_stream__() must return (version, handle), got %s",
-                        cs->op, Py_TYPE(pair)->tp_name);
-            raise_status(RAGVIT_STATUS_INVALID_VALUE);
+            raise_failure(
+                ragvit_fail(RAGVIT_STATUS_INVALID_VALUE,
+                            "%s: stream.__cuda_stream__() must return (version, handle), got %s",
+                            cs->op, Py_TYPE(pair)->tp_name));
             goto done;
         }
         handle = PyTuple_GET_ITEM(pair, 1); /* borrowed from pair */
@@ -95,9 +95,9 @@ int parse_max_seqlen(call_state *cs, PyObject *obj, int64_t *max_seqlen) {
     *max_seqlen = RAGVIT_MAX_SEQLEN_AUTO;
     if (obj == NULL) return 0;
     if (!PyLong_Check(obj)) {
-        ragvit_fail(RAGVIT_STATUS_INVALID_TYPE, "%s: max_seqlen must be an int or None, got %s",
-                    cs->op, Py_TYPE(obj)->tp_name);
-        return raise_status(RAGVIT_STATUS_INVALID_TYPE);
+        return raise_failure(ragvit_fail(RAGVIT_STATUS_INVALID_TYPE,
+                                         "%s: max_seqlen must be an int or None, got %s", cs->op,
+                                         Py_TYPE(obj)->tp_name));
     }
     int overflow = 0;
     long long value = PyLong_AsLongLongAndOverflow(obj, &overflow);
@@ -110,9 +110,9 @@ int parse_float(call_state *cs, PyObject *obj, const char *name, double fallback
     *value = fallback;
     if (obj == NULL) return 0;
     if (!PyFloat_Check(obj) && !PyLong_Check(obj)) {
-        ragvit_fail(RAGVIT_STATUS_INVALID_TYPE, "%s: %s must be a float, got %s", cs->op, name,
-                    Py_TYPE(obj)->tp_name);
-        return raise_status(RAGVIT_STATUS_INVALID_TYPE);
+        return raise_failure(ragvit_fail(RAGVIT_STATUS_INVALID_TYPE,
+                                         "%s: %s must be a float, got %s", cs->op, name,
+                                         Py_TYPE(obj)->tp_name));
     }
     *value = PyFloat_AsDouble(obj);
     return (*value == -1.0 && PyErr_Occurred()) ? -1 : 0;
@@ -121,19 +121,18 @@ int parse_float(call_state *cs, PyObject *obj, const char *name, double fallback
 /* A required int >= 0 (bool refused: it is almost always a mistake here). */
 int parse_count(call_state *cs, PyObject *obj, const char *name, long long *value) {
     if (!PyLong_Check(obj) || PyBool_Check(obj)) {
-        ragvit_fail(RAGVIT_STATUS_INVALID_TYPE, "%s: %s must be an int, got %s", cs->op, name,
-                    Py_TYPE(obj)->tp_name);
-        return raise_status(RAGVIT_STATUS_INVALID_TYPE);
+        return raise_failure(ragvit_fail(RAGVIT_STATUS_INVALID_TYPE,
+                                         "%s: %s must be an int, got %s", cs->op, name,
+                                         Py_TYPE(obj)->tp_name));
     }
     int overflow = 0;
     *value = PyLong_AsLongLongAndOverflow(obj, &overflow);
     if (*value == -1 && PyErr_Occurred()) return -1;
     if (overflow || *value < 0 || *value > INT32_MAX) {
-        ragvit_fail(RAGVIT_STATUS_INVALID_VALUE, "%s: %s must be in [0, 2**31), got %s%lld", cs->op,
-                    name, overflow ? "an int beyond " : "",
-                    overflow ? (overflow > 0 ? (long long)INT64_MAX : (long long)INT64_MIN)
-                             : *value);
-        return raise_status(RAGVIT_STATUS_INVALID_VALUE);
+        return raise_failure(ragvit_fail(
+            RAGVIT_STATUS_INVALID_VALUE, "%s: %s must be in [0, 2**31), got %s%lld", cs->op, name,
+            overflow ? "an int beyond " : "",
+            overflow ? (overflow > 0 ? (long long)INT64_MAX : (long long)INT64_MIN) : *value));
     }
     return 0;
 }

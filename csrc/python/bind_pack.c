@@ -10,10 +10,10 @@
  * sizing an output before the core checks everything else). */
 static int check_packed_dims(call_state *cs, const ragvit_tensor *packed, const ragvit_tensor *cu) {
     if (packed->ndim == 2 && cu->ndim == 1) return 0;
-    ragvit_fail(RAGVIT_STATUS_INVALID_SHAPE,
-                "%s: packed must be (T, C) and cu_seqlens (B+1,), got %d and %d dimensions", cs->op,
-                packed->ndim, cu->ndim);
-    return raise_status(RAGVIT_STATUS_INVALID_SHAPE);
+    return raise_failure(
+        ragvit_fail(RAGVIT_STATUS_INVALID_SHAPE,
+                    "%s: packed must be (T, C) and cu_seqlens (B+1,), got %d and %d dimensions",
+                    cs->op, packed->ndim, cu->ndim));
 }
 
 /* The output of a per-sequence op: (B, rows, C), or (B, C) when rows < 0.
@@ -24,10 +24,9 @@ static PyObject *sequence_output(call_state *cs, PyObject *given, const ragvit_t
                                  ragvit_tensor *out) {
     if (given != NULL) {
         if (rows >= 0 && out->ndim == 3 && out->shape[1] != rows) {
-            ragvit_fail(RAGVIT_STATUS_INVALID_SHAPE,
-                        "%s: out must have %s=%lld rows per sequence, got %lld", cs->op, rows_name,
-                        rows, (long long)out->shape[1]);
-            raise_status(RAGVIT_STATUS_INVALID_SHAPE);
+            raise_failure(ragvit_fail(RAGVIT_STATUS_INVALID_SHAPE,
+                                      "%s: out must have %s=%lld rows per sequence, got %lld",
+                                      cs->op, rows_name, rows, (long long)out->shape[1]));
             return NULL;
         }
         Py_INCREF(given);

@@ -15,9 +15,8 @@ static PyObject *rows_output(call_state *cs, PyObject *given, const ragvit_tenso
         return given;
     }
     if (x->ndim != 2) {
-        ragvit_fail(RAGVIT_STATUS_INVALID_SHAPE, "%s: x must have 2 dimensions (M, K), got %d",
-                    cs->op, x->ndim);
-        raise_status(RAGVIT_STATUS_INVALID_SHAPE);
+        raise_failure(ragvit_fail(RAGVIT_STATUS_INVALID_SHAPE,
+                                  "%s: x must have 2 dimensions (M, K), got %d", cs->op, x->ndim));
         return NULL;
     }
     const int64_t shape[2] = {x->shape[0], cols};

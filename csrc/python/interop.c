@@ -175,31 +175,31 @@ static int import_numpy(call_state *cs, PyObject *obj, const char *name, ragvit_
     case NPY_UINT8: dtype = RAGVIT_DTYPE_U8; break;
     case NPY_BOOL: dtype = RAGVIT_DTYPE_BOOL; break;
     default:
-        ragvit_fail(RAGVIT_STATUS_INVALID_DTYPE,
-                    "%s: %s must be float16, float32, int32, uint8 or bool, got numpy dtype %s",
-                    cs->op, name, PyArray_DESCR(arr)->typeobj->tp_name);
-        return raise_status(RAGVIT_STATUS_INVALID_DTYPE);
+        return raise_failure(
+            ragvit_fail(RAGVIT_STATUS_INVALID_DTYPE,
+                        "%s: %s must be float16, float32, int32, uint8 or bool, got numpy dtype %s",
+                        cs->op, name, PyArray_DESCR(arr)->typeobj->tp_name));
     }
     if (!PyArray_ISNOTSWAPPED(arr)) {
-        ragvit_fail(RAGVIT_STATUS_NOT_IMPORTABLE,
-                    "%s: %s must be in native byte order, got a byte-swapped array", cs->op, name);
-        return raise_status(RAGVIT_STATUS_NOT_IMPORTABLE);
+        return raise_failure(ragvit_fail(
+            RAGVIT_STATUS_NOT_IMPORTABLE,
+            "%s: %s must be in native byte order, got a byte-swapped array", cs->op, name));
     }
     int ndim = PyArray_NDIM(arr);
     if (ndim > RAGVIT_MAX_DIMS) {
-        ragvit_fail(RAGVIT_STATUS_INVALID_SHAPE, "%s: %s must have at most %d dimensions, got %d",
-                    cs->op, name, RAGVIT_MAX_DIMS, ndim);
-        return raise_status(RAGVIT_STATUS_INVALID_SHAPE);
+        return raise_failure(ragvit_fail(RAGVIT_STATUS_INVALID_SHAPE,
+                                         "%s: %s must have at most %d dimensions, got %d", cs->op,
+                                         name, RAGVIT_MAX_DIMS, ndim));
     }
     npy_intp itemsize = PyArray_ITEMSIZE(arr);
     for (int i = 0; i < ndim; i++) {
         npy_intp stride = PyArray_STRIDE(arr, i);
         if (stride % itemsize != 0) {
-            ragvit_fail(RAGVIT_STATUS_NOT_IMPORTABLE,
-                        "%s: %s must have strides that are whole elements, got %zd bytes in "
-                        "dimension %d",
-                        cs->op, name, (Py_ssize_t)stride, i);
-            return raise_status(RAGVIT_STATUS_NOT_IMPORTABLE);
+            return raise_failure(
+                ragvit_fail(RAGVIT_STATUS_NOT_IMPORTABLE,
+                            "%s: %s must have strides that are whole elements, got %zd bytes in "
+                            "dimension %d",
+                            cs->op, name, (Py_ssize_t)stride, i));
         }
         t->shape[i] = PyArray_DIM(arr, i);
         t->strides[i] = stride / itemsize;
@@ -226,10 +226,9 @@ static int query_dlpack_device(call_state *cs, PyObject *obj, const char *name, 
     Py_DECREF(dev);
     if (!ok) {
         PyErr_Clear();
-        ragvit_fail(RAGVIT_STATUS_NOT_IMPORTABLE,
-                    "%s: %s.__dlpack_device__() must return (device_type, device_id)", cs->op,
-                    name);
-        return raise_status(RAGVIT_STATUS_NOT_IMPORTABLE);
+        return raise_failure(ragvit_fail(
+            RAGVIT_STATUS_NOT_IMPORTABLE,
+            "%s: %s.__dlpack_device__() must return (device_type, device_id)", cs->op, name));
     }
     return 0;
 }
@@ -278,10 +277,9 @@ static int import_dlpack(call_state *cs, PyObject *obj, const char *name, ragvit
         DLManagedTensorVersioned *mt =
             (DLManagedTensorVersioned *)PyCapsule_GetPointer(capsule, "dltensor_versioned");
         if (mt->version.major != RAGVIT_DLPACK_MAJOR) {
-            ragvit_fail(RAGVIT_STATUS_NOT_IMPORTABLE,
-                        "%s: %s must be a DLPack 1.x tensor, got version %u.%u", cs->op, name,
-                        mt->version.major, mt->version.minor);
-            raise_status(RAGVIT_STATUS_NOT_IMPORTABLE);
+            raise_failure(ragvit_fail(RAGVIT_STATUS_NOT_IMPORTABLE,
+                                      "%s: %s must be a DLPack 1.x tensor, got version %u.%u",
+                                      cs->op, name, mt->version.major, mt->version.minor));
             goto done;
         }
         if (raise_status(view_from_dl(t, &mt->dl_tensor,
@@ -299,11 +297,11 @@ static int import_dlpack(call_state *cs, PyObject *obj, const char *name, ragvit
     } else {
         const char *cname = PyCapsule_CheckExact(capsule) ? PyCapsule_GetName(capsule) : NULL;
         PyErr_Clear();
-        ragvit_fail(RAGVIT_STATUS_NOT_IMPORTABLE,
-                    "%s: %s.__dlpack__() must return an unconsumed DLPack capsule, got %s%s%s",
-                    cs->op, name, cname ? "a capsule named '" : Py_TYPE(capsule)->tp_name,
-                    cname ? cname : "", cname ? "'" : "");
-        raise_status(RAGVIT_STATUS_NOT_IMPORTABLE);
+        raise_failure(
+            ragvit_fail(RAGVIT_STATUS_NOT_IMPORTABLE,
+                        "%s: %s.__dlpack__() must return an unconsumed DLPack capsule, got %s%s%s",
+                        cs->op, name, cname ? "a capsule named '" : Py_TYPE(capsule)->tp_name,
+                        cname ? cname : "", cname ? "'" : ""));
         goto done;
     }
     slot->capsule = capsule; /* stolen: released by release_slots */
@@ -340,10 +338,10 @@ static int read_int_tuple(call_state *cs, const char *name, const char *key, PyO
                           int64_t *dst, int expected) {
     if (!PyTuple_Check(tuple) || (expected >= 0 && PyTuple_GET_SIZE(tuple) != expected) ||
         PyTuple_GET_SIZE(tuple) > RAGVIT_MAX_DIMS) {
-        ragvit_fail(RAGVIT_STATUS_NOT_IMPORTABLE,
-                    "%s: %s.__cuda_array_interface__['%s'] must be a tuple of at most %d ints",
-                    cs->op, name, key, RAGVIT_MAX_DIMS);
-        return raise_status(RAGVIT_STATUS_NOT_IMPORTABLE);
+        return raise_failure(
+            ragvit_fail(RAGVIT_STATUS_NOT_IMPORTABLE,
+                        "%s: %s.__cuda_array_interface__['%s'] must be a tuple of at most %d ints",
+                        cs->op, name, key, RAGVIT_MAX_DIMS));
     }
     for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(tuple); i++) {
         dst[i] = PyLong_AsLongLong(PyTuple_GET_ITEM(tuple, i)); /* borrowed item */
@@ -352,17 +350,14 @@ static int read_int_tuple(call_state *cs, const char *name, const char *key, PyO
     return (int)PyTuple_GET_SIZE(tuple);
 }
 
-static int import_cai(call_state *cs, PyObject *obj, PyObject *cai, const char *name,
-                      ragvit_tensor *t, import_slot *slot) {
-    int rc = -1;
+static int import_cai(call_state *cs, PyObject *cai, const char *name, ragvit_tensor *t,
+                      import_slot *slot) {
     slot->kind = IMPORT_CAI;
     if (!PyDict_Check(cai)) {
-        ragvit_fail(RAGVIT_STATUS_NOT_IMPORTABLE,
-                    "%s: %s.__cuda_array_interface__ must be a dict, got %s", cs->op, name,
-                    Py_TYPE(cai)->tp_name);
-        return raise_status(RAGVIT_STATUS_NOT_IMPORTABLE);
+        return raise_failure(ragvit_fail(RAGVIT_STATUS_NOT_IMPORTABLE,
+                                         "%s: %s.__cuda_array_interface__ must be a dict, got %s",
+                                         cs->op, name, Py_TYPE(cai)->tp_name));
     }
-    (void)obj;
     /* All borrowed from the dict. */
     PyObject *shape = PyDict_GetItemString(cai, "shape");
     PyObject *typestr = PyDict_GetItemString(cai, "typestr");
@@ -372,21 +367,21 @@ static int import_cai(call_state *cs, PyObject *obj, PyObject *cai, const char *
     PyObject *stream = PyDict_GetItemString(cai, "stream");
     if (!shape || !typestr || !PyUnicode_Check(typestr) || !data || !PyTuple_Check(data) ||
         PyTuple_GET_SIZE(data) != 2 || (mask && mask != Py_None)) {
-        ragvit_fail(RAGVIT_STATUS_NOT_IMPORTABLE,
-                    "%s: %s.__cuda_array_interface__ must have shape, typestr and (ptr, "
-                    "read_only) data and no mask",
-                    cs->op, name);
-        return raise_status(RAGVIT_STATUS_NOT_IMPORTABLE);
+        return raise_failure(
+            ragvit_fail(RAGVIT_STATUS_NOT_IMPORTABLE,
+                        "%s: %s.__cuda_array_interface__ must have shape, typestr and (ptr, "
+                        "read_only) data and no mask",
+                        cs->op, name));
     }
     const char *ts = PyUnicode_AsUTF8(typestr);
     if (ts == NULL) return -1;
     if (!cai_dtype(ts, &t->dtype)) {
-        ragvit_fail(RAGVIT_STATUS_INVALID_DTYPE,
-                    "%s: %s must have an unambiguous CUDA Array Interface typestr (<f2, <f4, <i4, "
-                    "|u1, |b1), got '%s' (bfloat16 cannot be told apart from other 2-byte "
-                    "types there: pass it through DLPack)",
-                    cs->op, name, ts);
-        return raise_status(RAGVIT_STATUS_INVALID_DTYPE);
+        return raise_failure(ragvit_fail(
+            RAGVIT_STATUS_INVALID_DTYPE,
+            "%s: %s must have an unambiguous CUDA Array Interface typestr (<f2, <f4, <i4, "
+            "|u1, |b1), got '%s' (bfloat16 cannot be told apart from other 2-byte "
+            "types there: pass it through DLPack)",
+            cs->op, name, ts));
     }
     int ndim = read_int_tuple(cs, name, "shape", shape, t->shape, -1);
     if (ndim < 0) return -1;
@@ -399,10 +394,10 @@ static int import_cai(call_state *cs, PyObject *obj, PyObject *cai, const char *
         if (read_int_tuple(cs, name, "strides", strides, t->strides, ndim) < 0) return -1;
         for (int i = 0; i < ndim; i++) {
             if (t->strides[i] % elem != 0) {
-                ragvit_fail(RAGVIT_STATUS_NOT_IMPORTABLE,
-                            "%s: %s must have strides that are whole elements, got %lld bytes",
-                            cs->op, name, (long long)t->strides[i]);
-                return raise_status(RAGVIT_STATUS_NOT_IMPORTABLE);
+                return raise_failure(
+                    ragvit_fail(RAGVIT_STATUS_NOT_IMPORTABLE,
+                                "%s: %s must have strides that are whole elements, got %lld bytes",
+                                cs->op, name, (long long)t->strides[i]));
             }
             t->strides[i] /= elem;
         }
@@ -436,8 +431,7 @@ static int import_cai(call_state *cs, PyObject *obj, PyObject *cai, const char *
         cs->stream = NULL;
         cs->is_stream_resolved = 1;
     }
-    rc = 0;
-    return rc;
+    return 0;
 }
 
 /* Imports obj (NULL: optional argument left out) into t. */
@@ -460,15 +454,15 @@ int import_arg(call_state *cs, PyObject *obj, const char *name, ragvit_tensor *t
     }
     PyObject *cai = PyObject_GetAttr(obj, cs->st->str_cai);
     if (cai != NULL) {
-        int rc = import_cai(cs, obj, cai, name, t, slot);
+        int rc = import_cai(cs, cai, name, t, slot);
         Py_DECREF(cai);
         return rc;
     }
     PyErr_Clear();
-    ragvit_fail(RAGVIT_STATUS_INVALID_TYPE,
-                "%s: %s must be an array (DLPack, CUDA Array Interface or NumPy), got %s", cs->op,
-                name, Py_TYPE(obj)->tp_name);
-    return raise_status(RAGVIT_STATUS_INVALID_TYPE);
+    return raise_failure(
+        ragvit_fail(RAGVIT_STATUS_INVALID_TYPE,
+                    "%s: %s must be an array (DLPack, CUDA Array Interface or NumPy), got %s",
+                    cs->op, name, Py_TYPE(obj)->tp_name));
 }
 
 /* Runs the deleters of consumed capsules; safe to call more than once. A
@@ -546,11 +540,11 @@ PyObject *alloc_like(call_state *cs, int like_slot, const ragvit_tensor *like, c
                       : dtype == RAGVIT_DTYPE_BOOL ? NPY_BOOL
                                                    : -1;
         if (typenum < 0) {
-            ragvit_fail(RAGVIT_STATUS_INVALID_DTYPE,
-                        "%s: %s must be given (out=) for bfloat16 host arrays, got none (NumPy "
-                        "has no bfloat16)",
-                        cs->op, name);
-            raise_status(RAGVIT_STATUS_INVALID_DTYPE);
+            raise_failure(
+                ragvit_fail(RAGVIT_STATUS_INVALID_DTYPE,
+                            "%s: %s must be given (out=) for bfloat16 host arrays, got none (NumPy "
+                            "has no bfloat16)",
+                            cs->op, name));
             return NULL;
         }
         npy_intp dims[RAGVIT_MAX_DIMS];
@@ -563,10 +557,10 @@ PyObject *alloc_like(call_state *cs, int like_slot, const ragvit_tensor *like, c
         }
         return arr;
     }
-    ragvit_fail(RAGVIT_STATUS_INVALID_VALUE,
-                "%s: %s must be given for CUDA inputs of type %s, got none (the type offers no "
-                "DLPack exchange API allocator)",
-                cs->op, name, slot->type->tp_name);
-    raise_status(RAGVIT_STATUS_INVALID_VALUE);
+    raise_failure(
+        ragvit_fail(RAGVIT_STATUS_INVALID_VALUE,
+                    "%s: %s must be given for CUDA inputs of type %s, got none (the type offers no "
+                    "DLPack exchange API allocator)",
+                    cs->op, name, slot->type->tp_name));
     return NULL;
 }
