@@ -6,15 +6,13 @@
  * a Python caller can forward its own None defaults unchanged. */
 #include "glue.h"
 
-/* Fills values[i] for each name (NULL when absent or None). The first
- * max_positional names may be positional; the first required must be given. */
-int parse_args(const char *op, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames,
-               const char *const *names, int count, int max_positional, int required,
+int parse_args(const op_signature *sig, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames,
                PyObject **values) {
-    for (int i = 0; i < count; i++) values[i] = NULL;
-    if (nargs > max_positional) {
-        PyErr_Format(PyExc_TypeError, "%s() takes at most %d positional arguments (%zd given)", op,
-                     max_positional, nargs);
+    const char *const *names = sig->names;
+    for (int i = 0; i < sig->count; i++) values[i] = NULL;
+    if (nargs > sig->max_positional) {
+        PyErr_Format(PyExc_TypeError, "%s() takes at most %d positional arguments (%zd given)",
+                     sig->op, sig->max_positional, nargs);
         return -1;
     }
     for (Py_ssize_t i = 0; i < nargs; i++) values[i] = args[i];
@@ -22,27 +20,28 @@ int parse_args(const char *op, PyObject *const *args, Py_ssize_t nargs, PyObject
     for (Py_ssize_t j = 0; j < nkw; j++) {
         PyObject *key = PyTuple_GET_ITEM(kwnames, j); /* borrowed */
         int found = -1;
-        for (int i = 0; i < count; i++) {
+        for (int i = 0; i < sig->count; i++) {
             if (keyword_is(key, names[i])) {
                 found = i;
                 break;
             }
         }
         if (found < 0) {
-            PyErr_Format(PyExc_TypeError, "%s() got an unexpected keyword argument '%U'", op, key);
+            PyErr_Format(PyExc_TypeError, "%s() got an unexpected keyword argument '%U'", sig->op,
+                         key);
             return -1;
         }
         if (found < nargs) {
-            PyErr_Format(PyExc_TypeError, "%s() got multiple values for argument '%s'", op,
+            PyErr_Format(PyExc_TypeError, "%s() got multiple values for argument '%s'", sig->op,
                          names[found]);
             return -1;
         }
         values[found] = args[nargs + j];
     }
-    for (int i = 0; i < count; i++) {
+    for (int i = 0; i < sig->count; i++) {
         if (values[i] == Py_None) values[i] = NULL;
-        if (i < required && values[i] == NULL) {
-            PyErr_Format(PyExc_TypeError, "%s() missing required argument '%s'", op, names[i]);
+        if (i < sig->required && values[i] == NULL) {
+            PyErr_Format(PyExc_TypeError, "%s() missing required argument '%s'", sig->op, names[i]);
             return -1;
         }
     }
@@ -91,13 +90,16 @@ done:
     return rc;
 }
 
-int parse_max_seqlen(call_state *cs, PyObject *obj, int64_t *max_seqlen) {
+/* max_seqlen: an int or absent (RAGVIT_MAX_SEQLEN_AUTO). Out-of-range values
+ * map to ones the core refuses with its own message. */
+int parse_max_seqlen(call_state *cs, PyObject *const *values, int i, int64_t *max_seqlen) {
+    PyObject *obj = values[i]; /* borrowed */
     *max_seqlen = RAGVIT_MAX_SEQLEN_AUTO;
     if (obj == NULL) return 0;
     if (!PyLong_Check(obj)) {
         return raise_failure(ragvit_fail(RAGVIT_STATUS_INVALID_TYPE,
-                                         "%s: max_seqlen must be an int or None, got %s", cs->op,
-                                         Py_TYPE(obj)->tp_name));
+                                         "%s: %s must be an int or None, got %s", cs->op,
+                                         cs->sig->names[i], Py_TYPE(obj)->tp_name));
     }
     int overflow = 0;
     long long value = PyLong_AsLongLongAndOverflow(obj, &overflow);
@@ -106,20 +108,26 @@ int parse_max_seqlen(call_state *cs, PyObject *obj, int64_t *max_seqlen) {
     return 0;
 }
 
-int parse_float(call_state *cs, PyObject *obj, const char *name, double fallback, double *value) {
+/* A float or an int; absent: fallback. */
+int parse_float(call_state *cs, PyObject *const *values, int i, double fallback, double *value) {
+    PyObject *obj = values[i]; /* borrowed */
     *value = fallback;
     if (obj == NULL) return 0;
     if (!PyFloat_Check(obj) && !PyLong_Check(obj)) {
         return raise_failure(ragvit_fail(RAGVIT_STATUS_INVALID_TYPE,
-                                         "%s: %s must be a float, got %s", cs->op, name,
-                                         Py_TYPE(obj)->tp_name));
+                                         "%s: %s must be a float, got %s", cs->op,
+                                         cs->sig->names[i], Py_TYPE(obj)->tp_name));
     }
     *value = PyFloat_AsDouble(obj);
     return (*value == -1.0 && PyErr_Occurred()) ? -1 : 0;
 }
 
-/* A required int >= 0 (bool refused: it is almost always a mistake here). */
-int parse_count(call_state *cs, PyObject *obj, const char *name, long long *value) {
+/* An int in [0, 2**31); absent: 0 (bool refused: it is almost always a mistake here). */
+int parse_count(call_state *cs, PyObject *const *values, int i, long long *value) {
+    PyObject *obj = values[i]; /* borrowed */
+    const char *name = cs->sig->names[i];
+    *value = 0;
+    if (obj == NULL) return 0;
     if (!PyLong_Check(obj) || PyBool_Check(obj)) {
         return raise_failure(ragvit_fail(RAGVIT_STATUS_INVALID_TYPE,
                                          "%s: %s must be an int, got %s", cs->op, name,

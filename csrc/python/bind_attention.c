@@ -7,42 +7,40 @@
 
 PyObject *py_attention(PyObject *module, PyObject *const *args, Py_ssize_t nargs,
                        PyObject *kwnames) {
-    static const char *const names[] = {"q",     "k",   "v",        "cu_seqlens", "max_seqlen",
-                                        "scale", "out", "cls_attn", "bias",       "stream"};
-    PyObject *values[10];
-    PyObject *result = NULL, *out_obj = NULL;
-    ragvit_tensor q, k, v, cu, out, cls, bias;
+    enum { Q, K, V, CU_SEQLENS, MAX_SEQLEN, SCALE, OUT, CLS_ATTN, BIAS, STREAM, NUM_ARGS };
+    static const char *const names[NUM_ARGS] = {
+        "q", "k", "v", "cu_seqlens", "max_seqlen", "scale", "out", "cls_attn", "bias", "stream"};
+    static const op_signature sig = {"attention",
+                                     names,
+                                     NUM_ARGS,
+                                     5,
+                                     4,
+                                     ARG_BIT(Q) | ARG_BIT(K) | ARG_BIT(V) | ARG_BIT(CU_SEQLENS) |
+                                         ARG_BIT(OUT) | ARG_BIT(CLS_ATTN) | ARG_BIT(BIAS)};
+    PyObject *values[NUM_ARGS], *out_obj = NULL; /* out_obj: owned */
+    ragvit_tensor t[NUM_ARGS];
     int64_t max_seqlen;
     double scale;
     call_state cs;
-    call_init(&cs, module, "attention");
-    if (parse_args(cs.op, args, nargs, kwnames, names, 10, 5, 4, values)) return NULL;
-    if (parse_max_seqlen(&cs, values[4], &max_seqlen)) return NULL;
-    if (parse_float(&cs, values[5], "scale", 0.0, &scale)) return NULL;
-    if (parse_stream(&cs, values[9])) return NULL;
-    if (import_arg(&cs, values[0], "q", &q) || import_arg(&cs, values[1], "k", &k) ||
-        import_arg(&cs, values[2], "v", &v) || import_arg(&cs, values[3], "cu_seqlens", &cu) ||
-        import_arg(&cs, values[6], "out", &out) || import_arg(&cs, values[7], "cls_attn", &cls) ||
-        import_arg(&cs, values[8], "bias", &bias)) {
+    int rc = -1;
+    if (call_begin(&cs, module, &sig, args, nargs, kwnames, values) ||
+        parse_max_seqlen(&cs, values, MAX_SEQLEN, &max_seqlen) ||
+        parse_float(&cs, values, SCALE, 0.0, &scale) || call_import(&cs, values, t)) {
         goto done;
     }
-    if (!out.is_present) {
-        if (q.ndim != 3)
+    if (values[OUT] == NULL) {
+        if (t[Q].ndim != 3)
             RAISE_IF(ragvit_fail(RAGVIT_STATUS_INVALID_SHAPE,
-                                 "attention: q must have 3 dimensions, got %d", q.ndim));
-        out_obj = alloc_like(&cs, 0, &q, "out", q.dtype, 3, q.shape, &out);
+                                 "attention: q must have 3 dimensions, got %d", t[Q].ndim));
+        out_obj = alloc_like(&cs, &t[Q], "out", t[Q].dtype, 3, t[Q].shape, &t[OUT]);
         if (out_obj == NULL) goto done;
     } else {
-        out_obj = values[6];
-        Py_INCREF(out_obj);
+        out_obj = Py_NewRef(values[OUT]);
     }
-    if (finish_streams(&cs)) goto done;
-    RAISE_IF(ragvit_attention(&cs.st->ctx, &out, &cls, &q, &k, &v, &cu, &bias, max_seqlen,
-                              values[5] ? &scale : NULL, cs.stream));
-    result = out_obj;
-    out_obj = NULL;
+    rc = finish_streams(&cs) ||
+         raise_status(ragvit_attention(&cs.st->ctx, &t[OUT], &t[CLS_ATTN], &t[Q], &t[K], &t[V],
+                                       &t[CU_SEQLENS], &t[BIAS], max_seqlen,
+                                       values[SCALE] ? &scale : NULL, cs.stream));
 done:
-    release_slots(&cs);
-    Py_XDECREF(out_obj);
-    return result;
+    return call_end(&cs, out_obj, rc);
 }

@@ -6,6 +6,9 @@
  * sync); the _into forms write caller-sized buffers, so they never allocate. */
 #include "glue.h"
 
+/* What pack and repack return: (packed, cu_seqlens, index). */
+enum { RESULT_PACKED, RESULT_CU_SEQLENS, RESULT_INDEX, RESULT_COUNT };
+
 /* -1 with ValueError unless packed is (T, C) and cu_seqlens (B+1,) (for
  * sizing an output before the core checks everything else). */
 static int check_packed_dims(call_state *cs, const ragvit_tensor *packed, const ragvit_tensor *cu) {
@@ -16,232 +19,232 @@ static int check_packed_dims(call_state *cs, const ragvit_tensor *packed, const 
                     cs->op, packed->ndim, cu->ndim));
 }
 
-/* The output of a per-sequence op: (B, rows, C), or (B, C) when rows < 0.
- * Returns a new reference to `given` (its rows per sequence checked) or a new
- * array allocated like packed; NULL with an exception. */
-static PyObject *sequence_output(call_state *cs, PyObject *given, const ragvit_tensor *packed,
-                                 const ragvit_tensor *cu, long long rows, const char *rows_name,
-                                 ragvit_tensor *out) {
-    if (given != NULL) {
-        if (rows >= 0 && out->ndim == 3 && out->shape[1] != rows) {
-            raise_failure(ragvit_fail(RAGVIT_STATUS_INVALID_SHAPE,
-                                      "%s: out must have %s=%lld rows per sequence, got %lld",
-                                      cs->op, rows_name, rows, (long long)out->shape[1]));
-            return NULL;
-        }
-        Py_INCREF(given);
-        return given;
+/* pack and repack between their count and their gather: reads the total T at
+ * cu_seqlens[last] (one host sync on CUDA), then allocates the (T, channels)
+ * rows and the (T,) int32 index like slot 0, into objs[] (owned) and views[]. */
+static int alloc_gathered(call_state *cs, const ragvit_tensor *like, int64_t last, int64_t channels,
+                          const char *index_name, PyObject **objs, ragvit_tensor *views) {
+    int32_t total = 0;
+    if (raise_status(ragvit_read_int32(&total, &views[RESULT_CU_SEQLENS], last, cs->stream))) {
+        return -1;
     }
-    if (check_packed_dims(cs, packed, cu)) return NULL;
-    const int64_t batch = cu->shape[0] > 0 ? cu->shape[0] - 1 : 0;
-    const int64_t shape[3] = {batch, rows >= 0 ? rows : packed->shape[1], packed->shape[1]};
-    return alloc_like(cs, 0, packed, "out", packed->dtype, rows >= 0 ? 3 : 2, shape, out);
+    const int64_t rows_shape[2] = {total, channels};
+    const int64_t index_shape[1] = {total};
+    objs[RESULT_PACKED] =
+        alloc_like(cs, like, "packed", like->dtype, 2, rows_shape, &views[RESULT_PACKED]);
+    if (objs[RESULT_PACKED] == NULL) return -1;
+    objs[RESULT_INDEX] =
+        alloc_like(cs, like, index_name, RAGVIT_DTYPE_I32, 1, index_shape, &views[RESULT_INDEX]);
+    return objs[RESULT_INDEX] == NULL ? -1 : 0;
+}
+
+/* The exit of pack and repack: the tuple when rc is 0; objs are dropped either way. */
+static PyObject *end_gathered(call_state *cs, PyObject **objs, int rc) {
+    PyObject *result =
+        rc == 0 ? PyTuple_Pack(3, objs[RESULT_PACKED], objs[RESULT_CU_SEQLENS], objs[RESULT_INDEX])
+                : NULL;
+    release_slots(cs);
+    for (int i = 0; i < RESULT_COUNT; i++) Py_XDECREF(objs[i]);
+    return result;
 }
 
 PyObject *py_pack(PyObject *module, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames) {
-    static const char *const names[] = {"x", "keep", "stream"};
-    PyObject *values[3];
-    PyObject *cu_obj = NULL, *out_obj = NULL, *idx_obj = NULL, *result = NULL;
-    ragvit_tensor x, keep, cu, out, idx;
+    enum { X, KEEP, STREAM, NUM_ARGS };
+    static const char *const names[NUM_ARGS] = {"x", "keep", "stream"};
+    static const op_signature sig = {"pack", names, NUM_ARGS, 2, 2, ARG_BIT(X) | ARG_BIT(KEEP)};
+    PyObject *values[NUM_ARGS], *objs[RESULT_COUNT] = {NULL, NULL, NULL};
+    ragvit_tensor t[NUM_ARGS], views[RESULT_COUNT];
     call_state cs;
-    call_init(&cs, module, "pack");
-    if (parse_args(cs.op, args, nargs, kwnames, names, 3, 2, 2, values)) return NULL;
-    if (parse_stream(&cs, values[2])) return NULL;
-    if (import_arg(&cs, values[0], "x", &x) || import_arg(&cs, values[1], "keep", &keep)) {
+    int rc = -1;
+    if (call_begin(&cs, module, &sig, args, nargs, kwnames, values) ||
+        call_import(&cs, values, t) || finish_streams(&cs)) {
         goto done;
     }
-    if (finish_streams(&cs)) goto done;
-    if (x.ndim != 3) {
+    if (t[X].ndim != 3) {
         RAISE_IF(ragvit_fail(RAGVIT_STATUS_INVALID_SHAPE,
-                             "pack: x must have 3 dimensions (B, N, C), got %d", x.ndim));
+                             "pack: x must have 3 dimensions (B, N, C), got %d", t[X].ndim));
     }
-    const int64_t cu_shape[1] = {x.shape[0] + 1};
-    cu_obj = alloc_like(&cs, 0, &x, "cu_seqlens", RAGVIT_DTYPE_I32, 1, cu_shape, &cu);
-    if (cu_obj == NULL) goto done;
-    RAISE_IF(ragvit_pack_count(&cs.st->ctx, &cu, &keep, cs.stream));
-    int32_t total = 0;
-    RAISE_IF(ragvit_read_int32(&total, &cu, x.shape[0], cs.stream));
-    const int64_t out_shape[2] = {total, x.shape[2]};
-    const int64_t idx_shape[1] = {total};
-    out_obj = alloc_like(&cs, 0, &x, "packed", x.dtype, 2, out_shape, &out);
-    if (out_obj == NULL) goto done;
-    idx_obj = alloc_like(&cs, 0, &x, "indices", RAGVIT_DTYPE_I32, 1, idx_shape, &idx);
-    if (idx_obj == NULL) goto done;
-    RAISE_IF(ragvit_pack_gather(&cs.st->ctx, &out, &idx, &x, &keep, &cu, cs.stream));
-    result = PyTuple_Pack(3, out_obj, cu_obj, idx_obj);
+    const int64_t cu_shape[1] = {t[X].shape[0] + 1};
+    objs[RESULT_CU_SEQLENS] = alloc_like(&cs, &t[X], "cu_seqlens", RAGVIT_DTYPE_I32, 1, cu_shape,
+                                         &views[RESULT_CU_SEQLENS]);
+    if (objs[RESULT_CU_SEQLENS] == NULL) goto done;
+    RAISE_IF(ragvit_pack_count(&cs.st->ctx, &views[RESULT_CU_SEQLENS], &t[KEEP], cs.stream));
+    if (alloc_gathered(&cs, &t[X], t[X].shape[0], t[X].shape[2], "indices", objs, views)) {
+        goto done;
+    }
+    rc = raise_status(ragvit_pack_gather(&cs.st->ctx, &views[RESULT_PACKED], &views[RESULT_INDEX],
+                                         &t[X], &t[KEEP], &views[RESULT_CU_SEQLENS], cs.stream));
 done:
-    release_slots(&cs);
-    Py_XDECREF(cu_obj);
-    Py_XDECREF(out_obj);
-    Py_XDECREF(idx_obj);
-    return result;
+    return end_gathered(&cs, objs, rc);
 }
 
 PyObject *py_pack_into(PyObject *module, PyObject *const *args, Py_ssize_t nargs,
                        PyObject *kwnames) {
-    static const char *const names[] = {"x", "keep", "out", "cu_seqlens", "indices", "stream"};
-    PyObject *values[6];
-    PyObject *result = NULL;
-    ragvit_tensor x, keep, out, cu, idx;
+    enum { X, KEEP, OUT, CU_SEQLENS, INDICES, STREAM, NUM_ARGS };
+    static const char *const names[NUM_ARGS] = {"x",          "keep",    "out",
+                                                "cu_seqlens", "indices", "stream"};
+    static const op_signature sig = {
+        "pack_into",
+        names,
+        NUM_ARGS,
+        4,
+        4,
+        ARG_BIT(X) | ARG_BIT(KEEP) | ARG_BIT(OUT) | ARG_BIT(CU_SEQLENS) | ARG_BIT(INDICES)};
+    PyObject *values[NUM_ARGS];
+    ragvit_tensor t[NUM_ARGS];
     call_state cs;
-    call_init(&cs, module, "pack_into");
-    if (parse_args(cs.op, args, nargs, kwnames, names, 6, 4, 4, values)) return NULL;
-    if (parse_stream(&cs, values[5])) return NULL;
-    if (import_arg(&cs, values[0], "x", &x) || import_arg(&cs, values[1], "keep", &keep) ||
-        import_arg(&cs, values[2], "out", &out) || import_arg(&cs, values[3], "cu_seqlens", &cu) ||
-        import_arg(&cs, values[4], "indices", &idx)) {
-        goto done;
+    int rc = call_begin(&cs, module, &sig, args, nargs, kwnames, values) ||
+             call_import(&cs, values, t) || finish_streams(&cs) ||
+             raise_status(ragvit_pack_into(&cs.st->ctx, &t[OUT], &t[INDICES], &t[CU_SEQLENS], &t[X],
+                                           &t[KEEP], cs.stream));
+    return call_end(&cs, rc ? NULL : Py_NewRef(Py_None), rc);
+}
+
+/* The output of a per-sequence op: (B, rows, C), or (B, C) when rows < 0.
+ * *out_obj: a new reference to `given` (its rows per sequence checked) or a
+ * new array allocated like packed. */
+static int sequence_output(call_state *cs, PyObject *given, const ragvit_tensor *packed,
+                           const ragvit_tensor *cu, long long rows, const char *rows_name,
+                           ragvit_tensor *out, PyObject **out_obj) {
+    if (given != NULL) {
+        if (rows >= 0 && out->ndim == 3 && out->shape[1] != rows) {
+            return raise_failure(
+                ragvit_fail(RAGVIT_STATUS_INVALID_SHAPE,
+                            "%s: out must have %s=%lld rows per sequence, got %lld", cs->op,
+                            rows_name, rows, (long long)out->shape[1]));
+        }
+        *out_obj = Py_NewRef(given);
+        return 0;
     }
-    if (finish_streams(&cs)) goto done;
-    RAISE_IF(ragvit_pack_into(&cs.st->ctx, &out, &idx, &cu, &x, &keep, cs.stream));
-    result = Py_None;
-    Py_INCREF(result);
-done:
-    release_slots(&cs);
-    return result;
+    if (check_packed_dims(cs, packed, cu)) return -1;
+    const int64_t batch = cu->shape[0] > 0 ? cu->shape[0] - 1 : 0;
+    const int64_t shape[3] = {batch, rows >= 0 ? rows : packed->shape[1], packed->shape[1]};
+    *out_obj = alloc_like(cs, packed, "out", packed->dtype, rows >= 0 ? 3 : 2, shape, out);
+    return *out_obj == NULL ? -1 : 0;
 }
 
 PyObject *py_unpack(PyObject *module, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames) {
-    static const char *const names[] = {"packed", "cu_seqlens", "N",     "indices",
-                                        "fill",   "out",        "stream"};
-    PyObject *values[7];
-    PyObject *out_obj = NULL, *result = NULL;
-    ragvit_tensor packed, cu, idx, out;
+    enum { PACKED, CU_SEQLENS, N, INDICES, FILL, OUT, STREAM, NUM_ARGS };
+    static const char *const names[NUM_ARGS] = {"packed", "cu_seqlens", "N",     "indices",
+                                                "fill",   "out",        "stream"};
+    static const op_signature sig = {
+        "unpack", names, NUM_ARGS,
+        3,        3,     ARG_BIT(PACKED) | ARG_BIT(CU_SEQLENS) | ARG_BIT(INDICES) | ARG_BIT(OUT)};
+    PyObject *values[NUM_ARGS], *out_obj = NULL; /* out_obj: owned */
+    ragvit_tensor t[NUM_ARGS];
+    long long n = 0;
     double fill;
     call_state cs;
-    call_init(&cs, module, "unpack");
-    if (parse_args(cs.op, args, nargs, kwnames, names, 7, 3, 3, values)) return NULL;
-    long long n = 0;
-    if (parse_count(&cs, values[2], "N", &n)) return NULL;
-    if (parse_float(&cs, values[4], "fill", 0.0, &fill)) return NULL;
-    if (parse_stream(&cs, values[6])) return NULL;
-    if (import_arg(&cs, values[0], "packed", &packed) ||
-        import_arg(&cs, values[1], "cu_seqlens", &cu) ||
-        import_arg(&cs, values[3], "indices", &idx) || import_arg(&cs, values[5], "out", &out)) {
+    int rc = -1;
+    if (call_begin(&cs, module, &sig, args, nargs, kwnames, values) ||
+        parse_count(&cs, values, N, &n) || parse_float(&cs, values, FILL, 0.0, &fill) ||
+        call_import(&cs, values, t) ||
+        sequence_output(&cs, values[OUT], &t[PACKED], &t[CU_SEQLENS], n, names[N], &t[OUT],
+                        &out_obj)) {
         goto done;
     }
-    out_obj = sequence_output(&cs, values[5], &packed, &cu, n, "N", &out);
-    if (out_obj == NULL) goto done;
-    if (finish_streams(&cs)) goto done;
-    RAISE_IF(ragvit_unpack(&cs.st->ctx, &out, &packed, &cu, &idx, fill, cs.stream));
-    result = out_obj;
-    out_obj = NULL;
+    rc = finish_streams(&cs) ||
+         raise_status(ragvit_unpack(&cs.st->ctx, &t[OUT], &t[PACKED], &t[CU_SEQLENS], &t[INDICES],
+                                    fill, cs.stream));
 done:
-    release_slots(&cs);
-    Py_XDECREF(out_obj);
-    return result;
+    return call_end(&cs, out_obj, rc);
 }
 
-/* gather_prefix (is_prefix: required k) and segment_mean (optional skip):
+/* gather_prefix (required k) and segment_mean (optional skip):
  * (packed, cu_seqlens, <count>, *, out=None, stream=None) -> out. */
+enum { SEQ_PACKED, SEQ_CU_SEQLENS, SEQ_COUNT, SEQ_OUT, SEQ_STREAM, SEQ_NUM_ARGS };
+#define SEQ_ARRAYS (ARG_BIT(SEQ_PACKED) | ARG_BIT(SEQ_CU_SEQLENS) | ARG_BIT(SEQ_OUT))
+
 static PyObject *sequence_op(PyObject *module, PyObject *const *args, Py_ssize_t nargs,
-                             PyObject *kwnames, const char *op, const char *count_name,
-                             int is_prefix) {
-    const char *const names[] = {"packed", "cu_seqlens", count_name, "out", "stream"};
-    const int positional = is_prefix ? 3 : 2;
-    PyObject *values[5];
-    PyObject *out_obj = NULL, *result = NULL;
-    ragvit_tensor packed, cu, out;
+                             PyObject *kwnames, const op_signature *sig, int is_prefix) {
+    PyObject *values[SEQ_NUM_ARGS], *out_obj = NULL; /* out_obj: owned */
+    ragvit_tensor t[SEQ_NUM_ARGS];
     long long count = 0;
     call_state cs;
-    call_init(&cs, module, op);
-    if (parse_args(op, args, nargs, kwnames, names, 5, positional, positional, values)) {
-        return NULL;
-    }
-    if (values[2] != NULL && parse_count(&cs, values[2], count_name, &count)) return NULL;
-    if (parse_stream(&cs, values[4])) return NULL;
-    if (import_arg(&cs, values[0], "packed", &packed) ||
-        import_arg(&cs, values[1], "cu_seqlens", &cu) || import_arg(&cs, values[3], "out", &out)) {
+    int rc = -1;
+    if (call_begin(&cs, module, sig, args, nargs, kwnames, values) ||
+        parse_count(&cs, values, SEQ_COUNT, &count) || call_import(&cs, values, t) ||
+        sequence_output(&cs, values[SEQ_OUT], &t[SEQ_PACKED], &t[SEQ_CU_SEQLENS],
+                        is_prefix ? count : -1, sig->names[SEQ_COUNT], &t[SEQ_OUT], &out_obj)) {
         goto done;
     }
-    out_obj =
-        sequence_output(&cs, values[3], &packed, &cu, is_prefix ? count : -1, count_name, &out);
-    if (out_obj == NULL) goto done;
-    if (finish_streams(&cs)) goto done;
-    RAISE_IF(is_prefix ? ragvit_gather_prefix(&cs.st->ctx, &out, &packed, &cu, cs.stream)
-                       : ragvit_segment_mean(&cs.st->ctx, &out, &packed, &cu, count, cs.stream));
-    result = out_obj;
-    out_obj = NULL;
+    const ragvit_tensor *out = &t[SEQ_OUT], *packed = &t[SEQ_PACKED], *cu = &t[SEQ_CU_SEQLENS];
+    rc = finish_streams(&cs) ||
+         raise_status(is_prefix
+                          ? ragvit_gather_prefix(&cs.st->ctx, out, packed, cu, cs.stream)
+                          : ragvit_segment_mean(&cs.st->ctx, out, packed, cu, count, cs.stream));
 done:
-    release_slots(&cs);
-    Py_XDECREF(out_obj);
-    return result;
+    return call_end(&cs, out_obj, rc);
 }
 
 PyObject *py_gather_prefix(PyObject *module, PyObject *const *args, Py_ssize_t nargs,
                            PyObject *kwnames) {
-    return sequence_op(module, args, nargs, kwnames, "gather_prefix", "k", 1);
+    static const char *const names[SEQ_NUM_ARGS] = {"packed", "cu_seqlens", "k", "out", "stream"};
+    static const op_signature sig = {"gather_prefix", names, SEQ_NUM_ARGS, 3, 3, SEQ_ARRAYS};
+    return sequence_op(module, args, nargs, kwnames, &sig, 1);
 }
 
 PyObject *py_segment_mean(PyObject *module, PyObject *const *args, Py_ssize_t nargs,
                           PyObject *kwnames) {
-    return sequence_op(module, args, nargs, kwnames, "segment_mean", "skip", 0);
+    static const char *const names[SEQ_NUM_ARGS] = {"packed", "cu_seqlens", "skip", "out",
+                                                    "stream"};
+    static const op_signature sig = {"segment_mean", names, SEQ_NUM_ARGS, 2, 2, SEQ_ARRAYS};
+    return sequence_op(module, args, nargs, kwnames, &sig, 0);
 }
 
 PyObject *py_repack(PyObject *module, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames) {
-    static const char *const names[] = {"packed", "cu_seqlens", "keep", "fuse_weights", "stream"};
-    PyObject *values[5];
-    PyObject *cu2_obj = NULL, *out_obj = NULL, *src_obj = NULL, *result = NULL;
-    ragvit_tensor packed, cu, keep, weights, cu2, out, src;
+    enum { PACKED, CU_SEQLENS, KEEP, FUSE_WEIGHTS, STREAM, NUM_ARGS };
+    static const char *const names[NUM_ARGS] = {"packed", "cu_seqlens", "keep", "fuse_weights",
+                                                "stream"};
+    static const op_signature sig = {
+        "repack", names,
+        NUM_ARGS, 3,
+        3,        ARG_BIT(PACKED) | ARG_BIT(CU_SEQLENS) | ARG_BIT(KEEP) | ARG_BIT(FUSE_WEIGHTS)};
+    PyObject *values[NUM_ARGS], *objs[RESULT_COUNT] = {NULL, NULL, NULL};
+    ragvit_tensor t[NUM_ARGS], views[RESULT_COUNT];
     call_state cs;
-    call_init(&cs, module, "repack");
-    if (parse_args(cs.op, args, nargs, kwnames, names, 5, 3, 3, values)) return NULL;
-    if (parse_stream(&cs, values[4])) return NULL;
-    if (import_arg(&cs, values[0], "packed", &packed) ||
-        import_arg(&cs, values[1], "cu_seqlens", &cu) ||
-        import_arg(&cs, values[2], "keep", &keep) ||
-        import_arg(&cs, values[3], "fuse_weights", &weights)) {
+    int rc = -1;
+    if (call_begin(&cs, module, &sig, args, nargs, kwnames, values) ||
+        call_import(&cs, values, t) || finish_streams(&cs) ||
+        check_packed_dims(&cs, &t[PACKED], &t[CU_SEQLENS])) {
         goto done;
     }
-    if (finish_streams(&cs)) goto done;
-    if (check_packed_dims(&cs, &packed, &cu)) goto done;
-    cu2_obj = alloc_like(&cs, 0, &packed, "cu_seqlens", RAGVIT_DTYPE_I32, 1, cu.shape, &cu2);
-    if (cu2_obj == NULL) goto done;
-    RAISE_IF(ragvit_repack_count(&cs.st->ctx, &cu2, &packed, &cu, &keep, &weights, cs.stream));
-    int32_t total = 0;
-    RAISE_IF(ragvit_read_int32(&total, &cu2, cu.shape[0] - 1, cs.stream));
-    const int64_t out_shape[2] = {total, packed.shape[1]};
-    const int64_t src_shape[1] = {total};
-    out_obj = alloc_like(&cs, 0, &packed, "packed", packed.dtype, 2, out_shape, &out);
-    if (out_obj == NULL) goto done;
-    src_obj = alloc_like(&cs, 0, &packed, "src", RAGVIT_DTYPE_I32, 1, src_shape, &src);
-    if (src_obj == NULL) goto done;
-    RAISE_IF(ragvit_repack_gather(&cs.st->ctx, &out, &src, &packed, &cu, &keep, &weights, &cu2,
-                                  cs.stream));
-    result = PyTuple_Pack(3, out_obj, cu2_obj, src_obj);
+    objs[RESULT_CU_SEQLENS] = alloc_like(&cs, &t[PACKED], "cu_seqlens", RAGVIT_DTYPE_I32, 1,
+                                         t[CU_SEQLENS].shape, &views[RESULT_CU_SEQLENS]);
+    if (objs[RESULT_CU_SEQLENS] == NULL) goto done;
+    RAISE_IF(ragvit_repack_count(&cs.st->ctx, &views[RESULT_CU_SEQLENS], &t[PACKED], &t[CU_SEQLENS],
+                                 &t[KEEP], &t[FUSE_WEIGHTS], cs.stream));
+    if (alloc_gathered(&cs, &t[PACKED], t[CU_SEQLENS].shape[0] - 1, t[PACKED].shape[1], "src", objs,
+                       views)) {
+        goto done;
+    }
+    rc = raise_status(ragvit_repack_gather(&cs.st->ctx, &views[RESULT_PACKED], &views[RESULT_INDEX],
+                                           &t[PACKED], &t[CU_SEQLENS], &t[KEEP], &t[FUSE_WEIGHTS],
+                                           &views[RESULT_CU_SEQLENS], cs.stream));
 done:
-    release_slots(&cs);
-    Py_XDECREF(cu2_obj);
-    Py_XDECREF(out_obj);
-    Py_XDECREF(src_obj);
-    return result;
+    return end_gathered(&cs, objs, rc);
 }
 
 PyObject *py_repack_into(PyObject *module, PyObject *const *args, Py_ssize_t nargs,
                          PyObject *kwnames) {
-    static const char *const names[] = {"packed",         "cu_seqlens", "keep",         "out",
-                                        "cu_seqlens_out", "src",        "fuse_weights", "stream"};
-    PyObject *values[8];
-    PyObject *result = NULL;
-    ragvit_tensor packed, cu, keep, out, cu2, src, weights;
+    enum { PACKED, CU_SEQLENS, KEEP, OUT, CU_SEQLENS_OUT, SRC, FUSE_WEIGHTS, STREAM, NUM_ARGS };
+    static const char *const names[NUM_ARGS] = {
+        "packed", "cu_seqlens", "keep", "out", "cu_seqlens_out", "src", "fuse_weights", "stream"};
+    static const op_signature sig = {"repack_into",
+                                     names,
+                                     NUM_ARGS,
+                                     5,
+                                     5,
+                                     ARG_BIT(PACKED) | ARG_BIT(CU_SEQLENS) | ARG_BIT(KEEP) |
+                                         ARG_BIT(OUT) | ARG_BIT(CU_SEQLENS_OUT) | ARG_BIT(SRC) |
+                                         ARG_BIT(FUSE_WEIGHTS)};
+    PyObject *values[NUM_ARGS];
+    ragvit_tensor t[NUM_ARGS];
     call_state cs;
-    call_init(&cs, module, "repack_into");
-    if (parse_args(cs.op, args, nargs, kwnames, names, 8, 5, 5, values)) return NULL;
-    if (parse_stream(&cs, values[7])) return NULL;
-    if (import_arg(&cs, values[0], "packed", &packed) ||
-        import_arg(&cs, values[1], "cu_seqlens", &cu) ||
-        import_arg(&cs, values[2], "keep", &keep) || import_arg(&cs, values[3], "out", &out) ||
-        import_arg(&cs, values[4], "cu_seqlens_out", &cu2) ||
-        import_arg(&cs, values[5], "src", &src) ||
-        import_arg(&cs, values[6], "fuse_weights", &weights)) {
-        goto done;
-    }
-    if (finish_streams(&cs)) goto done;
-    RAISE_IF(ragvit_repack_into(&cs.st->ctx, &out, &src, &cu2, &packed, &cu, &keep, &weights,
-                                cs.stream));
-    result = Py_None;
-    Py_INCREF(result);
-done:
-    release_slots(&cs);
-    return result;
+    int rc = call_begin(&cs, module, &sig, args, nargs, kwnames, values) ||
+             call_import(&cs, values, t) || finish_streams(&cs) ||
+             raise_status(ragvit_repack_into(&cs.st->ctx, &t[OUT], &t[SRC], &t[CU_SEQLENS_OUT],
+                                             &t[PACKED], &t[CU_SEQLENS], &t[KEEP], &t[FUSE_WEIGHTS],
+                                             cs.stream));
+    return call_end(&cs, rc ? NULL : Py_NewRef(Py_None), rc);
 }

@@ -6,98 +6,97 @@
  * out and an allocated one fail with the same messages. */
 #include "glue.h"
 
-/* New reference to the given out, or a new (rows, cols) array allocated like
- * the argument in slot 0 (x); NULL with an exception. */
-static PyObject *rows_output(call_state *cs, PyObject *given, const ragvit_tensor *x, int64_t cols,
-                             ragvit_tensor *out) {
+/* *out_obj: a new reference to the given out, or a new (M, cols) array
+ * allocated like x. */
+static int rows_output(call_state *cs, PyObject *given, const ragvit_tensor *x, int64_t cols,
+                       ragvit_tensor *out, PyObject **out_obj) {
     if (given != NULL) {
-        Py_INCREF(given);
-        return given;
+        *out_obj = Py_NewRef(given);
+        return 0;
     }
     if (x->ndim != 2) {
-        raise_failure(ragvit_fail(RAGVIT_STATUS_INVALID_SHAPE,
-                                  "%s: x must have 2 dimensions (M, K), got %d", cs->op, x->ndim));
-        return NULL;
+        return raise_failure(ragvit_fail(RAGVIT_STATUS_INVALID_SHAPE,
+                                         "%s: x must have 2 dimensions (M, K), got %d", cs->op,
+                                         x->ndim));
     }
     const int64_t shape[2] = {x->shape[0], cols};
-    return alloc_like(cs, 0, x, "out", x->dtype, 2, shape, out);
+    *out_obj = alloc_like(cs, x, "out", x->dtype, 2, shape, out);
+    return *out_obj == NULL ? -1 : 0;
 }
 
 PyObject *py_linear(PyObject *module, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames) {
-    static const char *const names[] = {"x", "weight", "bias", "residual", "out", "stream"};
-    PyObject *values[6];
-    PyObject *result = NULL, *out_obj = NULL;
-    ragvit_tensor x, w, bias, res, out;
+    enum { X, WEIGHT, BIAS, RESIDUAL, OUT, STREAM, NUM_ARGS };
+    static const char *const names[NUM_ARGS] = {"x", "weight", "bias", "residual", "out", "stream"};
+    static const op_signature sig = {
+        "linear", names,
+        NUM_ARGS, 3,
+        2,        ARG_BIT(X) | ARG_BIT(WEIGHT) | ARG_BIT(BIAS) | ARG_BIT(RESIDUAL) | ARG_BIT(OUT)};
+    PyObject *values[NUM_ARGS], *out_obj = NULL; /* out_obj: owned */
+    ragvit_tensor t[NUM_ARGS];
     call_state cs;
-    call_init(&cs, module, "linear");
-    if (parse_args(cs.op, args, nargs, kwnames, names, 6, 3, 2, values)) return NULL;
-    if (parse_stream(&cs, values[5])) return NULL;
-    if (import_arg(&cs, values[0], "x", &x) || import_arg(&cs, values[1], "weight", &w) ||
-        import_arg(&cs, values[2], "bias", &bias) || import_arg(&cs, values[3], "residual", &res) ||
-        import_arg(&cs, values[4], "out", &out)) {
+    int rc = -1;
+    if (call_begin(&cs, module, &sig, args, nargs, kwnames, values) ||
+        call_import(&cs, values, t)) {
         goto done;
     }
-    if (values[4] == NULL && w.ndim != 2) {
+    if (values[OUT] == NULL && t[WEIGHT].ndim != 2) {
         RAISE_IF(ragvit_fail(RAGVIT_STATUS_INVALID_SHAPE,
-                             "linear: weight must have 2 dimensions (N, K), got %d", w.ndim));
+                             "linear: weight must have 2 dimensions (N, K), got %d",
+                             t[WEIGHT].ndim));
     }
-    out_obj = rows_output(&cs, values[4], &x, values[4] == NULL ? w.shape[0] : 0, &out);
-    if (out_obj == NULL) goto done;
-    if (finish_streams(&cs)) goto done;
-    RAISE_IF(ragvit_linear(&cs.st->ctx, &out, &x, &w, &bias, &res, cs.stream));
-    result = out_obj;
-    out_obj = NULL;
-done:
-    release_slots(&cs);
-    Py_XDECREF(out_obj);
-    return result;
-}
-
-/* layer_norm (has_affine) and gelu: (x, [weight, bias,] *, [eps,] out, stream). */
-static PyObject *rowwise_op(PyObject *module, PyObject *const *args, Py_ssize_t nargs,
-                            PyObject *kwnames, int has_affine) {
-    static const char *const ln_names[] = {"x", "weight", "bias", "eps", "out", "stream"};
-    static const char *const gelu_names[] = {"x", "out", "stream"};
-    PyObject *values[6] = {NULL};
-    PyObject *result = NULL, *out_obj = NULL;
-    ragvit_tensor x, w, bias, out;
-    double eps = 1e-5;
-    call_state cs;
-    call_init(&cs, module, has_affine ? "layer_norm" : "gelu");
-    if (has_affine) {
-        if (parse_args(cs.op, args, nargs, kwnames, ln_names, 6, 3, 1, values)) return NULL;
-        if (parse_float(&cs, values[3], "eps", 1e-5, &eps)) return NULL;
-    } else {
-        /* gelu's (x, out, stream) land in the slots layer_norm uses for them */
-        PyObject *g[3];
-        if (parse_args(cs.op, args, nargs, kwnames, gelu_names, 3, 1, 1, g)) return NULL;
-        values[0] = g[0];
-        values[4] = g[1];
-        values[5] = g[2];
-    }
-    if (parse_stream(&cs, values[5])) return NULL;
-    if (import_arg(&cs, values[0], "x", &x) || import_arg(&cs, values[1], "weight", &w) ||
-        import_arg(&cs, values[2], "bias", &bias) || import_arg(&cs, values[4], "out", &out)) {
+    if (rows_output(&cs, values[OUT], &t[X], values[OUT] == NULL ? t[WEIGHT].shape[0] : 0, &t[OUT],
+                    &out_obj)) {
         goto done;
     }
-    out_obj = rows_output(&cs, values[4], &x, x.ndim == 2 ? x.shape[1] : 0, &out);
-    if (out_obj == NULL) goto done;
-    if (finish_streams(&cs)) goto done;
-    RAISE_IF(has_affine ? ragvit_layer_norm(&cs.st->ctx, &out, &x, &w, &bias, eps, cs.stream)
-                        : ragvit_gelu(&cs.st->ctx, &out, &x, cs.stream));
-    result = out_obj;
-    out_obj = NULL;
+    rc = finish_streams(&cs) || raise_status(ragvit_linear(&cs.st->ctx, &t[OUT], &t[X], &t[WEIGHT],
+                                                           &t[BIAS], &t[RESIDUAL], cs.stream));
 done:
-    release_slots(&cs);
-    Py_XDECREF(out_obj);
-    return result;
+    return call_end(&cs, out_obj, rc);
 }
 
 PyObject *py_layer_norm(PyObject *module, PyObject *const *args, Py_ssize_t nargs,
                         PyObject *kwnames) {
-    return rowwise_op(module, args, nargs, kwnames, 1);
+    enum { X, WEIGHT, BIAS, EPS, OUT, STREAM, NUM_ARGS };
+    static const char *const names[NUM_ARGS] = {"x", "weight", "bias", "eps", "out", "stream"};
+    static const op_signature sig = {"layer_norm",
+                                     names,
+                                     NUM_ARGS,
+                                     3,
+                                     1,
+                                     ARG_BIT(X) | ARG_BIT(WEIGHT) | ARG_BIT(BIAS) | ARG_BIT(OUT)};
+    PyObject *values[NUM_ARGS], *out_obj = NULL; /* out_obj: owned */
+    ragvit_tensor t[NUM_ARGS];
+    double eps;
+    call_state cs;
+    int rc = -1;
+    if (call_begin(&cs, module, &sig, args, nargs, kwnames, values) ||
+        parse_float(&cs, values, EPS, 1e-5, &eps) || call_import(&cs, values, t) ||
+        rows_output(&cs, values[OUT], &t[X], t[X].ndim == 2 ? t[X].shape[1] : 0, &t[OUT],
+                    &out_obj)) {
+        goto done;
+    }
+    rc = finish_streams(&cs) ||
+         raise_status(
+             ragvit_layer_norm(&cs.st->ctx, &t[OUT], &t[X], &t[WEIGHT], &t[BIAS], eps, cs.stream));
+done:
+    return call_end(&cs, out_obj, rc);
 }
 
 PyObject *py_gelu(PyObject *module, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames) {
-    return rowwise_op(module, args, nargs, kwnames, 0);
+    enum { X, OUT, STREAM, NUM_ARGS };
+    static const char *const names[NUM_ARGS] = {"x", "out", "stream"};
+    static const op_signature sig = {"gelu", names, NUM_ARGS, 1, 1, ARG_BIT(X) | ARG_BIT(OUT)};
+    PyObject *values[NUM_ARGS], *out_obj = NULL; /* out_obj: owned */
+    ragvit_tensor t[NUM_ARGS];
+    call_state cs;
+    int rc = -1;
+    if (call_begin(&cs, module, &sig, args, nargs, kwnames, values) ||
+        call_import(&cs, values, t) ||
+        rows_output(&cs, values[OUT], &t[X], t[X].ndim == 2 ? t[X].shape[1] : 0, &t[OUT],
+                    &out_obj)) {
+        goto done;
+    }
+    rc = finish_streams(&cs) || raise_status(ragvit_gelu(&cs.st->ctx, &t[OUT], &t[X], cs.stream));
+done:
+    return call_end(&cs, out_obj, rc);
 }

@@ -1,8 +1,8 @@
 /* bind_runtime.c — ragvit._C's functions about the build and the process
  * rather than an op: cuda_is_compiled, cuda_device_count, set_debug/is_debug
  * (the module state's debug flag) and _launch_empty, the benchmarks' floor.
- * Decision: _launch_empty parses by hand instead of through parse_args: it
- * must accept any further arguments, so it can be called with exactly the
+ * Decision: _launch_empty parses by hand instead of through an op_signature:
+ * it must accept any further arguments, so it can be called with exactly the
  * call shape of the op it is compared with. */
 #include "glue.h"
 
@@ -32,10 +32,9 @@ PyObject *py_is_debug(PyObject *module, PyObject *unused) {
     return PyBool_FromLong(((module_state *)PyModule_GetState(module))->ctx.is_debug);
 }
 
-/* _launch_empty(device=0, stream=0, *args, **kwargs): the benchmarks' floor.
- * Arguments past device and stream, positional or keyword, are accepted and
- * ignored, so the floor can be called with exactly the call shape of the op it
- * is compared with (same argument count, same keyword names). */
+/* _launch_empty(device=0, stream=0, *args, **kwargs): arguments past device
+ * and stream, positional or keyword, are accepted and ignored (same argument
+ * count, same keyword names as the op it is compared with). */
 PyObject *py_launch_empty(PyObject *module, PyObject *const *args, Py_ssize_t nargs,
                           PyObject *kwnames) {
     PyObject *device_obj = nargs > 0 ? args[0] : NULL; /* borrowed */

@@ -8,36 +8,31 @@
 
 PyObject *py_topk_index(PyObject *module, PyObject *const *args, Py_ssize_t nargs,
                         PyObject *kwnames) {
-    static const char *const names[] = {"scores", "k", "prefix", "out", "stream"};
-    PyObject *values[5];
-    PyObject *out_obj = NULL, *result = NULL;
-    ragvit_tensor scores, out;
+    enum { SCORES, K, PREFIX, OUT, STREAM, NUM_ARGS };
+    static const char *const names[NUM_ARGS] = {"scores", "k", "prefix", "out", "stream"};
+    static const op_signature sig = {
+        "topk_index", names, NUM_ARGS, 2, 2, ARG_BIT(SCORES) | ARG_BIT(OUT)};
+    PyObject *values[NUM_ARGS], *out_obj = NULL; /* out_obj: owned */
+    ragvit_tensor t[NUM_ARGS];
     long long k = 0, prefix = 0;
     call_state cs;
-    call_init(&cs, module, "topk_index");
-    if (parse_args(cs.op, args, nargs, kwnames, names, 5, 2, 2, values)) return NULL;
-    if (parse_count(&cs, values[1], "k", &k)) return NULL;
-    if (values[2] != NULL && parse_count(&cs, values[2], "prefix", &prefix)) return NULL;
-    if (parse_stream(&cs, values[4])) return NULL;
-    if (import_arg(&cs, values[0], "scores", &scores) || import_arg(&cs, values[3], "out", &out)) {
+    int rc = -1;
+    if (call_begin(&cs, module, &sig, args, nargs, kwnames, values) ||
+        parse_count(&cs, values, K, &k) || parse_count(&cs, values, PREFIX, &prefix) ||
+        call_import(&cs, values, t)) {
         goto done;
     }
-    if (values[3] != NULL) {
-        out_obj = values[3];
-        Py_INCREF(out_obj);
-    } else if (scores.ndim == 2 && scores.shape[1] <= RAGVIT_TOPK_MAX_COLS &&
-               prefix + k <= scores.shape[1]) {
-        /* Any other scores, k or prefix fails in the core before out is read. */
-        const int64_t shape[2] = {scores.shape[0], prefix + k};
-        out_obj = alloc_like(&cs, 0, &scores, "out", RAGVIT_DTYPE_I64, 2, shape, &out);
+    const ragvit_tensor *scores = &t[SCORES];
+    if (values[OUT] != NULL) {
+        out_obj = Py_NewRef(values[OUT]);
+    } else if (scores->ndim == 2 && scores->shape[1] <= RAGVIT_TOPK_MAX_COLS &&
+               prefix + k <= scores->shape[1]) {
+        const int64_t shape[2] = {scores->shape[0], prefix + k};
+        out_obj = alloc_like(&cs, scores, "out", RAGVIT_DTYPE_I64, 2, shape, &t[OUT]);
         if (out_obj == NULL) goto done;
     }
-    if (finish_streams(&cs)) goto done;
-    RAISE_IF(ragvit_topk_index(&cs.st->ctx, &out, &scores, k, prefix, cs.stream));
-    result = out_obj;
-    out_obj = NULL;
+    rc = finish_streams(&cs) ||
+         raise_status(ragvit_topk_index(&cs.st->ctx, &t[OUT], scores, k, prefix, cs.stream));
 done:
-    release_slots(&cs);
-    Py_XDECREF(out_obj);
-    return result;
+    return call_end(&cs, out_obj, rc);
 }

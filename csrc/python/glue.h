@@ -1,10 +1,10 @@
 /* glue.h — the internal header of ragvit._C: module and call state, import
- * slots, and what each file of the glue offers the others (errors.c raises,
- * args.c parses, interop.c imports and allocates, bind_<family>.c wrap the
- * ops, module.c holds the lifecycle).
+ * slots, the signature each op wrapper declares, and what each file of the glue
+ * offers the others (errors.c raises, args.c parses, interop.c imports and
+ * allocates, bind_<family>.c wrap the ops, module.c holds the lifecycle).
  * Decision: the helpers every call passes through (raise_status, keyword_is,
- * call_init, finish_streams) are static inline here: each .c is its own
- * translation unit, and a call per helper would tax the ~4 us host path. */
+ * call_begin, finish_streams, call_end) are static inline here: each .c is its
+ * own translation unit, and a call per helper would tax the ~4 us host path. */
 #ifndef RAGVIT_GLUE_H
 #define RAGVIT_GLUE_H
 
@@ -50,9 +50,25 @@ typedef struct {
     DLManagedTensorVersioned *versioned;
 } import_slot;
 
+/* An op's Python signature, one static per wrapper: names in call order, the
+ * first max_positional may be given positionally, the first `required` must be
+ * given, and the last is always stream=. Bit ARG_BIT(i) of `arrays` marks
+ * names[i] as an array that call_import imports into t[i]. */
+typedef struct {
+    const char *op;
+    const char *const *names;
+    int count;
+    int max_positional;
+    int required;
+    unsigned arrays;
+} op_signature;
+
+#define ARG_BIT(i) (1u << (i))
+
 typedef struct {
     module_state *st;
     const char *op;
+    const op_signature *sig; /* NULL for _launch_empty, which parses its own arguments */
     int is_stream_resolved;
     void *stream;
     import_slot slots[MAX_IMPORTS];
@@ -96,27 +112,29 @@ static inline int keyword_is(PyObject *key, const char *name) {
     return PyUnicode_CompareWithASCIIString(key, name) == 0;
 }
 
-/* Fills values[i] (borrowed) for each name: NULL when absent or None. */
-int parse_args(const char *op, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames,
-               const char *const *names, int count, int max_positional, int required,
+/* Fills values[i] (borrowed) for each of sig's names: NULL when absent or None. */
+int parse_args(const op_signature *sig, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames,
                PyObject **values);
+/* stream= (obj NULL: absent) into cs->stream. */
 int parse_stream(call_state *cs, PyObject *obj);
-int parse_max_seqlen(call_state *cs, PyObject *obj, int64_t *max_seqlen);
-int parse_float(call_state *cs, PyObject *obj, const char *name, double fallback, double *value);
-int parse_count(call_state *cs, PyObject *obj, const char *name, long long *value);
+/* The scalar argument values[i], named sig->names[i] in messages; absent: the default. */
+int parse_max_seqlen(call_state *cs, PyObject *const *values, int i, int64_t *max_seqlen);
+int parse_float(call_state *cs, PyObject *const *values, int i, double fallback, double *value);
+int parse_count(call_state *cs, PyObject *const *values, int i, long long *value);
 
 /* ---- interop.c: imports and allocation ---- */
 
 /* Imports NumPy's C API table, which NumPy keeps per translation unit (interop.c's). */
 int import_numpy_api(void);
-/* Imports obj (NULL: optional argument left out) into t. */
-int import_arg(call_state *cs, PyObject *obj, const char *name, ragvit_tensor *t);
+/* Resolves stream= (the signature's last argument), then imports every array
+ * argument in signature order: values[i] into t[i] (absent: t[i].is_present = 0). */
+int call_import(call_state *cs, PyObject *const *values, ragvit_tensor *t);
 /* Runs the deleters of consumed capsules; safe to call more than once. */
 void release_slots(call_state *cs);
-/* New array shaped like `shape` on like's device, in the library of the
- * argument imported into slot index `like_slot`; its view goes to *view. */
-PyObject *alloc_like(call_state *cs, int like_slot, const ragvit_tensor *like, const char *name,
-                     int32_t dtype, int ndim, const int64_t *shape, ragvit_tensor *view);
+/* New array of `shape` on like's device in the library of the first imported
+ * argument (slot 0); its view goes to *view. NULL with an exception. */
+PyObject *alloc_like(call_state *cs, const ragvit_tensor *like, const char *name, int32_t dtype,
+                     int ndim, const int64_t *shape, ragvit_tensor *view);
 
 /* ---- the call of every op wrapper ---- */
 
@@ -124,10 +142,20 @@ PyObject *alloc_like(call_state *cs, int like_slot, const ragvit_tensor *like, c
 static inline void call_init(call_state *cs, PyObject *module, const char *op) {
     cs->st = (module_state *)PyModule_GetState(module);
     cs->op = op;
+    cs->sig = NULL;
     cs->is_stream_resolved = 0;
     cs->stream = NULL;
     cs->slot_count = 0;
     cs->cai_stream_count = 0;
+}
+
+/* Starts an op wrapper's call: the state, then sig's arguments into values. */
+static inline int call_begin(call_state *cs, PyObject *module, const op_signature *sig,
+                             PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames,
+                             PyObject **values) {
+    call_init(cs, module, sig->op);
+    cs->sig = sig;
+    return parse_args(sig, args, nargs, kwnames, values);
 }
 
 /* After all imports: the call runs on cs->stream; wait for CAI producers. */
@@ -138,6 +166,15 @@ static inline int finish_streams(call_state *cs) {
         }
     }
     return 0;
+}
+
+/* The one exit of an op wrapper: releases the imports, then returns result
+ * (stolen) when rc is 0, else drops it and returns NULL (the exception is set). */
+static inline PyObject *call_end(call_state *cs, PyObject *result, int rc) {
+    release_slots(cs);
+    if (rc == 0) return result;
+    Py_XDECREF(result);
+    return NULL;
 }
 
 /* ---- bind_<family>.c: the module's functions (module.c's method table) ---- */

@@ -435,7 +435,7 @@ static int import_cai(call_state *cs, PyObject *cai, const char *name, ragvit_te
 }
 
 /* Imports obj (NULL: optional argument left out) into t. */
-int import_arg(call_state *cs, PyObject *obj, const char *name, ragvit_tensor *t) {
+static int import_arg(call_state *cs, PyObject *obj, const char *name, ragvit_tensor *t) {
     t->is_present = 0;
     if (obj == NULL) return 0;
     if (cs->slot_count >= MAX_IMPORTS) {
@@ -465,8 +465,18 @@ int import_arg(call_state *cs, PyObject *obj, const char *name, ragvit_tensor *t
                     cs->op, name, Py_TYPE(obj)->tp_name));
 }
 
-/* Runs the deleters of consumed capsules; safe to call more than once. A
- * pending exception is set aside meanwhile: a deleter may run Python code. */
+int call_import(call_state *cs, PyObject *const *values, ragvit_tensor *t) {
+    const op_signature *sig = cs->sig;
+    if (parse_stream(cs, values[sig->count - 1])) return -1;
+    for (int i = 0; i < sig->count; i++) {
+        if ((sig->arrays & ARG_BIT(i)) && import_arg(cs, values[i], sig->names[i], &t[i])) {
+            return -1;
+        }
+    }
+    return 0;
+}
+
+/* A pending exception is set aside meanwhile: a deleter may run Python code. */
 void release_slots(call_state *cs) {
     int is_owning = 0; /* the exchange fast path and NumPy own nothing */
     for (int i = 0; i < cs->slot_count; i++) {
@@ -498,11 +508,9 @@ static void exchange_set_error(void *error_ctx, const char *kind, const char *me
     PyErr_SetString(type, message ? message : "allocation failed");
 }
 
-/* New array shaped like `shape` on like's device, in the library of the
- * argument imported into slot index `like_slot`; its view goes to *view. */
-PyObject *alloc_like(call_state *cs, int like_slot, const ragvit_tensor *like, const char *name,
-                     int32_t dtype, int ndim, const int64_t *shape, ragvit_tensor *view) {
-    const import_slot *slot = &cs->slots[like_slot];
+PyObject *alloc_like(call_state *cs, const ragvit_tensor *like, const char *name, int32_t dtype,
+                     int ndim, const int64_t *shape, ragvit_tensor *view) {
+    const import_slot *slot = &cs->slots[0];
     if (slot->kind == IMPORT_EXCHANGE) {
         DLTensor proto;
         memset(&proto, 0, sizeof proto);
