@@ -6,26 +6,22 @@
  * a Python caller can forward its own None defaults unchanged. */
 #include "glue.h"
 
+/* None becomes NULL as each value is stored, so the required check reads only
+ * the first `required` values. */
 int parse_args(const op_signature *sig, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames,
                PyObject **values) {
     const char *const *names = sig->names;
-    for (int i = 0; i < sig->count; i++) values[i] = NULL;
     if (nargs > sig->max_positional) {
         PyErr_Format(PyExc_TypeError, "%s() takes at most %d positional arguments (%zd given)",
                      sig->op, sig->max_positional, nargs);
         return -1;
     }
-    for (Py_ssize_t i = 0; i < nargs; i++) values[i] = args[i];
+    for (Py_ssize_t i = 0; i < nargs; i++) values[i] = args[i] == Py_None ? NULL : args[i];
+    for (Py_ssize_t i = nargs; i < sig->count; i++) values[i] = NULL;
     Py_ssize_t nkw = kwnames ? PyTuple_GET_SIZE(kwnames) : 0;
     for (Py_ssize_t j = 0; j < nkw; j++) {
         PyObject *key = PyTuple_GET_ITEM(kwnames, j); /* borrowed */
-        int found = -1;
-        for (int i = 0; i < sig->count; i++) {
-            if (keyword_is(key, names[i])) {
-                found = i;
-                break;
-            }
-        }
+        const int found = keyword_index(key, names, sig->count);
         if (found < 0) {
             PyErr_Format(PyExc_TypeError, "%s() got an unexpected keyword argument '%U'", sig->op,
                          key);
@@ -36,11 +32,11 @@ int parse_args(const op_signature *sig, PyObject *const *args, Py_ssize_t nargs,
                          names[found]);
             return -1;
         }
-        values[found] = args[nargs + j];
+        PyObject *value = args[nargs + j]; /* borrowed */
+        values[found] = value == Py_None ? NULL : value;
     }
-    for (int i = 0; i < sig->count; i++) {
-        if (values[i] == Py_None) values[i] = NULL;
-        if (i < sig->required && values[i] == NULL) {
+    for (int i = 0; i < sig->required; i++) {
+        if (values[i] == NULL) {
             PyErr_Format(PyExc_TypeError, "%s() missing required argument '%s'", sig->op, names[i]);
             return -1;
         }

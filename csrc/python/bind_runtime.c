@@ -39,10 +39,11 @@ PyObject *py_launch_empty(PyObject *module, PyObject *const *args, Py_ssize_t na
                           PyObject *kwnames) {
     PyObject *device_obj = nargs > 0 ? args[0] : NULL; /* borrowed */
     PyObject *stream_obj = nargs > 1 ? args[1] : NULL; /* borrowed */
+    static const char *const names[] = {"device", "stream"};
     Py_ssize_t nkw = kwnames ? PyTuple_GET_SIZE(kwnames) : 0;
     for (Py_ssize_t j = 0; j < nkw; j++) {
         PyObject *key = PyTuple_GET_ITEM(kwnames, j); /* borrowed */
-        int index = keyword_is(key, "device") ? 0 : keyword_is(key, "stream") ? 1 : -1;
+        const int index = keyword_index(key, names, 2);
         if (index < 0) continue;
         if (index < nargs) {
             PyErr_Format(PyExc_TypeError, "launch_empty() got multiple values for argument '%U'",

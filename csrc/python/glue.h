@@ -2,7 +2,7 @@
  * slots, the signature each op wrapper declares, and what each file of the glue
  * offers the others (errors.c raises, args.c parses, interop.c imports and
  * allocates, bind_<family>.c wrap the ops, module.c holds the lifecycle).
- * Decision: the helpers every call passes through (raise_status, keyword_is,
+ * Decision: the helpers every call passes through (raise_status, keyword_index,
  * call_begin, finish_streams, call_end) are static inline here: each .c is its
  * own translation unit, and a call per helper would tax the ~4 us host path. */
 #ifndef RAGVIT_GLUE_H
@@ -99,17 +99,26 @@ static inline int raise_status(ragvit_status status) {
 
 /* ---- args.c: FASTCALL parsing; each returns 0, or -1 with an exception ---- */
 
-/* Whether keyword key (a str) spells name. Call sites pass compact ASCII
- * keywords, compared here without a call; anything else takes CPython's path. */
-static inline int keyword_is(PyObject *key, const char *name) {
-    if (PyUnicode_IS_COMPACT_ASCII(key)) {
-        if (PyUnicode_GET_LENGTH(key) == 0 || *(const char *)PyUnicode_DATA(key) != name[0])
-            return 0; /* most names differ at the first letter */
-        const size_t length = strlen(name);
-        return (size_t)PyUnicode_GET_LENGTH(key) == length &&
-               memcmp(PyUnicode_DATA(key), name, length) == 0;
+/* Index of keyword key (a str) among names[0..count), or -1. Call sites pass
+ * compact ASCII keywords: those compare here without a call, the key read once
+ * and most names refused at their first letter; anything else takes CPython's path. */
+static inline int keyword_index(PyObject *key, const char *const *names, int count) {
+    if (!PyUnicode_IS_COMPACT_ASCII(key)) {
+        for (int i = 0; i < count; i++) {
+            if (PyUnicode_CompareWithASCIIString(key, names[i]) == 0) return i;
+        }
+        return -1;
     }
-    return PyUnicode_CompareWithASCIIString(key, name) == 0;
+    const char *data = (const char *)PyUnicode_DATA(key);
+    const size_t length = (size_t)PyUnicode_GET_LENGTH(key);
+    if (length == 0) return -1;
+    for (int i = 0; i < count; i++) {
+        if (names[i][0] == data[0] && strlen(names[i]) == length &&
+            memcmp(data, names[i], length) == 0) {
+            return i;
+        }
+    }
+    return -1;
 }
 
 /* Fills values[i] (borrowed) for each of sig's names: NULL when absent or None. */

@@ -465,13 +465,14 @@ static int import_arg(call_state *cs, PyObject *obj, const char *name, ragvit_te
                     cs->op, name, Py_TYPE(obj)->tp_name));
 }
 
+/* sig's fields are read once into locals: every import writes through cs and
+ * t, which would otherwise make the compiler reload them each iteration. */
 int call_import(call_state *cs, PyObject *const *values, ragvit_tensor *t) {
-    const op_signature *sig = cs->sig;
-    if (parse_stream(cs, values[sig->count - 1])) return -1;
-    for (int i = 0; i < sig->count; i++) {
-        if ((sig->arrays & ARG_BIT(i)) && import_arg(cs, values[i], sig->names[i], &t[i])) {
-            return -1;
-        }
+    const char *const *names = cs->sig->names;
+    unsigned arrays = cs->sig->arrays;
+    if (parse_stream(cs, values[cs->sig->count - 1])) return -1;
+    for (int i = 0; arrays != 0; i++, arrays >>= 1) {
+        if ((arrays & 1u) && import_arg(cs, values[i], names[i], &t[i])) return -1;
     }
     return 0;
 }
