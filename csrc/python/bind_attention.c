@@ -10,13 +10,10 @@ PyObject *py_attention(PyObject *module, PyObject *const *args, Py_ssize_t nargs
     enum { Q, K, V, CU_SEQLENS, MAX_SEQLEN, SCALE, OUT, CLS_ATTN, BIAS, STREAM, NUM_ARGS };
     static const char *const names[NUM_ARGS] = {
         "q", "k", "v", "cu_seqlens", "max_seqlen", "scale", "out", "cls_attn", "bias", "stream"};
-    static const op_signature sig = {"attention",
-                                     names,
-                                     NUM_ARGS,
-                                     5,
-                                     4,
-                                     ARG_BIT(Q) | ARG_BIT(K) | ARG_BIT(V) | ARG_BIT(CU_SEQLENS) |
-                                         ARG_BIT(OUT) | ARG_BIT(CLS_ATTN) | ARG_BIT(BIAS)};
+    static const op_signature sig =
+        SIGNATURE("attention", names, 5, 4,
+                  ARG_BIT(Q) | ARG_BIT(K) | ARG_BIT(V) | ARG_BIT(CU_SEQLENS) | ARG_BIT(OUT) |
+                      ARG_BIT(CLS_ATTN) | ARG_BIT(BIAS));
     PyObject *values[NUM_ARGS], *out_obj = NULL; /* out_obj: owned */
     ragvit_tensor t[NUM_ARGS];
     int64_t max_seqlen;

@@ -51,7 +51,7 @@ static PyObject *end_gathered(call_state *cs, PyObject **objs, int rc) {
 PyObject *py_pack(PyObject *module, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames) {
     enum { X, KEEP, STREAM, NUM_ARGS };
     static const char *const names[NUM_ARGS] = {"x", "keep", "stream"};
-    static const op_signature sig = {"pack", names, NUM_ARGS, 2, 2, ARG_BIT(X) | ARG_BIT(KEEP)};
+    static const op_signature sig = SIGNATURE("pack", names, 2, 2, ARG_BIT(X) | ARG_BIT(KEEP));
     PyObject *values[NUM_ARGS], *objs[RESULT_COUNT] = {NULL, NULL, NULL};
     ragvit_tensor t[NUM_ARGS], views[RESULT_COUNT];
     call_state cs;
@@ -83,13 +83,9 @@ PyObject *py_pack_into(PyObject *module, PyObject *const *args, Py_ssize_t nargs
     enum { X, KEEP, OUT, CU_SEQLENS, INDICES, STREAM, NUM_ARGS };
     static const char *const names[NUM_ARGS] = {"x",          "keep",    "out",
                                                 "cu_seqlens", "indices", "stream"};
-    static const op_signature sig = {
-        "pack_into",
-        names,
-        NUM_ARGS,
-        4,
-        4,
-        ARG_BIT(X) | ARG_BIT(KEEP) | ARG_BIT(OUT) | ARG_BIT(CU_SEQLENS) | ARG_BIT(INDICES)};
+    static const op_signature sig = SIGNATURE("pack_into", names, 4, 4,
+                                              ARG_BIT(X) | ARG_BIT(KEEP) | ARG_BIT(OUT) |
+                                                  ARG_BIT(CU_SEQLENS) | ARG_BIT(INDICES));
     PyObject *values[NUM_ARGS];
     ragvit_tensor t[NUM_ARGS];
     call_state cs;
@@ -127,9 +123,9 @@ PyObject *py_unpack(PyObject *module, PyObject *const *args, Py_ssize_t nargs, P
     enum { PACKED, CU_SEQLENS, N, INDICES, FILL, OUT, STREAM, NUM_ARGS };
     static const char *const names[NUM_ARGS] = {"packed", "cu_seqlens", "N",     "indices",
                                                 "fill",   "out",        "stream"};
-    static const op_signature sig = {
-        "unpack", names, NUM_ARGS,
-        3,        3,     ARG_BIT(PACKED) | ARG_BIT(CU_SEQLENS) | ARG_BIT(INDICES) | ARG_BIT(OUT)};
+    static const op_signature sig =
+        SIGNATURE("unpack", names, 3, 3,
+                  ARG_BIT(PACKED) | ARG_BIT(CU_SEQLENS) | ARG_BIT(INDICES) | ARG_BIT(OUT));
     PyObject *values[NUM_ARGS], *out_obj = NULL; /* out_obj: owned */
     ragvit_tensor t[NUM_ARGS];
     long long n = 0;
@@ -153,7 +149,7 @@ done:
 /* gather_prefix (required k) and segment_mean (optional skip):
  * (packed, cu_seqlens, <count>, *, out=None, stream=None) -> out. */
 enum { SEQ_PACKED, SEQ_CU_SEQLENS, SEQ_COUNT, SEQ_OUT, SEQ_STREAM, SEQ_NUM_ARGS };
-#define SEQ_ARRAYS (ARG_BIT(SEQ_PACKED) | ARG_BIT(SEQ_CU_SEQLENS) | ARG_BIT(SEQ_OUT))
+enum { SEQ_ARRAYS = ARG_BIT(SEQ_PACKED) | ARG_BIT(SEQ_CU_SEQLENS) | ARG_BIT(SEQ_OUT) };
 
 static PyObject *sequence_op(PyObject *module, PyObject *const *args, Py_ssize_t nargs,
                              PyObject *kwnames, const op_signature *sig, int is_prefix) {
@@ -180,7 +176,7 @@ done:
 PyObject *py_gather_prefix(PyObject *module, PyObject *const *args, Py_ssize_t nargs,
                            PyObject *kwnames) {
     static const char *const names[SEQ_NUM_ARGS] = {"packed", "cu_seqlens", "k", "out", "stream"};
-    static const op_signature sig = {"gather_prefix", names, SEQ_NUM_ARGS, 3, 3, SEQ_ARRAYS};
+    static const op_signature sig = SIGNATURE("gather_prefix", names, 3, 3, SEQ_ARRAYS);
     return sequence_op(module, args, nargs, kwnames, &sig, 1);
 }
 
@@ -188,7 +184,7 @@ PyObject *py_segment_mean(PyObject *module, PyObject *const *args, Py_ssize_t na
                           PyObject *kwnames) {
     static const char *const names[SEQ_NUM_ARGS] = {"packed", "cu_seqlens", "skip", "out",
                                                     "stream"};
-    static const op_signature sig = {"segment_mean", names, SEQ_NUM_ARGS, 2, 2, SEQ_ARRAYS};
+    static const op_signature sig = SIGNATURE("segment_mean", names, 2, 2, SEQ_ARRAYS);
     return sequence_op(module, args, nargs, kwnames, &sig, 0);
 }
 
@@ -196,10 +192,9 @@ PyObject *py_repack(PyObject *module, PyObject *const *args, Py_ssize_t nargs, P
     enum { PACKED, CU_SEQLENS, KEEP, FUSE_WEIGHTS, STREAM, NUM_ARGS };
     static const char *const names[NUM_ARGS] = {"packed", "cu_seqlens", "keep", "fuse_weights",
                                                 "stream"};
-    static const op_signature sig = {
-        "repack", names,
-        NUM_ARGS, 3,
-        3,        ARG_BIT(PACKED) | ARG_BIT(CU_SEQLENS) | ARG_BIT(KEEP) | ARG_BIT(FUSE_WEIGHTS)};
+    static const op_signature sig =
+        SIGNATURE("repack", names, 3, 3,
+                  ARG_BIT(PACKED) | ARG_BIT(CU_SEQLENS) | ARG_BIT(KEEP) | ARG_BIT(FUSE_WEIGHTS));
     PyObject *values[NUM_ARGS], *objs[RESULT_COUNT] = {NULL, NULL, NULL};
     ragvit_tensor t[NUM_ARGS], views[RESULT_COUNT];
     call_state cs;
@@ -230,14 +225,10 @@ PyObject *py_repack_into(PyObject *module, PyObject *const *args, Py_ssize_t nar
     enum { PACKED, CU_SEQLENS, KEEP, OUT, CU_SEQLENS_OUT, SRC, FUSE_WEIGHTS, STREAM, NUM_ARGS };
     static const char *const names[NUM_ARGS] = {
         "packed", "cu_seqlens", "keep", "out", "cu_seqlens_out", "src", "fuse_weights", "stream"};
-    static const op_signature sig = {"repack_into",
-                                     names,
-                                     NUM_ARGS,
-                                     5,
-                                     5,
-                                     ARG_BIT(PACKED) | ARG_BIT(CU_SEQLENS) | ARG_BIT(KEEP) |
-                                         ARG_BIT(OUT) | ARG_BIT(CU_SEQLENS_OUT) | ARG_BIT(SRC) |
-                                         ARG_BIT(FUSE_WEIGHTS)};
+    static const op_signature sig =
+        SIGNATURE("repack_into", names, 5, 5,
+                  ARG_BIT(PACKED) | ARG_BIT(CU_SEQLENS) | ARG_BIT(KEEP) | ARG_BIT(OUT) |
+                      ARG_BIT(CU_SEQLENS_OUT) | ARG_BIT(SRC) | ARG_BIT(FUSE_WEIGHTS));
     PyObject *values[NUM_ARGS];
     ragvit_tensor t[NUM_ARGS];
     call_state cs;

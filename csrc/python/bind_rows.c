@@ -27,10 +27,9 @@ static int rows_output(call_state *cs, PyObject *given, const ragvit_tensor *x, 
 PyObject *py_linear(PyObject *module, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames) {
     enum { X, WEIGHT, BIAS, RESIDUAL, OUT, STREAM, NUM_ARGS };
     static const char *const names[NUM_ARGS] = {"x", "weight", "bias", "residual", "out", "stream"};
-    static const op_signature sig = {
-        "linear", names,
-        NUM_ARGS, 3,
-        2,        ARG_BIT(X) | ARG_BIT(WEIGHT) | ARG_BIT(BIAS) | ARG_BIT(RESIDUAL) | ARG_BIT(OUT)};
+    static const op_signature sig =
+        SIGNATURE("linear", names, 3, 2,
+                  ARG_BIT(X) | ARG_BIT(WEIGHT) | ARG_BIT(BIAS) | ARG_BIT(RESIDUAL) | ARG_BIT(OUT));
     PyObject *values[NUM_ARGS], *out_obj = NULL; /* out_obj: owned */
     ragvit_tensor t[NUM_ARGS];
     call_state cs;
@@ -58,12 +57,8 @@ PyObject *py_layer_norm(PyObject *module, PyObject *const *args, Py_ssize_t narg
                         PyObject *kwnames) {
     enum { X, WEIGHT, BIAS, EPS, OUT, STREAM, NUM_ARGS };
     static const char *const names[NUM_ARGS] = {"x", "weight", "bias", "eps", "out", "stream"};
-    static const op_signature sig = {"layer_norm",
-                                     names,
-                                     NUM_ARGS,
-                                     3,
-                                     1,
-                                     ARG_BIT(X) | ARG_BIT(WEIGHT) | ARG_BIT(BIAS) | ARG_BIT(OUT)};
+    static const op_signature sig = SIGNATURE(
+        "layer_norm", names, 3, 1, ARG_BIT(X) | ARG_BIT(WEIGHT) | ARG_BIT(BIAS) | ARG_BIT(OUT));
     PyObject *values[NUM_ARGS], *out_obj = NULL; /* out_obj: owned */
     ragvit_tensor t[NUM_ARGS];
     double eps;
@@ -85,7 +80,7 @@ done:
 PyObject *py_gelu(PyObject *module, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames) {
     enum { X, OUT, STREAM, NUM_ARGS };
     static const char *const names[NUM_ARGS] = {"x", "out", "stream"};
-    static const op_signature sig = {"gelu", names, NUM_ARGS, 1, 1, ARG_BIT(X) | ARG_BIT(OUT)};
+    static const op_signature sig = SIGNATURE("gelu", names, 1, 1, ARG_BIT(X) | ARG_BIT(OUT));
     PyObject *values[NUM_ARGS], *out_obj = NULL; /* out_obj: owned */
     ragvit_tensor t[NUM_ARGS];
     call_state cs;

@@ -10,8 +10,8 @@ PyObject *py_topk_index(PyObject *module, PyObject *const *args, Py_ssize_t narg
                         PyObject *kwnames) {
     enum { SCORES, K, PREFIX, OUT, STREAM, NUM_ARGS };
     static const char *const names[NUM_ARGS] = {"scores", "k", "prefix", "out", "stream"};
-    static const op_signature sig = {
-        "topk_index", names, NUM_ARGS, 2, 2, ARG_BIT(SCORES) | ARG_BIT(OUT)};
+    static const op_signature sig =
+        SIGNATURE("topk_index", names, 2, 2, ARG_BIT(SCORES) | ARG_BIT(OUT));
     PyObject *values[NUM_ARGS], *out_obj = NULL; /* out_obj: owned */
     ragvit_tensor t[NUM_ARGS];
     long long k = 0, prefix = 0;

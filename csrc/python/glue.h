@@ -64,6 +64,10 @@ typedef struct {
 } op_signature;
 
 #define ARG_BIT(i) (1u << (i))
+#define ARRAY_COUNT(a) ((int)(sizeof(a) / sizeof((a)[0])))
+/* The initializer of a static op_signature; count comes from the names array. */
+#define SIGNATURE(op, names, max_positional, required, arrays)                                     \
+    {(op), (names), ARRAY_COUNT(names), (max_positional), (required), (arrays)}
 
 typedef struct {
     module_state *st;
