@@ -11,8 +11,10 @@
 
 #include "cuda_util.cuh"
 
-/* One-time per-device setup of the attention kernels (cudaFuncSetAttribute), in attention.cu. */
-extern "C" ragvit_status ragged_attention_init(const ragvit_device_info *dev);
+/* One-time per-device setup of the attention kernels (cudaFuncSetAttribute), in attention.cu;
+ * hidden there as here (attention.cuh), so the module does not export it. */
+extern "C" __attribute__((visibility("hidden"))) ragvit_status
+attention_init(const ragvit_device_info *dev);
 
 // ---- kernels ----
 
@@ -91,7 +93,7 @@ extern "C" ragvit_status ragvit_cuda_device_init(int32_t device_id, ragvit_devic
     CUDA_TRY(cudaGetSymbolAddress(&flag, device_error_flag));
     filled.error_flag = (unsigned int *)flag;
 
-    RAGVIT_TRY(ragged_attention_init(&filled));
+    RAGVIT_TRY(attention_init(&filled));
 
     filled.is_initialized = 1; /* published last: a half-filled info never looks valid */
     *info = filled;

@@ -1,6 +1,6 @@
 /* ragged_attention_mma.cuh — tensor-core ragged attention for fp16/bf16 q/k/v/out (fp32
  * accumulation), D in {32, 64, 80, 96, 128}; included by ragged_attention.cu after launch.h and
- * cuda_check.cuh. grid = (query tiles, H, min(S, 65535)), 4 warps a block (fewer only when
+ * cuda_util.cuh. grid = (query tiles, H, min(S, 65535)), 4 warps a block (fewer only when
  * max_seqlen < 64), warp w owns 16 query rows. 64-key K/V tiles stream by 16-byte cp.async
  * (zero-filled past the sequence end) through a 2-4 stage ring of padded shared rows (D + 8:
  * conflict-free ldmatrix); S = Q K^T and O += P V by mma.sync m16n8k16 (V via ldmatrix.trans),
@@ -14,8 +14,8 @@
  * layout by shuffles: +1..12 registers, no spills), cls_attn included.
  * Covered by dev/test_attention_mma.cu (and tests/test_ops.py, tests/test_attention_bias.py
  * through the dispatcher). */
-#ifndef RAGVIT_RAGGED_ATTENTION_MMA_CUH
-#define RAGVIT_RAGGED_ATTENTION_MMA_CUH
+#ifndef RAGVIT_ATTENTION_MMA_CUH
+#define RAGVIT_ATTENTION_MMA_CUH
 
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
@@ -23,12 +23,12 @@
 #include <stdint.h>
 #include <string.h>
 
-#define RAGGED_ATTENTION_MMA_KEYS 64        /* keys per K/V tile */
-#define RAGGED_ATTENTION_MMA_MAX_WARPS 4    /* 16 query rows per warp */
-#define RAGGED_ATTENTION_MMA_MAX_STAGES 4   /* K/V tiles in flight */
-#define RAGGED_ATTENTION_MMA_MAX_HEADS 1024 /* cls keeps 8 bytes a head in shared memory */
-#define RAGGED_ATTENTION_MMA_MAX_GRID_YZ 65535
-#define RAGGED_ATTENTION_MMA_LOG2E 1.4426950408889634f
+#define ATTENTION_MMA_KEYS 64        /* keys per K/V tile */
+#define ATTENTION_MMA_MAX_WARPS 4    /* 16 query rows per warp */
+#define ATTENTION_MMA_MAX_STAGES 4   /* K/V tiles in flight */
+#define ATTENTION_MMA_MAX_HEADS 1024 /* cls keeps 8 bytes a head in shared memory */
+#define ATTENTION_MAX_GRID_YZ 65535
+#define ATTENTION_LOG2E 1.4426950408889634f
 
 // ---- grid sizing (host) ----
 
@@ -36,9 +36,9 @@
  * rows a block: a loose max_seqlen (CUDA's default is T) must not launch millions of empty
  * blocks, so the grid is capped near twice the real work (T / rows + S query tiles per y,
  * at least 64 blocks an SM) and blocks loop over the remaining query tiles. */
-static int64_t ragged_attention_cap_grid_x(int64_t grid_x, int64_t grid_y, int64_t grid_z,
-                                           int64_t total_tokens, int64_t num_seqs, int64_t rows,
-                                           int64_t sm_count) {
+static int64_t attention_cap_grid_x(int64_t grid_x, int64_t grid_y, int64_t grid_z,
+                                    int64_t total_tokens, int64_t num_seqs, int64_t rows,
+                                    int64_t sm_count) {
     int64_t budget = 2 * (total_tokens / rows + num_seqs) * grid_y;
     if (budget < 64 * sm_count) budget = 64 * sm_count;
     if (grid_x * grid_y * grid_z > budget) {
@@ -50,7 +50,7 @@ static int64_t ragged_attention_cap_grid_x(int64_t grid_x, int64_t grid_y, int64
 
 /* The grid's sequence-length bound: max_seqlen (default T) clamped to [1, INT32_MAX]. It
  * only sizes the grid; a sequence longer than it is skipped and flagged by the kernels. */
-static int64_t ragged_attention_max_len(const ragvit_attention_args *a) {
+static int64_t attention_max_len(const ragvit_attention_args *a) {
     int64_t max_len = a->max_seqlen > 0 ? a->max_seqlen : a->total_tokens;
     if (max_len > INT32_MAX) max_len = INT32_MAX;
     return max_len < 1 ? 1 : max_len;
@@ -58,38 +58,37 @@ static int64_t ragged_attention_max_len(const ragvit_attention_args *a) {
 
 // ---- device helpers ----
 
-static __device__ __forceinline__ uint32_t ragged_attention_mma_smem_addr(const void *p) {
+static __device__ __forceinline__ uint32_t attention_smem_addr(const void *p) {
     return (uint32_t)__cvta_generic_to_shared(p);
 }
 
 /* 16-byte global -> shared copy; is_valid == false writes 16 zero bytes and reads nothing. */
-static __device__ __forceinline__ void
-ragged_attention_mma_cp_async16(uint32_t dst, const void *src, bool is_valid) {
+static __device__ __forceinline__ void attention_cp_async16(uint32_t dst, const void *src,
+                                                            bool is_valid) {
     const int src_bytes = is_valid ? 16 : 0;
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst),
                  "l"(__cvta_generic_to_global(src)), "r"(src_bytes)
                  : "memory");
 }
 
-static __device__ __forceinline__ void ragged_attention_mma_cp_async_commit() {
+static __device__ __forceinline__ void attention_cp_async_commit() {
     asm volatile("cp.async.commit_group;\n" ::: "memory");
 }
 
 /* Waits until at most N of this thread's committed groups are still in flight. */
-template <int N> static __device__ __forceinline__ void ragged_attention_mma_cp_async_wait() {
+template <int N> static __device__ __forceinline__ void attention_cp_async_wait() {
     asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
 }
 
-static __device__ __forceinline__ void ragged_attention_mma_ldmatrix_x4(uint32_t r[4],
-                                                                        uint32_t addr) {
+static __device__ __forceinline__ void attention_mma_ldmatrix_x4(uint32_t r[4], uint32_t addr) {
     asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
                  : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
                  : "r"(addr)
                  : "memory");
 }
 
-static __device__ __forceinline__ void ragged_attention_mma_ldmatrix_x4_trans(uint32_t r[4],
-                                                                              uint32_t addr) {
+static __device__ __forceinline__ void attention_mma_ldmatrix_x4_trans(uint32_t r[4],
+                                                                       uint32_t addr) {
     asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
                  : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
                  : "r"(addr)
@@ -98,9 +97,9 @@ static __device__ __forceinline__ void ragged_attention_mma_ldmatrix_x4_trans(ui
 
 /* Per-dtype pieces: pack two floats (lower column in the low half), unpack, and
  * c[0..3] += A (16x16, row) * B (16x8, col) with fp32 accumulators. */
-template <typename Elem> struct ragged_attention_mma_elem;
+template <typename Elem> struct attention_elem;
 
-template <> struct ragged_attention_mma_elem<__half> {
+template <> struct attention_elem<__half> {
     static constexpr bool is_half = true; /* the instructions' .f16 (else .bf16) type */
     static __device__ __forceinline__ uint32_t pack(float lo, float hi) {
         const __half2 h = __floats2half2_rn(lo, hi);
@@ -122,7 +121,7 @@ template <> struct ragged_attention_mma_elem<__half> {
     }
 };
 
-template <> struct ragged_attention_mma_elem<__nv_bfloat16> {
+template <> struct attention_elem<__nv_bfloat16> {
     static constexpr bool is_half = false;
     static __device__ __forceinline__ uint32_t pack(float lo, float hi) {
         const __nv_bfloat162 h = __floats2bfloat162_rn(lo, hi);
@@ -148,9 +147,9 @@ template <> struct ragged_attention_mma_elem<__nv_bfloat16> {
  * D + 8 elements, spread over threads `tid` of `nthreads`; rows >= valid_rows are zero-filled
  * (P = 0 must never meet garbage V). */
 template <typename Elem, int D>
-static __device__ __forceinline__ void
-ragged_attention_mma_load_rows(Elem *dst, const Elem *src, int64_t stride, int valid_rows, int rows,
-                               int tid, int nthreads) {
+static __device__ __forceinline__ void attention_mma_load_rows(Elem *dst, const Elem *src,
+                                                               int64_t stride, int valid_rows,
+                                                               int rows, int tid, int nthreads) {
     constexpr int kChunks = D / 8; /* 16-byte chunks per row */
     constexpr int kLds = D + 8;
     for (int c = tid; c < rows * kChunks; c += nthreads) {
@@ -159,48 +158,47 @@ ragged_attention_mma_load_rows(Elem *dst, const Elem *src, int64_t stride, int v
         const bool is_valid = r < valid_rows;
         /* row 0 exists whenever this is called; an invalid chunk reads nothing anyway */
         const Elem *g = src + (is_valid ? (int64_t)r * stride : (int64_t)0) + col * 8;
-        ragged_attention_mma_cp_async16(ragged_attention_mma_smem_addr(dst + r * kLds + col * 8), g,
-                                        is_valid);
+        attention_cp_async16(attention_smem_addr(dst + r * kLds + col * 8), g, is_valid);
     }
 }
 
 /* 2^x (ex2.approx.ftz: what exp2f becomes under --use_fast_math; 2^-inf = 0). */
-static __device__ __forceinline__ float ragged_attention_mma_exp2(float x) {
+static __device__ __forceinline__ float attention_exp2(float x) {
     float y;
     asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
     return y;
 }
 
 /* Runtime form of cp.async.wait_group for ring depths up to 8. */
-static __device__ __forceinline__ void ragged_attention_mma_cp_async_wait_pending(int n) {
+static __device__ __forceinline__ void attention_cp_async_wait_pending(int n) {
     switch (n) {
-    case 0: ragged_attention_mma_cp_async_wait<0>(); break;
-    case 1: ragged_attention_mma_cp_async_wait<1>(); break;
-    case 2: ragged_attention_mma_cp_async_wait<2>(); break;
-    case 3: ragged_attention_mma_cp_async_wait<3>(); break;
-    case 4: ragged_attention_mma_cp_async_wait<4>(); break;
-    case 5: ragged_attention_mma_cp_async_wait<5>(); break;
-    default: ragged_attention_mma_cp_async_wait<6>(); break;
+    case 0: attention_cp_async_wait<0>(); break;
+    case 1: attention_cp_async_wait<1>(); break;
+    case 2: attention_cp_async_wait<2>(); break;
+    case 3: attention_cp_async_wait<3>(); break;
+    case 4: attention_cp_async_wait<4>(); break;
+    case 5: attention_cp_async_wait<5>(); break;
+    default: attention_cp_async_wait<6>(); break;
     }
 }
 
 /* K and V rows [key0, key0 + 64) of sequence `start`, head h into one ring stage (K rows,
  * then V rows). Strides are read from the kernel parameters (no registers held). */
 template <typename Elem, int D>
-static __device__ __forceinline__ void
-ragged_attention_mma_load_kv(Elem *stage, const ragvit_attention_args &a, int start, int h,
-                             int key0, int len) {
-    constexpr int kKeys = RAGGED_ATTENTION_MMA_KEYS;
+static __device__ __forceinline__ void attention_mma_load_kv(Elem *stage,
+                                                             const ragvit_attention_args &a,
+                                                             int start, int h, int key0, int len) {
+    constexpr int kKeys = ATTENTION_MMA_KEYS;
     const int valid = min(kKeys, len - key0);
     const int64_t token = (int64_t)start + key0;
-    ragged_attention_mma_load_rows<Elem, D>(
-        stage,
-        static_cast<const Elem *>(a.k) + token * a.k_stride_token + (int64_t)h * a.k_stride_head,
-        a.k_stride_token, valid, kKeys, threadIdx.x, blockDim.x);
-    ragged_attention_mma_load_rows<Elem, D>(
-        stage + kKeys * (D + 8),
-        static_cast<const Elem *>(a.v) + token * a.v_stride_token + (int64_t)h * a.v_stride_head,
-        a.v_stride_token, valid, kKeys, threadIdx.x, blockDim.x);
+    attention_mma_load_rows<Elem, D>(stage,
+                                     static_cast<const Elem *>(a.k) + token * a.k_stride_token +
+                                         (int64_t)h * a.k_stride_head,
+                                     a.k_stride_token, valid, kKeys, threadIdx.x, blockDim.x);
+    attention_mma_load_rows<Elem, D>(stage + kKeys * (D + 8),
+                                     static_cast<const Elem *>(a.v) + token * a.v_stride_token +
+                                         (int64_t)h * a.v_stride_head,
+                                     a.v_stride_token, valid, kKeys, threadIdx.x, blockDim.x);
 }
 
 /* One query tile (rows q0 .. q0 + 16 * warps - 1) of head h of the sequence whose first token
@@ -210,10 +208,10 @@ ragged_attention_mma_load_kv(Elem *stage, const ragvit_attention_args &a, int st
  * consumed, so one barrier per tile suffices. Block-uniform: all threads call it alike. */
 template <typename Elem, int D, bool has_bias>
 static __device__ __forceinline__ void
-ragged_attention_mma_tile(Elem *s_q, Elem *s_kv, int num_stages, const ragvit_attention_args &a,
-                          int start, int h, int q0, int len, float scale_log2) {
-    using ops = ragged_attention_mma_elem<Elem>;
-    constexpr int kKeys = RAGGED_ATTENTION_MMA_KEYS;
+attention_mma_tile(Elem *s_q, Elem *s_kv, int num_stages, const ragvit_attention_args &a, int start,
+                   int h, int q0, int len, float scale_log2) {
+    using ops = attention_elem<Elem>;
+    constexpr int kKeys = ATTENTION_MMA_KEYS;
     constexpr int kLds = D + 8;
     constexpr int kStage = 2 * kKeys * kLds; /* elements per ring stage */
     const int warp = threadIdx.x >> 5;
@@ -234,15 +232,15 @@ ragged_attention_mma_tile(Elem *s_q, Elem *s_kv, int num_stages, const ragvit_at
     const int k_col = ((lane >> 3) & 1) * 8;
 
     __syncthreads(); /* this block's previous tile may still read shared memory */
-    ragged_attention_mma_load_rows<Elem, D>(
+    attention_mma_load_rows<Elem, D>(
         s_q,
         static_cast<const Elem *>(a.q) + ((int64_t)start + q0) * a.q_stride_token +
             (int64_t)h * a.q_stride_head,
         a.q_stride_token, min(rows, len - q0), rows, threadIdx.x, blockDim.x);
     for (int st = 0; st < num_stages - 1; ++st) {
         if (st < num_tiles)
-            ragged_attention_mma_load_kv<Elem, D>(s_kv + st * kStage, a, start, h, st * kKeys, len);
-        ragged_attention_mma_cp_async_commit(); /* group st: key tile st (+ Q), maybe empty */
+            attention_mma_load_kv<Elem, D>(s_kv + st * kStage, a, start, h, st * kKeys, len);
+        attention_cp_async_commit(); /* group st: key tile st (+ Q), maybe empty */
     }
 
     float o_acc[D / 8][4];
@@ -254,14 +252,14 @@ ragged_attention_mma_tile(Elem *s_q, Elem *s_kv, int num_stages, const ragvit_at
 
     int stage = 0; /* holds key tile t; the stage before it receives tile t + num_stages - 1 */
     for (int t = 0; t < num_tiles; ++t) {
-        const int num_keys = min(kKeys, len - t * kKeys);           /* >= 1 */
-        ragged_attention_mma_cp_async_wait_pending(num_stages - 2); /* tile t landed */
+        const int num_keys = min(kKeys, len - t * kKeys); /* >= 1 */
+        attention_cp_async_wait_pending(num_stages - 2);  /* tile t landed */
         __syncthreads(); /* ... for every thread's copies; tile t - 1 fully consumed */
         if (t + num_stages - 1 < num_tiles)
-            ragged_attention_mma_load_kv<Elem, D>(s_kv + (stage == 0 ? num_stages - 1 : stage - 1) *
-                                                             kStage,
-                                                  a, start, h, (t + num_stages - 1) * kKeys, len);
-        ragged_attention_mma_cp_async_commit();
+            attention_mma_load_kv<Elem, D>(s_kv +
+                                               (stage == 0 ? num_stages - 1 : stage - 1) * kStage,
+                                           a, start, h, (t + num_stages - 1) * kKeys, len);
+        attention_cp_async_commit();
         const Elem *s_k = s_kv + stage * kStage;
         const Elem *s_v = s_k + kKeys * kLds;
         stage = stage + 1 == num_stages ? 0 : stage + 1;
@@ -272,9 +270,9 @@ ragged_attention_mma_tile(Elem *s_q, Elem *s_kv, int num_stages, const ragvit_at
         uint32_t q_frag[D / 16][4];
 #pragma unroll
         for (int kk = 0; kk < D / 16; ++kk)
-            ragged_attention_mma_ldmatrix_x4(
+            attention_mma_ldmatrix_x4(
                 q_frag[kk],
-                ragged_attention_mma_smem_addr(s_q + (warp * 16 + a_row) * kLds + kk * 16 + a_col));
+                attention_smem_addr(s_q + (warp * 16 + a_row) * kLds + kk * 16 + a_col));
         float s_acc[kKeys / 8][4];
 #pragma unroll
         for (int n = 0; n < kKeys / 8; ++n)
@@ -285,9 +283,8 @@ ragged_attention_mma_tile(Elem *s_q, Elem *s_kv, int num_stages, const ragvit_at
             for (int n2 = 0; n2 < kKeys / 16; ++n2) {
                 if (n2 * 16 < num_keys) { /* all-masked key pairs: skip, -inf below */
                     uint32_t b[4];
-                    ragged_attention_mma_ldmatrix_x4(
-                        b, ragged_attention_mma_smem_addr(s_k + (n2 * 16 + k_row) * kLds + kk * 16 +
-                                                          k_col));
+                    attention_mma_ldmatrix_x4(
+                        b, attention_smem_addr(s_k + (n2 * 16 + k_row) * kLds + kk * 16 + k_col));
                     ops::mma(s_acc[2 * n2], q_frag[kk], b[0], b[1]);
                     ops::mma(s_acc[2 * n2 + 1], q_frag[kk], b[2], b[3]);
                 }
@@ -316,7 +313,7 @@ ragged_attention_mma_tile(Elem *s_q, Elem *s_kv, int num_stages, const ragvit_at
                 for (int c = 0; c < 2; ++c) {
                     const float b =
                         __shfl_sync(0xffffffffu, n < 4 ? b_lo : b_hi, (n & 3) * 8 + 2 * tig + c) *
-                        RAGGED_ATTENTION_MMA_LOG2E;
+                        ATTENTION_LOG2E;
                     s_acc[n][c] = fmaf(s_acc[n][c], scale_log2, b);
                     s_acc[n][c + 2] = fmaf(s_acc[n][c + 2], scale_log2, b);
                 }
@@ -340,15 +337,15 @@ ragged_attention_mma_tile(Elem *s_q, Elem *s_kv, int num_stages, const ragvit_at
 #pragma unroll
         for (int n = 0; n < kKeys / 8; ++n) {
             if (has_bias) {
-                s_acc[n][0] = ragged_attention_mma_exp2(s_acc[n][0] - m0);
-                s_acc[n][1] = ragged_attention_mma_exp2(s_acc[n][1] - m0);
-                s_acc[n][2] = ragged_attention_mma_exp2(s_acc[n][2] - m1);
-                s_acc[n][3] = ragged_attention_mma_exp2(s_acc[n][3] - m1);
+                s_acc[n][0] = attention_exp2(s_acc[n][0] - m0);
+                s_acc[n][1] = attention_exp2(s_acc[n][1] - m0);
+                s_acc[n][2] = attention_exp2(s_acc[n][2] - m1);
+                s_acc[n][3] = attention_exp2(s_acc[n][3] - m1);
             } else {
-                s_acc[n][0] = ragged_attention_mma_exp2(fmaf(s_acc[n][0], scale_log2, -m0));
-                s_acc[n][1] = ragged_attention_mma_exp2(fmaf(s_acc[n][1], scale_log2, -m0));
-                s_acc[n][2] = ragged_attention_mma_exp2(fmaf(s_acc[n][2], scale_log2, -m1));
-                s_acc[n][3] = ragged_attention_mma_exp2(fmaf(s_acc[n][3], scale_log2, -m1));
+                s_acc[n][0] = attention_exp2(fmaf(s_acc[n][0], scale_log2, -m0));
+                s_acc[n][1] = attention_exp2(fmaf(s_acc[n][1], scale_log2, -m0));
+                s_acc[n][2] = attention_exp2(fmaf(s_acc[n][2], scale_log2, -m1));
+                s_acc[n][3] = attention_exp2(fmaf(s_acc[n][3], scale_log2, -m1));
             }
             sum0 += s_acc[n][0] + s_acc[n][1];
             sum1 += s_acc[n][2] + s_acc[n][3];
@@ -357,8 +354,8 @@ ragged_attention_mma_tile(Elem *s_q, Elem *s_kv, int num_stages, const ragvit_at
             row_sum0 = sum0;
             row_sum1 = sum1;
         } else {
-            const float alpha0 = ragged_attention_mma_exp2(row_max0 - m0);
-            const float alpha1 = ragged_attention_mma_exp2(row_max1 - m1);
+            const float alpha0 = attention_exp2(row_max0 - m0);
+            const float alpha1 = attention_exp2(row_max1 - m1);
             row_sum0 = fmaf(row_sum0, alpha0, sum0);
             row_sum1 = fmaf(row_sum1, alpha1, sum1);
 #pragma unroll
@@ -384,16 +381,15 @@ ragged_attention_mma_tile(Elem *s_q, Elem *s_kv, int num_stages, const ragvit_at
 #pragma unroll
                 for (int dn = 0; dn < D / 16; ++dn) {
                     uint32_t b[4];
-                    ragged_attention_mma_ldmatrix_x4_trans(
-                        b, ragged_attention_mma_smem_addr(s_v + (j * 16 + a_row) * kLds + dn * 16 +
-                                                          a_col));
+                    attention_mma_ldmatrix_x4_trans(
+                        b, attention_smem_addr(s_v + (j * 16 + a_row) * kLds + dn * 16 + a_col));
                     ops::mma(o_acc[2 * dn], p_frag, b[0], b[1]);
                     ops::mma(o_acc[2 * dn + 1], p_frag, b[2], b[3]);
                 }
             }
         }
     }
-    ragged_attention_mma_cp_async_wait<0>(); /* only empty groups can be left */
+    attention_cp_async_wait<0>(); /* only empty groups can be left */
 
     if (is_active) {
         row_sum0 += __shfl_xor_sync(0xffffffffu, row_sum0, 1);
@@ -429,12 +425,11 @@ ragged_attention_mma_tile(Elem *s_q, Elem *s_kv, int num_stages, const ragvit_at
 }
 
 /* (m, l) <- online merge of (m, l) and (m_other, l_other); (-inf, 0) is the empty partial. */
-static __device__ __forceinline__ void ragged_attention_mma_merge(float *m, float *l, float m_other,
-                                                                  float l_other) {
+static __device__ __forceinline__ void attention_mma_merge(float *m, float *l, float m_other,
+                                                           float l_other) {
     const float m_new = fmaxf(*m, m_other);
     if (m_new != -INFINITY)
-        *l = *l * ragged_attention_mma_exp2(*m - m_new) +
-             l_other * ragged_attention_mma_exp2(m_other - m_new);
+        *l = *l * attention_exp2(*m - m_new) + l_other * attention_exp2(m_other - m_new);
     *m = m_new;
 }
 
@@ -442,10 +437,10 @@ static __device__ __forceinline__ void ragged_attention_mma_merge(float *m, floa
  * rows and B = the query in column 0 (q_frag: b0, b1 per k-step, zero outside lanes 0-3).
  * Lanes with (lane & 3) == 0 receive keys lane / 4 (*x) and lane / 4 + 8 (*y). */
 template <typename Elem, int D>
-static __device__ __forceinline__ void
-ragged_attention_mma_cls_scores(const Elem *tile, const uint32_t (&q_frag)[D / 16][2], float *x,
-                                float *y) {
-    using ops = ragged_attention_mma_elem<Elem>;
+static __device__ __forceinline__ void attention_mma_cls_scores(const Elem *tile,
+                                                                const uint32_t (&q_frag)[D / 16][2],
+                                                                float *x, float *y) {
+    using ops = attention_elem<Elem>;
     constexpr int kLds = D + 8;
     const int lane = threadIdx.x & 31;
     const int a_row = (lane & 7) + ((lane >> 3) & 1) * 8;
@@ -454,8 +449,7 @@ ragged_attention_mma_cls_scores(const Elem *tile, const uint32_t (&q_frag)[D / 1
 #pragma unroll
     for (int kk = 0; kk < D / 16; ++kk) {
         uint32_t a[4];
-        ragged_attention_mma_ldmatrix_x4(
-            a, ragged_attention_mma_smem_addr(tile + a_row * kLds + kk * 16 + a_col));
+        attention_mma_ldmatrix_x4(a, attention_smem_addr(tile + a_row * kLds + kk * 16 + a_col));
         ops::mma(c[kk & 1], a, q_frag[kk][0], q_frag[kk][1]); /* two chains: shorter latency */
     }
     *x = c[0][0] + c[1][0];
@@ -475,10 +469,10 @@ ragged_attention_mma_cls_scores(const Elem *tile, const uint32_t (&q_frag)[D / 1
  * token's bias, added to every score (both passes alike, so the rescored bits match). */
 template <typename Elem, int D, bool has_bias>
 static __device__ __forceinline__ void
-ragged_attention_mma_cls(unsigned char *smem, int smem_bytes, float *cls, int64_t cls_stride,
-                         const Elem *q, int64_t q_head, const Elem *k, int64_t k_stride,
-                         int64_t k_head, const float *bias, int64_t bias_stride, int num_heads,
-                         int len, float scale_log2) {
+attention_mma_cls(unsigned char *smem, int smem_bytes, float *cls, int64_t cls_stride,
+                  const Elem *q, int64_t q_head, const Elem *k, int64_t k_stride, int64_t k_head,
+                  const float *bias, int64_t bias_stride, int num_heads, int len,
+                  float scale_log2) {
     constexpr int kTile = 16 * (D + 8); /* elements of one 16-key tile */
     constexpr int kTileBytes = kTile * (int)sizeof(Elem);
     const int lane = threadIdx.x & 31;
@@ -510,15 +504,15 @@ ragged_attention_mma_cls(unsigned char *smem, int smem_bytes, float *cls, int64_
         for (int b = 0; b < num_bufs - 1; ++b) {
             if (b < num_steps) {
                 const int h = pass == 0 ? load_o : load_n, t = pass == 0 ? load_n : load_o;
-                ragged_attention_mma_load_rows<Elem, D>(
-                    ring + b * kTile, k + h * k_head + (int64_t)t * 16 * k_stride, k_stride,
-                    min(16, len - t * 16), 16, lane, 32);
+                attention_mma_load_rows<Elem, D>(ring + b * kTile,
+                                                 k + h * k_head + (int64_t)t * 16 * k_stride,
+                                                 k_stride, min(16, len - t * 16), 16, lane, 32);
                 if (++load_n == inner) {
                     load_n = 0;
                     load_o += num_warps;
                 }
             }
-            ragged_attention_mma_cp_async_commit();
+            attention_cp_async_commit();
         }
         float m = -INFINITY, l = 0.0f, acc_x = 0.0f, acc_y = 0.0f;
         uint32_t q_frag[D / 16][2];
@@ -534,21 +528,21 @@ ragged_attention_mma_cls(unsigned char *smem, int smem_bytes, float *cls, int64_
                     q_frag[kk][1] = lane < 4 ? __ldg(qw + kk * 8 + 4 + lane) : 0u;
                 }
             }
-            ragged_attention_mma_cp_async_wait_pending(num_bufs - 2); /* step i landed */
+            attention_cp_async_wait_pending(num_bufs - 2); /* step i landed */
             __syncwarp(); /* ... for every lane's copies; step i - 1's buffer is free */
             if (i + num_bufs - 1 < num_steps) {
                 const int lh = pass == 0 ? load_o : load_n, lt = pass == 0 ? load_n : load_o;
-                ragged_attention_mma_load_rows<Elem, D>(
-                    ring + fill * kTile, k + lh * k_head + (int64_t)lt * 16 * k_stride, k_stride,
-                    min(16, len - lt * 16), 16, lane, 32);
+                attention_mma_load_rows<Elem, D>(ring + fill * kTile,
+                                                 k + lh * k_head + (int64_t)lt * 16 * k_stride,
+                                                 k_stride, min(16, len - lt * 16), 16, lane, 32);
                 if (++load_n == inner) {
                     load_n = 0;
                     load_o += num_warps;
                 }
             }
-            ragged_attention_mma_cp_async_commit();
+            attention_cp_async_commit();
             float x, y;
-            ragged_attention_mma_cls_scores<Elem, D>(ring + buf * kTile, q_frag, &x, &y);
+            attention_mma_cls_scores<Elem, D>(ring + buf * kTile, q_frag, &x, &y);
             if (!has_bias) {
                 x *= scale_log2;
                 y *= scale_log2;
@@ -560,8 +554,8 @@ ragged_attention_mma_cls(unsigned char *smem, int smem_bytes, float *cls, int64_
                     is_x ? __ldg(bias + (int64_t)(t * 16 + key_x) * bias_stride) : 0.0f;
                 const float by =
                     is_y ? __ldg(bias + (int64_t)(t * 16 + key_x + 8) * bias_stride) : 0.0f;
-                x = fmaf(x, scale_log2, bx * RAGGED_ATTENTION_MMA_LOG2E);
-                y = fmaf(y, scale_log2, by * RAGGED_ATTENTION_MMA_LOG2E);
+                x = fmaf(x, scale_log2, bx * ATTENTION_LOG2E);
+                y = fmaf(y, scale_log2, by * ATTENTION_LOG2E);
             }
             buf = buf + 1 == num_bufs ? 0 : buf + 1;
             fill = fill + 1 == num_bufs ? 0 : fill + 1;
@@ -576,11 +570,11 @@ ragged_attention_mma_cls(unsigned char *smem, int smem_bytes, float *cls, int64_
                     l = 0.0f;
                 }
                 if (is_x) {
-                    ragged_attention_mma_merge(&m, &l, x, 1.0f);
+                    attention_mma_merge(&m, &l, x, 1.0f);
                     if (is_kept) s_scores[h * len + t * 16 + key_x] = x;
                 }
                 if (is_y) {
-                    ragged_attention_mma_merge(&m, &l, y, 1.0f);
+                    attention_mma_merge(&m, &l, y, 1.0f);
                     if (is_kept) s_scores[h * len + t * 16 + key_x + 8] = y;
                 }
                 if (t == num_tiles - 1) { /* warp-uniform; every lane ends with equal bits */
@@ -588,7 +582,7 @@ ragged_attention_mma_cls(unsigned char *smem, int smem_bytes, float *cls, int64_
                     for (int offset = 16; offset > 0; offset >>= 1) {
                         const float m_other = __shfl_xor_sync(0xffffffffu, m, offset);
                         const float l_other = __shfl_xor_sync(0xffffffffu, l, offset);
-                        ragged_attention_mma_merge(&m, &l, m_other, l_other);
+                        attention_mma_merge(&m, &l, m_other, l_other);
                     }
                     if (lane == 0) {
                         s_stats[2 * h] = m;
@@ -598,22 +592,22 @@ ragged_attention_mma_cls(unsigned char *smem, int smem_bytes, float *cls, int64_
             } else {
                 if (h == 0) acc_x = acc_y = 0.0f;
                 const float m_h = s_stats[2 * h], inv_l_h = s_stats[2 * h + 1];
-                if (is_x) acc_x = fmaf(ragged_attention_mma_exp2(x - m_h), inv_l_h, acc_x);
-                if (is_y) acc_y = fmaf(ragged_attention_mma_exp2(y - m_h), inv_l_h, acc_y);
+                if (is_x) acc_x = fmaf(attention_exp2(x - m_h), inv_l_h, acc_x);
+                if (is_y) acc_y = fmaf(attention_exp2(y - m_h), inv_l_h, acc_y);
                 if (h == num_heads - 1) {
                     if (is_x) cls[(int64_t)(t * 16 + key_x) * cls_stride] = acc_x * inv_heads;
                     if (is_y) cls[(int64_t)(t * 16 + key_x + 8) * cls_stride] = acc_y * inv_heads;
                 }
             }
         }
-        ragged_attention_mma_cp_async_wait<0>(); /* only empty groups can be left */
+        attention_cp_async_wait<0>(); /* only empty groups can be left */
         __syncthreads(); /* pass 1's stats (and scores) are visible; every ring is idle */
     }
     if (is_kept) {
         for (int j = threadIdx.x; j < len; j += blockDim.x) {
             float acc = 0.0f;
             for (int h = 0; h < num_heads; ++h)
-                acc = fmaf(ragged_attention_mma_exp2(s_scores[h * len + j] - s_stats[2 * h]),
+                acc = fmaf(attention_exp2(s_scores[h * len + j] - s_stats[2 * h]),
                            s_stats[2 * h + 1], acc);
             cls[(int64_t)j * cls_stride] = acc * inv_heads;
         }
@@ -624,9 +618,9 @@ ragged_attention_mma_cls(unsigned char *smem, int smem_bytes, float *cls, int64_
  * flag raised by thread 0 of block (0, 0, .), when its bounds are bad (start < 0, end <
  * start, end past total_tokens) or its length exceeds max_len (the grid was sized from it):
  * such a sequence is skipped, its output rows untouched. Uniform across the block. */
-static __device__ __forceinline__ bool ragged_attention_seq_bounds(const ragvit_attention_args &a,
-                                                                   int s, int h, int max_len,
-                                                                   int &start, int &len) {
+static __device__ __forceinline__ bool attention_seq_bounds(const ragvit_attention_args &a, int s,
+                                                            int h, int max_len, int &start,
+                                                            int &len) {
     start = __ldg(a.cu_seqlens + s);
     const int end = __ldg(a.cu_seqlens + s + 1);
     const bool is_bad = start < 0 || end < start || (int64_t)end > a.total_tokens;
@@ -649,37 +643,36 @@ static __device__ __forceinline__ bool ragged_attention_seq_bounds(const ragvit_
  * D + 8 elements. Min blocks per SM: 4 for D <= 64 (<= 128 registers, no spills), 3 for
  * D = 80, 96 (<= 168) and 2 for D = 128 (~185). */
 template <typename Elem, int D, bool has_bias>
-static __global__ void __launch_bounds__(RAGGED_ATTENTION_MMA_MAX_WARPS * 32,
+static __global__ void __launch_bounds__(ATTENTION_MMA_MAX_WARPS * 32,
                                          D <= 64 ? 4 : (D <= 96 ? 3 : 2))
-    ragged_attention_mma_kernel(const __grid_constant__ ragvit_attention_args a, int max_len,
-                                int num_stages, int smem_bytes) {
-    cuda_pdl_wait(); /* first: see cuda_check.cuh */
-    extern __shared__ __align__(16) unsigned char ragged_attention_mma_smem[];
+    attention_mma_kernel(const __grid_constant__ ragvit_attention_args a, int max_len,
+                         int num_stages, int smem_bytes) {
+    cuda_pdl_wait(); /* first: see cuda_util.cuh */
+    extern __shared__ __align__(16) unsigned char attention_mma_smem[];
     const int rows = blockDim.x >> 1;
-    Elem *s_q = reinterpret_cast<Elem *>(ragged_attention_mma_smem);
+    Elem *s_q = reinterpret_cast<Elem *>(attention_mma_smem);
     Elem *s_kv = s_q + rows * (D + 8);
     const int h = blockIdx.y;
-    const float scale_log2 = a.scale * RAGGED_ATTENTION_MMA_LOG2E;
+    const float scale_log2 = a.scale * ATTENTION_LOG2E;
     const Elem *q_all = static_cast<const Elem *>(a.q);
     const Elem *k_all = static_cast<const Elem *>(a.k);
 
     for (int s = blockIdx.z; s < a.num_seqs; s += gridDim.z) {
         int start, len;
-        if (!ragged_attention_seq_bounds(a, s, h, max_len, start, len)) continue;
+        if (!attention_seq_bounds(a, s, h, max_len, start, len)) continue;
         if (h == a.num_heads) {
             if (blockIdx.x == 0 && len > 0)
-                ragged_attention_mma_cls<Elem, D, has_bias>(
-                    ragged_attention_mma_smem, smem_bytes,
-                    a.cls_attn + (int64_t)start * a.cls_attn_stride, a.cls_attn_stride,
-                    q_all + (int64_t)start * a.q_stride_token, a.q_stride_head,
+                attention_mma_cls<Elem, D, has_bias>(
+                    attention_mma_smem, smem_bytes, a.cls_attn + (int64_t)start * a.cls_attn_stride,
+                    a.cls_attn_stride, q_all + (int64_t)start * a.q_stride_token, a.q_stride_head,
                     k_all + (int64_t)start * a.k_stride_token, a.k_stride_token, a.k_stride_head,
                     has_bias ? a.bias + (int64_t)start * a.bias_stride : NULL, a.bias_stride,
                     a.num_heads, len, scale_log2);
             continue;
         }
         for (int q0 = blockIdx.x * rows; q0 < len; q0 += gridDim.x * rows)
-            ragged_attention_mma_tile<Elem, D, has_bias>(s_q, s_kv, num_stages, a, start, h, q0,
-                                                         len, scale_log2);
+            attention_mma_tile<Elem, D, has_bias>(s_q, s_kv, num_stages, a, start, h, q0, len,
+                                                  scale_log2);
     }
 }
 
@@ -694,12 +687,12 @@ typedef struct {
     int max_len;
     int smem_bytes;
     dim3 grid;
-} ragged_attention_mma_plan;
+} attention_mma_plan;
 
-static int64_t ragged_attention_mma_smem_bytes(int head_dim, int num_warps, int num_stages,
-                                               int num_heads, bool has_cls) {
+static int64_t attention_mma_smem_bytes(int head_dim, int num_warps, int num_stages, int num_heads,
+                                        bool has_cls) {
     const int64_t row_bytes = (int64_t)(head_dim + 8) * 2;
-    int64_t bytes = (16 * num_warps + 2 * RAGGED_ATTENTION_MMA_KEYS * num_stages) * row_bytes;
+    int64_t bytes = (16 * num_warps + 2 * ATTENTION_MMA_KEYS * num_stages) * row_bytes;
     if (has_cls) { /* >= 2 tiles of 16 keys per warp, plus (max, 1/sum) per head */
         const int64_t cls_bytes = num_warps * 2 * 16 * row_bytes + 8 * (int64_t)num_heads;
         bytes = cls_bytes > bytes ? cls_bytes : bytes;
@@ -707,86 +700,84 @@ static int64_t ragged_attention_mma_smem_bytes(int head_dim, int num_warps, int 
     return bytes;
 }
 
-/* Most dynamic shared memory any plan asks for (ragged_attention_mma_init opts in to it). */
-static int64_t ragged_attention_mma_smem_max(int head_dim) {
-    const int64_t a = ragged_attention_mma_smem_bytes(head_dim, RAGGED_ATTENTION_MMA_MAX_WARPS,
-                                                      RAGGED_ATTENTION_MMA_MAX_STAGES, 1, false);
-    const int64_t c = ragged_attention_mma_smem_bytes(head_dim, RAGGED_ATTENTION_MMA_MAX_WARPS, 2,
-                                                      RAGGED_ATTENTION_MMA_MAX_HEADS, true);
+/* Most dynamic shared memory any plan asks for (attention_mma_init opts in to it). */
+static int64_t attention_mma_smem_max(int head_dim) {
+    const int64_t a = attention_mma_smem_bytes(head_dim, ATTENTION_MMA_MAX_WARPS,
+                                               ATTENTION_MMA_MAX_STAGES, 1, false);
+    const int64_t c = attention_mma_smem_bytes(head_dim, ATTENTION_MMA_MAX_WARPS, 2,
+                                               ATTENTION_MMA_MAX_HEADS, true);
     return a > c ? a : c;
 }
 
 /* Chooses the launch shape; num_warps / num_stages > 0 force a value (benchmarks). */
-static ragged_attention_mma_plan ragged_attention_mma_make_plan(const ragvit_attention_args *a,
-                                                                const ragvit_device_info *dev,
-                                                                int num_warps, int num_stages) {
-    const int64_t max_len = ragged_attention_max_len(a);
+static attention_mma_plan attention_mma_make_plan(const ragvit_attention_args *a,
+                                                  const ragvit_device_info *dev, int num_warps,
+                                                  int num_stages) {
+    const int64_t max_len = attention_max_len(a);
     const int64_t sm_count = dev != NULL && dev->sm_count > 0 ? dev->sm_count : 132;
     int64_t smem_limit =
         dev != NULL && dev->smem_per_block_optin > 0 ? dev->smem_per_block_optin : 48 * 1024;
-    if (smem_limit > ragged_attention_mma_smem_max(a->head_dim))
-        smem_limit = ragged_attention_mma_smem_max(a->head_dim); /* what init opted in to */
+    if (smem_limit > attention_mma_smem_max(a->head_dim))
+        smem_limit = attention_mma_smem_max(a->head_dim); /* what init opted in to */
     const int64_t heads = a->num_heads;
     const int64_t seqs = a->num_seqs;
     const bool has_cls = a->cls_attn != NULL;
-    const int64_t key_tiles = (max_len + RAGGED_ATTENTION_MMA_KEYS - 1) / RAGGED_ATTENTION_MMA_KEYS;
+    const int64_t key_tiles = (max_len + ATTENTION_MMA_KEYS - 1) / ATTENTION_MMA_KEYS;
 
     /* Four warps (64 query rows) unless the sequences are shorter: measured on an H200,
      * smaller blocks lost even at batch 1 (more copies of K/V, less load parallelism). */
     if (num_warps <= 0) num_warps = (int)((max_len + 15) / 16);
-    if (num_warps > RAGGED_ATTENTION_MMA_MAX_WARPS) num_warps = RAGGED_ATTENTION_MMA_MAX_WARPS;
+    if (num_warps > ATTENTION_MMA_MAX_WARPS) num_warps = ATTENTION_MMA_MAX_WARPS;
     /* At most one wave of blocks: nothing else hides memory latency, so put up to 4 key
      * tiles in flight. More blocks: 2 stages (double buffering) keep 4 blocks per SM. */
     if (num_stages <= 0) {
         const int64_t blocks = ((max_len + 16 * num_warps - 1) / (16 * num_warps)) * heads * seqs;
         num_stages = 2;
         if (blocks <= sm_count)
-            num_stages = (int)(key_tiles < RAGGED_ATTENTION_MMA_MAX_STAGES
-                                   ? (key_tiles > 2 ? key_tiles : 2)
-                                   : RAGGED_ATTENTION_MMA_MAX_STAGES);
+            num_stages =
+                (int)(key_tiles < ATTENTION_MMA_MAX_STAGES ? (key_tiles > 2 ? key_tiles : 2)
+                                                           : ATTENTION_MMA_MAX_STAGES);
     }
     if (num_stages < 2) num_stages = 2;
-    if (num_stages > RAGGED_ATTENTION_MMA_MAX_STAGES) num_stages = RAGGED_ATTENTION_MMA_MAX_STAGES;
-    while (num_stages > 2 && ragged_attention_mma_smem_bytes(a->head_dim, num_warps, num_stages,
-                                                             a->num_heads, has_cls) > smem_limit)
+    if (num_stages > ATTENTION_MMA_MAX_STAGES) num_stages = ATTENTION_MMA_MAX_STAGES;
+    while (num_stages > 2 && attention_mma_smem_bytes(a->head_dim, num_warps, num_stages,
+                                                      a->num_heads, has_cls) > smem_limit)
         --num_stages;
-    while (num_warps > 1 && ragged_attention_mma_smem_bytes(a->head_dim, num_warps, num_stages,
-                                                            a->num_heads, has_cls) > smem_limit)
+    while (num_warps > 1 && attention_mma_smem_bytes(a->head_dim, num_warps, num_stages,
+                                                     a->num_heads, has_cls) > smem_limit)
         --num_warps;
 
     const int64_t grid_y = heads + (has_cls ? 1 : 0);
-    const int64_t grid_z =
-        seqs < RAGGED_ATTENTION_MMA_MAX_GRID_YZ ? seqs : RAGGED_ATTENTION_MMA_MAX_GRID_YZ;
+    const int64_t grid_z = seqs < ATTENTION_MAX_GRID_YZ ? seqs : ATTENTION_MAX_GRID_YZ;
     int64_t grid_x = (max_len + 16 * num_warps - 1) / (16 * num_warps);
-    grid_x = ragged_attention_cap_grid_x(grid_x, grid_y, grid_z, a->total_tokens, seqs,
-                                         16 * num_warps, sm_count);
+    grid_x = attention_cap_grid_x(grid_x, grid_y, grid_z, a->total_tokens, seqs, 16 * num_warps,
+                                  sm_count);
 
-    ragged_attention_mma_plan plan;
+    attention_mma_plan plan;
     plan.num_warps = num_warps;
     plan.num_stages = num_stages;
     plan.max_len = (int)max_len;
-    plan.smem_bytes = (int)ragged_attention_mma_smem_bytes(a->head_dim, num_warps, num_stages,
-                                                           a->num_heads, has_cls);
+    plan.smem_bytes =
+        (int)attention_mma_smem_bytes(a->head_dim, num_warps, num_stages, a->num_heads, has_cls);
     plan.grid = dim3((unsigned)grid_x, (unsigned)grid_y, (unsigned)grid_z);
     return plan;
 }
 
 /* Whether the tensor-core path can run these arguments; when false the dispatcher runs the
- * simple kernel. Needs fp16/bf16, a listed head_dim, 16-byte aligned rows (every base
+ * FMA kernel. Needs fp16/bf16, a listed head_dim, 16-byte aligned rows (every base
  * pointer % 16 == 0 and every token/head stride a multiple of 8 elements), at most
- * RAGGED_ATTENTION_MMA_MAX_HEADS heads, and (when dev is given) compute capability >= 8.0
+ * ATTENTION_MMA_MAX_HEADS heads, and (when dev is given) compute capability >= 8.0
  * and room for the smallest plan in the opt-in shared memory (D = 96, 128 need > 48 KB). */
-static bool ragged_attention_mma_supports(const ragvit_attention_args *a,
-                                          const ragvit_device_info *dev) {
+static bool attention_mma_supports(const ragvit_attention_args *a, const ragvit_device_info *dev) {
     if (a->dtype != RAGVIT_DTYPE_F16 && a->dtype != RAGVIT_DTYPE_BF16) return false;
     if (a->head_dim != 32 && a->head_dim != 64 && a->head_dim != 80 && a->head_dim != 96 &&
         a->head_dim != 128)
         return false;
-    if (a->num_heads < 1 || a->num_heads > RAGGED_ATTENTION_MMA_MAX_HEADS) return false;
+    if (a->num_heads < 1 || a->num_heads > ATTENTION_MMA_MAX_HEADS) return false;
     if (dev != NULL) {
         const int64_t limit = dev->smem_per_block_optin > 0 ? dev->smem_per_block_optin : 48 * 1024;
-        if (dev->cc_major < 8 || ragged_attention_mma_smem_bytes(a->head_dim, 1, 2, a->num_heads,
-                                                                 a->cls_attn != NULL) > limit)
+        if (dev->cc_major < 8 ||
+            attention_mma_smem_bytes(a->head_dim, 1, 2, a->num_heads, a->cls_attn != NULL) > limit)
             return false;
     }
     const uintptr_t ptr_bits =
@@ -798,43 +789,41 @@ static bool ragged_attention_mma_supports(const ragvit_attention_args *a,
 }
 
 template <typename Elem, int D>
-static ragvit_status ragged_attention_mma_launch_hdim(const ragvit_attention_args *a,
-                                                      const ragged_attention_mma_plan *plan,
-                                                      const ragvit_device_info *dev,
-                                                      cudaStream_t stream) {
+static ragvit_status attention_mma_launch_hdim(const ragvit_attention_args *a,
+                                               const attention_mma_plan *plan,
+                                               const ragvit_device_info *dev, cudaStream_t stream) {
     if (a->bias != NULL)
-        CUDA_TRY(cuda_launch(dev, RAGVIT_PDL_ATTENTION, ragged_attention_mma_kernel<Elem, D, true>,
+        CUDA_TRY(cuda_launch(dev, RAGVIT_PDL_ATTENTION, attention_mma_kernel<Elem, D, true>,
                              plan->grid, 32 * plan->num_warps, (size_t)plan->smem_bytes, stream, *a,
                              plan->max_len, plan->num_stages, plan->smem_bytes));
     else
-        CUDA_TRY(cuda_launch(dev, RAGVIT_PDL_ATTENTION, ragged_attention_mma_kernel<Elem, D, false>,
+        CUDA_TRY(cuda_launch(dev, RAGVIT_PDL_ATTENTION, attention_mma_kernel<Elem, D, false>,
                              plan->grid, 32 * plan->num_warps, (size_t)plan->smem_bytes, stream, *a,
                              plan->max_len, plan->num_stages, plan->smem_bytes));
     return RAGVIT_STATUS_OK;
 }
 
-/* Launches with an explicit plan (from ragged_attention_mma_make_plan). */
-static ragvit_status ragged_attention_mma_launch_plan(const ragvit_attention_args *a,
-                                                      const ragged_attention_mma_plan *plan,
-                                                      const ragvit_device_info *dev,
-                                                      cudaStream_t stream) {
+/* Launches with an explicit plan (from attention_mma_make_plan). */
+static ragvit_status attention_mma_launch_plan(const ragvit_attention_args *a,
+                                               const attention_mma_plan *plan,
+                                               const ragvit_device_info *dev, cudaStream_t stream) {
     const bool is_bf16 = a->dtype == RAGVIT_DTYPE_BF16;
     switch (a->head_dim) {
     case 32:
-        return is_bf16 ? ragged_attention_mma_launch_hdim<__nv_bfloat16, 32>(a, plan, dev, stream)
-                       : ragged_attention_mma_launch_hdim<__half, 32>(a, plan, dev, stream);
+        return is_bf16 ? attention_mma_launch_hdim<__nv_bfloat16, 32>(a, plan, dev, stream)
+                       : attention_mma_launch_hdim<__half, 32>(a, plan, dev, stream);
     case 64:
-        return is_bf16 ? ragged_attention_mma_launch_hdim<__nv_bfloat16, 64>(a, plan, dev, stream)
-                       : ragged_attention_mma_launch_hdim<__half, 64>(a, plan, dev, stream);
+        return is_bf16 ? attention_mma_launch_hdim<__nv_bfloat16, 64>(a, plan, dev, stream)
+                       : attention_mma_launch_hdim<__half, 64>(a, plan, dev, stream);
     case 80:
-        return is_bf16 ? ragged_attention_mma_launch_hdim<__nv_bfloat16, 80>(a, plan, dev, stream)
-                       : ragged_attention_mma_launch_hdim<__half, 80>(a, plan, dev, stream);
+        return is_bf16 ? attention_mma_launch_hdim<__nv_bfloat16, 80>(a, plan, dev, stream)
+                       : attention_mma_launch_hdim<__half, 80>(a, plan, dev, stream);
     case 96:
-        return is_bf16 ? ragged_attention_mma_launch_hdim<__nv_bfloat16, 96>(a, plan, dev, stream)
-                       : ragged_attention_mma_launch_hdim<__half, 96>(a, plan, dev, stream);
+        return is_bf16 ? attention_mma_launch_hdim<__nv_bfloat16, 96>(a, plan, dev, stream)
+                       : attention_mma_launch_hdim<__half, 96>(a, plan, dev, stream);
     case 128:
-        return is_bf16 ? ragged_attention_mma_launch_hdim<__nv_bfloat16, 128>(a, plan, dev, stream)
-                       : ragged_attention_mma_launch_hdim<__half, 128>(a, plan, dev, stream);
+        return is_bf16 ? attention_mma_launch_hdim<__nv_bfloat16, 128>(a, plan, dev, stream)
+                       : attention_mma_launch_hdim<__half, 128>(a, plan, dev, stream);
     default:
         return ragvit_fail(RAGVIT_STATUS_INVALID_SHAPE,
                            "attention: head_dim must be one of 32, 64, 80, 96, 128, got %d",
@@ -842,49 +831,46 @@ static ragvit_status ragged_attention_mma_launch_plan(const ragvit_attention_arg
     }
 }
 
-/* Launches for F16/BF16 (the caller checked ragged_attention_mma_supports, set the device,
- * ran ragged_attention_mma_init once, and guarantees num_seqs > 0); no allocation, no host
+/* Launches for F16/BF16 (the caller checked attention_mma_supports, set the device,
+ * ran attention_mma_init once, and guarantees num_seqs > 0); no allocation, no host
  * sync. */
-static ragvit_status ragged_attention_mma_launch(const ragvit_attention_args *a,
-                                                 const ragvit_device_info *dev,
-                                                 cudaStream_t stream) {
-    if (ragged_attention_wgmma_supports(a, dev))
-        return ragged_attention_wgmma_launch(a, dev, stream);
-    const ragged_attention_mma_plan plan = ragged_attention_mma_make_plan(a, dev, 0, 0);
-    return ragged_attention_mma_launch_plan(a, &plan, dev, stream);
+static ragvit_status attention_mma_launch(const ragvit_attention_args *a,
+                                          const ragvit_device_info *dev, cudaStream_t stream) {
+    if (attention_wgmma_supports(a, dev)) return attention_wgmma_launch(a, dev, stream);
+    const attention_mma_plan plan = attention_mma_make_plan(a, dev, 0, 0);
+    return attention_mma_launch_plan(a, &plan, dev, stream);
 }
 
 template <typename Elem, int D>
-static ragvit_status ragged_attention_mma_init_hdim(const ragvit_device_info *dev) {
-    int64_t bytes = ragged_attention_mma_smem_max(D);
+static ragvit_status attention_mma_init_hdim(const ragvit_device_info *dev) {
+    int64_t bytes = attention_mma_smem_max(D);
     if (bytes <= 48 * 1024) return RAGVIT_STATUS_OK;
     if (bytes > dev->smem_per_block_optin) /* the plans then stay under the device's limit */
         bytes = dev->smem_per_block_optin;
-    CUDA_TRY(cudaFuncSetAttribute(ragged_attention_mma_kernel<Elem, D, false>,
+    CUDA_TRY(cudaFuncSetAttribute(attention_mma_kernel<Elem, D, false>,
                                   cudaFuncAttributeMaxDynamicSharedMemorySize, (int)bytes));
-    CUDA_TRY(cudaFuncSetAttribute(ragged_attention_mma_kernel<Elem, D, true>,
+    CUDA_TRY(cudaFuncSetAttribute(attention_mma_kernel<Elem, D, true>,
                                   cudaFuncAttributeMaxDynamicSharedMemorySize, (int)bytes));
     return RAGVIT_STATUS_OK;
 }
 
 /* One-time per-device setup (the device is current): opt in to the dynamic shared memory
  * the largest plan needs. Devices below sm_80 have no image and are skipped
- * (ragged_attention_mma_supports refuses them). */
-static ragvit_status ragged_attention_mma_init(const ragvit_device_info *dev) {
+ * (attention_mma_supports refuses them). */
+static ragvit_status attention_mma_init(const ragvit_device_info *dev) {
     if (dev->cc_major < 8) return RAGVIT_STATUS_OK;
     ragvit_status status = RAGVIT_STATUS_OK;
-#define RAGGED_ATTENTION_MMA_INIT(D)                                                               \
-    if ((status = ragged_attention_mma_init_hdim<__half, D>(dev)) != RAGVIT_STATUS_OK)             \
-        return status;                                                                             \
-    if ((status = ragged_attention_mma_init_hdim<__nv_bfloat16, D>(dev)) != RAGVIT_STATUS_OK)      \
+#define ATTENTION_MMA_INIT(D)                                                                      \
+    if ((status = attention_mma_init_hdim<__half, D>(dev)) != RAGVIT_STATUS_OK) return status;     \
+    if ((status = attention_mma_init_hdim<__nv_bfloat16, D>(dev)) != RAGVIT_STATUS_OK)             \
         return status;
-    RAGGED_ATTENTION_MMA_INIT(32)
-    RAGGED_ATTENTION_MMA_INIT(64)
-    RAGGED_ATTENTION_MMA_INIT(80)
-    RAGGED_ATTENTION_MMA_INIT(96)
-    RAGGED_ATTENTION_MMA_INIT(128)
-#undef RAGGED_ATTENTION_MMA_INIT
-    return ragged_attention_wgmma_init(dev);
+    ATTENTION_MMA_INIT(32)
+    ATTENTION_MMA_INIT(64)
+    ATTENTION_MMA_INIT(80)
+    ATTENTION_MMA_INIT(96)
+    ATTENTION_MMA_INIT(128)
+#undef ATTENTION_MMA_INIT
+    return attention_wgmma_init(dev);
 }
 
-#endif /* RAGVIT_RAGGED_ATTENTION_MMA_CUH */
+#endif /* RAGVIT_ATTENTION_MMA_CUH */

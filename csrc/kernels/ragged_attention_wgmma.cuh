@@ -1,5 +1,5 @@
 /* ragged_attention_wgmma.cuh — Hopper attention for fp16/bf16 q/k/v/out with D = 64 and no
- * cls_attn / bias: the path ragged_attention_mma_launch takes on a compute capability 9.0
+ * cls_attn / bias: the path attention_mma_launch takes on a compute capability 9.0
  * device when the module has sm_90a code (RAGVIT_HAS_SM90A; setup.py builds "90" as sm_90a).
  * One warpgroup (4 warps, 128 threads) per 64 query rows of one head of one sequence;
  * grid = (query tiles, H, min(S, 65535)) as the mma.sync kernel's. Q (64 rows) and K/V tiles
@@ -60,8 +60,8 @@
  * fewer clocks a call at the same time): what is left there is energy per call. Covered by
  * dev/test_attention_mma.cu (its launcher plans) and tests/test_ops.py through the
  * dispatcher. Not compiled for other targets (the kernel body is sm_90a-only). */
-#ifndef RAGVIT_RAGGED_ATTENTION_WGMMA_CUH
-#define RAGVIT_RAGGED_ATTENTION_WGMMA_CUH
+#ifndef RAGVIT_ATTENTION_WGMMA_CUH
+#define RAGVIT_ATTENTION_WGMMA_CUH
 
 #include <cuda.h>
 #include <cuda_bf16.h>
@@ -72,91 +72,88 @@
 
 #include <type_traits>
 
-#define RAGGED_ATTENTION_WGMMA_ROWS 64      /* query rows per block (one warpgroup) */
-#define RAGGED_ATTENTION_WGMMA_TILE 8192    /* bytes of one 64 x 64 16-bit tile (Q) */
-#define RAGGED_ATTENTION_WGMMA_MAX_STAGES 5 /* (K, V) tile pairs in the ring */
-#define RAGGED_ATTENTION_WGMMA_TAIL 8       /* most keys a 64-key step takes on (see the tile) */
-#define RAGGED_ATTENTION_WGMMA_THIN 8       /* most rows of a thin last query tile (see it) */
+#define ATTENTION_WGMMA_ROWS 64      /* query rows per block (one warpgroup) */
+#define ATTENTION_WGMMA_TILE 8192    /* bytes of one 64 x 64 16-bit tile (Q) */
+#define ATTENTION_WGMMA_MAX_STAGES 5 /* (K, V) tile pairs in the ring */
+#define ATTENTION_WGMMA_TAIL 8       /* most keys a 64-key step takes on (see the tile) */
+#define ATTENTION_WGMMA_THIN 8       /* most rows of a thin last query tile (see it) */
 
 /* Blocks an SM the kernel with `keys`-key tiles is compiled for: 5 (<= 96 registers, 2-4%
  * over 4) with 64 keys; 3 with 128 (137 registers; two stages of 32 KB fit 3 an SM). */
-static constexpr int ragged_attention_wgmma_min_blocks(int keys) { return keys == 64 ? 5 : 3; }
+static constexpr int attention_wgmma_min_blocks(int keys) { return keys == 64 ? 5 : 3; }
 
 /* Shared memory of a plan: alignment slack, Q, num_stages (V, K) pairs of keys-row tiles
  * (128 bytes a row), then with 64-key tiles the folded tail's 8 K rows and 16 V rows (see
  * the tile) and room for an 8-byte mbarrier a stage (TMA): 43 KB with 2 stages, 5 blocks an
  * SM. */
-static int ragged_attention_wgmma_smem_bytes(int keys, int num_stages) {
-    return 1024 + RAGGED_ATTENTION_WGMMA_TILE + 2 * 128 * keys * num_stages +
-           (keys == 64 ? 128 * (RAGGED_ATTENTION_WGMMA_TAIL + 16) + 64 : 0);
+static int attention_wgmma_smem_bytes(int keys, int num_stages) {
+    return 1024 + ATTENTION_WGMMA_TILE + 2 * 128 * keys * num_stages +
+           (keys == 64 ? 128 * (ATTENTION_WGMMA_TAIL + 16) + 64 : 0);
 }
 
 /* Sequences longer than this take whole K/V tiles by TMA (see the launcher). */
-#define RAGGED_ATTENTION_WGMMA_TMA_MIN_LEN 257
+#define ATTENTION_WGMMA_TMA_MIN_LEN 257
 
 /* TMA descriptors of K and V as (64, heads, tokens) tensors with 64 x 1 x 64 boxes in the
  * 128-byte swizzle: the kernel parameter of the TMA kernels (the others take an empty one). */
-struct ragged_attention_wgmma_maps {
+struct attention_wgmma_maps {
     CUtensorMap k;
     CUtensorMap v;
 };
-struct ragged_attention_wgmma_no_maps {};
+struct attention_wgmma_no_maps {};
 template <bool tma>
-using ragged_attention_wgmma_maps_t =
-    std::conditional_t<tma, ragged_attention_wgmma_maps, ragged_attention_wgmma_no_maps>;
+using attention_wgmma_maps_t =
+    std::conditional_t<tma, attention_wgmma_maps, attention_wgmma_no_maps>;
 
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-#define RAGGED_ATTENTION_WGMMA_DEVICE 1
+#define ATTENTION_WGMMA_DEVICE 1
 #endif
 
-#ifdef RAGGED_ATTENTION_WGMMA_DEVICE
+#ifdef ATTENTION_WGMMA_DEVICE
 /* 64-bit shared-memory matrix descriptor: start address, leading and stride byte offsets
  * (all >> 4), 128-byte swizzle (layout type 1 in bits 62-63). */
-static __device__ __forceinline__ uint64_t ragged_attention_wgmma_desc(uint32_t addr,
-                                                                       uint32_t lbo_bytes,
-                                                                       uint32_t sbo_bytes) {
+static __device__ __forceinline__ uint64_t attention_wgmma_desc(uint32_t addr, uint32_t lbo_bytes,
+                                                                uint32_t sbo_bytes) {
     return (uint64_t)((addr >> 4) & 0x3FFFu) | ((uint64_t)((lbo_bytes >> 4) & 0x3FFFu) << 16) |
            ((uint64_t)((sbo_bytes >> 4) & 0x3FFFu) << 32) | ((uint64_t)1 << 62);
 }
 
-static __device__ __forceinline__ void ragged_attention_wgmma_fence() {
+static __device__ __forceinline__ void attention_wgmma_fence() {
     asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
 }
 
-static __device__ __forceinline__ void ragged_attention_wgmma_commit() {
+static __device__ __forceinline__ void attention_wgmma_commit() {
     asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
 }
 
 /* Waits until every wgmma group this warpgroup committed has completed. */
-static __device__ __forceinline__ void ragged_attention_wgmma_wait_all() {
+static __device__ __forceinline__ void attention_wgmma_wait_all() {
     asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
 }
 
 /* cp.async writes reach wgmma (the async proxy) only through this fence. */
-static __device__ __forceinline__ void ragged_attention_wgmma_fence_proxy() {
+static __device__ __forceinline__ void attention_wgmma_fence_proxy() {
     asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
 }
 
 /* Shared address of stage 0's mbarrier (TMA; stage s's at + 8 s): past Q, the ring of
- * num_stages (V, K) slots and the folded tail's rows (ragged_attention_wgmma_smem_bytes). */
-static __device__ __forceinline__ uint32_t ragged_attention_wgmma_bars(uint32_t smem, int keys,
-                                                                       int num_stages) {
-    return smem + RAGGED_ATTENTION_WGMMA_TILE + 256 * keys * num_stages +
-           128 * (RAGGED_ATTENTION_WGMMA_TAIL + 16);
+ * num_stages (V, K) slots and the folded tail's rows (attention_wgmma_smem_bytes). */
+static __device__ __forceinline__ uint32_t attention_wgmma_bars(uint32_t smem, int keys,
+                                                                int num_stages) {
+    return smem + ATTENTION_WGMMA_TILE + 256 * keys * num_stages +
+           128 * (ATTENTION_WGMMA_TAIL + 16);
 }
 
-static __device__ __forceinline__ void ragged_attention_wgmma_mbar_init(uint32_t bar) {
+static __device__ __forceinline__ void attention_wgmma_mbar_init(uint32_t bar) {
     asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;\n" ::"r"(bar) : "memory");
 }
 
-static __device__ __forceinline__ void ragged_attention_wgmma_mbar_expect(uint32_t bar,
-                                                                          uint32_t bytes) {
+static __device__ __forceinline__ void attention_wgmma_mbar_expect(uint32_t bar, uint32_t bytes) {
     asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar), "r"(bytes)
                  : "memory");
 }
 
-static __device__ __forceinline__ void ragged_attention_wgmma_mbar_wait(uint32_t bar,
-                                                                        uint32_t parity) {
+static __device__ __forceinline__ void attention_wgmma_mbar_wait(uint32_t bar, uint32_t parity) {
     asm volatile("{\n.reg .pred done;\nwait_%=:\n"
                  "mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n"
                  "@!done bra wait_%=;\n}\n" ::"r"(bar),
@@ -165,10 +162,8 @@ static __device__ __forceinline__ void ragged_attention_wgmma_mbar_wait(uint32_t
 }
 
 /* Box (0, h, row) of the tensor map into shared memory at dst, completing on bar. */
-static __device__ __forceinline__ void ragged_attention_wgmma_tma_load(uint32_t dst,
-                                                                       const CUtensorMap *map,
-                                                                       int h, int row,
-                                                                       uint32_t bar) {
+static __device__ __forceinline__ void
+attention_wgmma_tma_load(uint32_t dst, const CUtensorMap *map, int h, int row, uint32_t bar) {
     asm volatile("cp.async.bulk.tensor.3d.shared::cluster.global.mbarrier::complete_tx::bytes"
                  " [%0], [%1, {%2, %3, %4}], [%5];\n" ::"r"(dst),
                  "l"(reinterpret_cast<uint64_t>(map)), "r"(0), "r"(h), "r"(row), "r"(bar)
@@ -176,16 +171,15 @@ static __device__ __forceinline__ void ragged_attention_wgmma_tma_load(uint32_t 
 }
 
 /* Keeps the compiler from moving accumulator accesses across an asynchronous wgmma. */
-template <int N>
-static __device__ __forceinline__ void ragged_attention_wgmma_fence_regs(float (&d)[N]) {
+template <int N> static __device__ __forceinline__ void attention_wgmma_fence_regs(float (&d)[N]) {
 #pragma unroll
     for (int i = 0; i < N; ++i) asm volatile("" : "+f"(d[i])::"memory");
 }
 
-#define RAGGED_ATTENTION_WGMMA_D                                                                   \
+#define ATTENTION_WGMMA_D                                                                          \
     "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, "       \
     "%19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}"
-#define RAGGED_ATTENTION_WGMMA_OUT(d)                                                              \
+#define ATTENTION_WGMMA_OUT(d)                                                                     \
     "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]),            \
         "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]),    \
         "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), \
@@ -194,27 +188,27 @@ static __device__ __forceinline__ void ragged_attention_wgmma_fence_regs(float (
 
 /* scale-d is a predicate set from operand %n (the one after the accumulators): 1 accumulates
  * (d += A B), 0 overwrites (d = A B). */
-#define RAGGED_ATTENTION_WGMMA_PRED(n) "{\n.reg .pred p;\nsetp.ne.b32 p, %" #n ", 0;\n"
+#define ATTENTION_WGMMA_PRED(n) "{\n.reg .pred p;\nsetp.ne.b32 p, %" #n ", 0;\n"
 
 /* The same for 64 accumulators (m64n128: operands %0-%63). */
-#define RAGGED_ATTENTION_WGMMA_D128                                                                \
+#define ATTENTION_WGMMA_D128                                                                       \
     "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, "       \
     "%19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, "        \
     "%36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, "        \
     "%53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}"
-#define RAGGED_ATTENTION_WGMMA_OUT128(d)                                                           \
-    RAGGED_ATTENTION_WGMMA_OUT(d), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]),             \
-        "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), \
-        "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), "+f"(d[49]), \
-        "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), \
-        "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
+#define ATTENTION_WGMMA_OUT128(d)                                                                  \
+    ATTENTION_WGMMA_OUT(d), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]),       \
+        "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), \
+        "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), \
+        "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), "+f"(d[57]), \
+        "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
 
 /* The body of a wgmma with both operands by descriptor (a, b) into accumulators d, shape
  * m64{n}k16, in Elem's type (.atype/.btype): PRED sets p from scale-d (`accumulate`), D lists
  * the accumulator operands, OUT binds them, AB names the descriptor operands. */
-#define RAGGED_ATTENTION_WGMMA_SS(n, PRED, D, OUT, AB)                                             \
+#define ATTENTION_WGMMA_SS(n, PRED, D, OUT, AB)                                                    \
     do {                                                                                           \
-        if constexpr (ragged_attention_mma_elem<Elem>::is_half)                                    \
+        if constexpr (attention_elem<Elem>::is_half)                                               \
             asm volatile(PRED "wgmma.mma_async.sync.aligned.m64" n "k16.f32.f16.f16 " D ", " AB    \
                               ", p, 1, 1, 0, 0;\n}\n"                                              \
                          : OUT(d)                                                                  \
@@ -229,70 +223,69 @@ static __device__ __forceinline__ void ragged_attention_wgmma_fence_regs(float (
 /* d (64 x 64, fp32) = A (64 x 16, shared, K-major) * B (16 x 64, shared, K-major), plus d
  * when accumulate != 0. */
 template <typename Elem>
-static __device__ __forceinline__ void ragged_attention_wgmma_ss(float (&d)[32], uint64_t a,
-                                                                 uint64_t b, int accumulate) {
-    RAGGED_ATTENTION_WGMMA_SS("n64", RAGGED_ATTENTION_WGMMA_PRED(32), RAGGED_ATTENTION_WGMMA_D,
-                              RAGGED_ATTENTION_WGMMA_OUT, "%33, %34");
+static __device__ __forceinline__ void attention_wgmma_ss(float (&d)[32], uint64_t a, uint64_t b,
+                                                          int accumulate) {
+    ATTENTION_WGMMA_SS("n64", ATTENTION_WGMMA_PRED(32), ATTENTION_WGMMA_D, ATTENTION_WGMMA_OUT,
+                       "%33, %34");
 }
 
 /* d (64 x 128, fp32) = A (64 x 16, shared, K-major) * B (16 x 128, shared, K-major), plus d
  * when accumulate != 0. */
 template <typename Elem>
-static __device__ __forceinline__ void ragged_attention_wgmma_ss(float (&d)[64], uint64_t a,
-                                                                 uint64_t b, int accumulate) {
-    RAGGED_ATTENTION_WGMMA_SS("n128", RAGGED_ATTENTION_WGMMA_PRED(64), RAGGED_ATTENTION_WGMMA_D128,
-                              RAGGED_ATTENTION_WGMMA_OUT128, "%65, %66");
+static __device__ __forceinline__ void attention_wgmma_ss(float (&d)[64], uint64_t a, uint64_t b,
+                                                          int accumulate) {
+    ATTENTION_WGMMA_SS("n128", ATTENTION_WGMMA_PRED(64), ATTENTION_WGMMA_D128,
+                       ATTENTION_WGMMA_OUT128, "%65, %66");
 }
 
 /* The same for 36 accumulators (m64n72: operands %0-%35). */
-#define RAGGED_ATTENTION_WGMMA_D36                                                                 \
+#define ATTENTION_WGMMA_D36                                                                        \
     "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, "       \
     "%19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35}"
-#define RAGGED_ATTENTION_WGMMA_OUT36(d)                                                            \
-    RAGGED_ATTENTION_WGMMA_OUT(d), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35])
+#define ATTENTION_WGMMA_OUT36(d)                                                                   \
+    ATTENTION_WGMMA_OUT(d), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35])
 
 /* d (64 x 72, fp32) = A (64 x 16, shared, K-major) * B (16 x 72, shared, K-major), plus d
  * when accumulate != 0. */
 template <typename Elem>
-static __device__ __forceinline__ void ragged_attention_wgmma_ss(float (&d)[36], uint64_t a,
-                                                                 uint64_t b, int accumulate) {
-    RAGGED_ATTENTION_WGMMA_SS("n72", RAGGED_ATTENTION_WGMMA_PRED(36), RAGGED_ATTENTION_WGMMA_D36,
-                              RAGGED_ATTENTION_WGMMA_OUT36, "%37, %38");
+static __device__ __forceinline__ void attention_wgmma_ss(float (&d)[36], uint64_t a, uint64_t b,
+                                                          int accumulate) {
+    ATTENTION_WGMMA_SS("n72", ATTENTION_WGMMA_PRED(36), ATTENTION_WGMMA_D36, ATTENTION_WGMMA_OUT36,
+                       "%37, %38");
 }
 
 /* d (64 x 64, fp32) += A (64 x 16, registers: this warp's 16 rows as mma.m16n8k16's A
  * fragment) * B (16 x 64, shared, MN-major: imm-trans-b = 1). */
 template <typename Elem>
-static __device__ __forceinline__ void
-ragged_attention_wgmma_rs(float (&d)[32], const uint32_t (&a)[4], uint64_t b) {
-    if constexpr (ragged_attention_mma_elem<Elem>::is_half) /* .atype/.btype */
-        asm volatile(
-            RAGGED_ATTENTION_WGMMA_PRED(
-                32) "wgmma.mma_async.sync.aligned.m64n64k16.f32.f16.f16 " RAGGED_ATTENTION_WGMMA_D
-                    ", {%33, %34, %35, %36}, %37, p, 1, 1, 1;\n}\n"
-            : RAGGED_ATTENTION_WGMMA_OUT(d)
-            : "r"(1), "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b));
+static __device__ __forceinline__ void attention_wgmma_rs(float (&d)[32], const uint32_t (&a)[4],
+                                                          uint64_t b) {
+    if constexpr (attention_elem<Elem>::is_half) /* .atype/.btype */
+        asm volatile(ATTENTION_WGMMA_PRED(
+                         32) "wgmma.mma_async.sync.aligned.m64n64k16.f32.f16.f16 " ATTENTION_WGMMA_D
+                             ", {%33, %34, %35, %36}, %37, p, 1, 1, 1;\n}\n"
+                     : ATTENTION_WGMMA_OUT(d)
+                     : "r"(1), "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b));
     else
         asm volatile(
-            RAGGED_ATTENTION_WGMMA_PRED(
-                32) "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 " RAGGED_ATTENTION_WGMMA_D
+            ATTENTION_WGMMA_PRED(
+                32) "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 " ATTENTION_WGMMA_D
                     ", {%33, %34, %35, %36}, %37, p, 1, 1, 1;\n}\n"
-            : RAGGED_ATTENTION_WGMMA_OUT(d)
+            : ATTENTION_WGMMA_OUT(d)
             : "r"(1), "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b));
 }
 
 /* 64 rows of 64 elements (src row r at src + r * stride) into a swizzled 1024-byte aligned
  * tile at shared address dst; rows >= valid_rows are zero-filled and read nothing. */
 template <typename Elem>
-static __device__ __forceinline__ void
-ragged_attention_wgmma_load_tile(uint32_t dst, const Elem *src, int64_t stride, int valid_rows) {
+static __device__ __forceinline__ void attention_wgmma_load_tile(uint32_t dst, const Elem *src,
+                                                                 int64_t stride, int valid_rows) {
 #pragma unroll
     for (int i = 0; i < 4; ++i) { /* 512 chunks of 16 bytes, 4 a thread */
         const int c = threadIdx.x + 128 * i;
         const int r = c >> 3, col = c & 7;
         const bool is_valid = r < valid_rows;
         const Elem *g = src + (is_valid ? (int64_t)r * stride : (int64_t)0) + col * 8;
-        ragged_attention_mma_cp_async16(dst + r * 128 + ((col ^ (r & 7)) << 4), g, is_valid);
+        attention_cp_async16(dst + r * 128 + ((col ^ (r & 7)) << 4), g, is_valid);
     }
 }
 
@@ -303,8 +296,8 @@ ragged_attention_wgmma_load_tile(uint32_t dst, const Elem *src, int64_t stride, 
  * (s[4i + 2], s[4i + 3]), keys 8 i + 2 tig + {0, 1}. */
 template <int keys>
 static __device__ __forceinline__ void
-ragged_attention_wgmma_softmax(float (&s)[keys / 2], int num_keys, float scale_log2, bool is_first,
-                               float (&row_max)[2], float (&row_sum)[2], float (&alpha)[2]) {
+attention_wgmma_softmax(float (&s)[keys / 2], int num_keys, float scale_log2, bool is_first,
+                        float (&row_max)[2], float (&row_sum)[2], float (&alpha)[2]) {
     const int tig = (threadIdx.x & 31) & 3;
     if (num_keys < keys) {
 #pragma unroll
@@ -325,7 +318,7 @@ ragged_attention_wgmma_softmax(float (&s)[keys / 2], int num_keys, float scale_l
         mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 2));
         /* the tile's first key is valid: the maximum is finite; scale_log2 > 0 commutes */
         const float m = is_first ? mx[r] * scale_log2 : fmaxf(row_max[r], mx[r] * scale_log2);
-        alpha[r] = is_first ? 1.0f : ragged_attention_mma_exp2(row_max[r] - m);
+        alpha[r] = is_first ? 1.0f : attention_exp2(row_max[r] - m);
         row_max[r] = m;
     }
     float sum[2] = {0.0f, 0.0f};
@@ -334,7 +327,7 @@ ragged_attention_wgmma_softmax(float (&s)[keys / 2], int num_keys, float scale_l
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
             const int r = e >> 1;
-            s[4 * i + e] = ragged_attention_mma_exp2(fmaf(s[4 * i + e], scale_log2, -row_max[r]));
+            s[4 * i + e] = attention_exp2(fmaf(s[4 * i + e], scale_log2, -row_max[r]));
             sum[r] += s[4 * i + e];
         }
 #pragma unroll
@@ -343,43 +336,43 @@ ragged_attention_wgmma_softmax(float (&s)[keys / 2], int num_keys, float scale_l
 
 /* S = Q K^T over a K tile of N / 2 keys, then waits for it. */
 template <typename Elem, int N>
-static __device__ __forceinline__ void ragged_attention_wgmma_scores(float (&s)[N], uint64_t desc_q,
-                                                                     uint64_t desc_k) {
-    ragged_attention_wgmma_fence_regs(s);
-    ragged_attention_wgmma_fence();
+static __device__ __forceinline__ void attention_wgmma_scores(float (&s)[N], uint64_t desc_q,
+                                                              uint64_t desc_k) {
+    attention_wgmma_fence_regs(s);
+    attention_wgmma_fence();
 #pragma unroll
     for (int kk = 0; kk < 4; ++kk) /* columns [16 kk, 16 kk + 16) of Q and K: 32 bytes on */
-        ragged_attention_wgmma_ss<Elem>(s, desc_q + 2 * kk, desc_k + 2 * kk, kk);
-    ragged_attention_wgmma_commit();
-    ragged_attention_wgmma_wait_all();
-    ragged_attention_wgmma_fence_regs(s);
+        attention_wgmma_ss<Elem>(s, desc_q + 2 * kk, desc_k + 2 * kk, kk);
+    attention_wgmma_commit();
+    attention_wgmma_wait_all();
+    attention_wgmma_fence_regs(s);
 }
 
 /* O += P V over `steps` 16-key steps of V (MN-major, 2048 bytes a step): steps below
  * `split` from the tile at desc_v, the rest from the tile at desc_x; then waits for it. */
 template <typename Elem, int steps, int split>
-static __device__ __forceinline__ void ragged_attention_wgmma_pv(float (&o)[32],
-                                                                 const uint32_t (&p)[steps][4],
-                                                                 uint64_t desc_v, uint64_t desc_x) {
-    ragged_attention_wgmma_fence_regs(o);
-    ragged_attention_wgmma_fence();
+static __device__ __forceinline__ void attention_wgmma_pv(float (&o)[32],
+                                                          const uint32_t (&p)[steps][4],
+                                                          uint64_t desc_v, uint64_t desc_x) {
+    attention_wgmma_fence_regs(o);
+    attention_wgmma_fence();
 #pragma unroll
     for (int jj = 0; jj < steps; ++jj)
-        ragged_attention_wgmma_rs<Elem>(o, p[jj],
-                                        jj < split ? desc_v + (uint64_t)(128 * jj)
-                                                   : desc_x + (uint64_t)(128 * (jj - split)));
-    ragged_attention_wgmma_commit();
-    ragged_attention_wgmma_wait_all();
-    ragged_attention_wgmma_fence_regs(o);
+        attention_wgmma_rs<Elem>(o, p[jj],
+                                 jj < split ? desc_v + (uint64_t)(128 * jj)
+                                            : desc_x + (uint64_t)(128 * (jj - split)));
+    attention_wgmma_commit();
+    attention_wgmma_wait_all();
+    attention_wgmma_fence_regs(o);
 }
 
 /* P (the softmax's output s: N fp32 C-fragment values, N / 4 key blocks of 8) as the A
  * fragments of P V in Elem: k-step jj is keys [16 jj, 16 jj + 16), the C fragments of key
  * blocks 2 jj and 2 jj + 1 (zeros past the last block). */
 template <typename Elem, int steps, int N>
-static __device__ __forceinline__ void ragged_attention_wgmma_pack(uint32_t (&p)[steps][4],
-                                                                   const float (&s)[N]) {
-    using ops = ragged_attention_mma_elem<Elem>;
+static __device__ __forceinline__ void attention_wgmma_pack(uint32_t (&p)[steps][4],
+                                                            const float (&s)[N]) {
+    using ops = attention_elem<Elem>;
     static_assert(N <= 8 * steps && N > 8 * steps - 8 && N % 4 == 0, "whole key blocks");
 #pragma unroll
     for (int jj = 0; jj < steps; ++jj) {
@@ -395,17 +388,17 @@ static __device__ __forceinline__ void ragged_attention_wgmma_pack(uint32_t (&p)
  * 1024-byte aligned shared address: Q, num_stages (V, K) slot pairs, the folded tail's. */
 template <typename Elem, int keys, bool tma>
 static __device__ __forceinline__ void
-ragged_attention_wgmma_tile(uint32_t smem, int num_stages, const ragvit_attention_args &a,
-                            const ragged_attention_wgmma_maps_t<tma> &maps, uint32_t &phases,
-                            int start, int h, int q0, int len, float scale_log2) {
-    using ops = ragged_attention_mma_elem<Elem>;
+attention_wgmma_tile(uint32_t smem, int num_stages, const ragvit_attention_args &a,
+                     const attention_wgmma_maps_t<tma> &maps, uint32_t &phases, int start, int h,
+                     int q0, int len, float scale_log2) {
+    using ops = attention_elem<Elem>;
     constexpr uint32_t kTile = 128 * keys; /* bytes of a K or V tile */
     const int warp = threadIdx.x >> 5;
     const int lane = threadIdx.x & 31;
     const int group = lane >> 2, tig = lane & 3;
     /* A sequence whose last key tile would hold 1 .. kTail keys (197 tokens: 5, 577: 1)
      * folds them into the step before: one step over keys + kTail keys, one step fewer. */
-    constexpr int kTail = RAGGED_ATTENTION_WGMMA_TAIL;
+    constexpr int kTail = ATTENTION_WGMMA_TAIL;
     constexpr int kWide = keys == 64 ? keys + kTail : keys; /* keys of that step */
     const int tail = len % keys;
     const bool has_tail = keys == 64 && len > keys && tail > 0 && tail <= kTail;
@@ -415,9 +408,9 @@ ragged_attention_wgmma_tile(uint32_t smem, int num_stages, const ragvit_attentio
      * the kTail + 16 rows past the ring (s_x: K rows, then a 16-row V tile), which nothing
      * else uses. (Without one, slot 0: the division cost 2-5% on sequences of 1-2 tiles.) */
     const int first_stage = has_tail ? (num_stages - num_tiles % num_stages) % num_stages : 0;
-    const uint32_t s_q = smem, s_kv = smem + RAGGED_ATTENTION_WGMMA_TILE;
+    const uint32_t s_q = smem, s_kv = smem + ATTENTION_WGMMA_TILE;
     const uint32_t s_x = s_kv + 2 * kTile * num_stages;
-    const uint32_t s_bar = ragged_attention_wgmma_bars(smem, keys, num_stages); /* with tma */
+    const uint32_t s_bar = attention_wgmma_bars(smem, keys, num_stages); /* with tma */
     const Elem *k_seq = static_cast<const Elem *>(a.k) + (int64_t)h * a.k_stride_head +
                         (int64_t)start * a.k_stride_token;
     const Elem *v_seq = static_cast<const Elem *>(a.v) + (int64_t)h * a.v_stride_head +
@@ -447,9 +440,9 @@ ragged_attention_wgmma_tile(uint32_t smem, int num_stages, const ragvit_attentio
             if (row0 + keys <= len) { /* a whole tile: TMA */
                 if (threadIdx.x == 0) {
                     const uint32_t bar = s_bar + 8 * stage;
-                    ragged_attention_wgmma_mbar_expect(bar, 2 * kTile);
-                    ragged_attention_wgmma_tma_load(s_slot + kTile, &maps.k, h, start + row0, bar);
-                    ragged_attention_wgmma_tma_load(s_slot, &maps.v, h, start + row0, bar);
+                    attention_wgmma_mbar_expect(bar, 2 * kTile);
+                    attention_wgmma_tma_load(s_slot + kTile, &maps.k, h, start + row0, bar);
+                    attention_wgmma_tma_load(s_slot, &maps.v, h, start + row0, bar);
                 }
             } else {
                 /* the last, partial tile: cp.async, rows past the sequence zero-filled. Kept
@@ -460,11 +453,10 @@ ragged_attention_wgmma_tile(uint32_t smem, int num_stages, const ragvit_attentio
                     const int key = row0 + cr + 16 * i;
                     const bool is_valid = key < len;
                     const int64_t kr = is_valid ? key : 0;
-                    ragged_attention_mma_cp_async16(s_slot + kTile + 2048 * i + off,
-                                                    k_seq + kr * a.k_stride_token + cc * 8,
-                                                    is_valid);
-                    ragged_attention_mma_cp_async16(
-                        s_slot + 2048 * i + off, v_seq + kr * a.v_stride_token + cc * 8, is_valid);
+                    attention_cp_async16(s_slot + kTile + 2048 * i + off,
+                                         k_seq + kr * a.k_stride_token + cc * 8, is_valid);
+                    attention_cp_async16(s_slot + 2048 * i + off,
+                                         v_seq + kr * a.v_stride_token + cc * 8, is_valid);
                 }
             }
             if (++tiles_loaded == num_tiles && has_tail) {
@@ -472,8 +464,8 @@ ragged_attention_wgmma_tile(uint32_t smem, int num_stages, const ragvit_attentio
                 const bool is_valid = key < len; /* the tail's row cr */
                 const Elem *k = k_seq + (is_valid ? (int64_t)key * a.k_stride_token : 0) + cc * 8;
                 const Elem *v = v_seq + (is_valid ? (int64_t)key * a.v_stride_token : 0) + cc * 8;
-                if (cr < kTail) ragged_attention_mma_cp_async16(s_x + off, k, is_valid);
-                ragged_attention_mma_cp_async16(s_x + 128 * kTail + off, v, is_valid);
+                if (cr < kTail) attention_cp_async16(s_x + off, k, is_valid);
+                attention_cp_async16(s_x + 128 * kTail + off, v, is_valid);
             }
             return;
         }
@@ -482,20 +474,18 @@ ragged_attention_wgmma_tile(uint32_t smem, int num_stages, const ragvit_attentio
 #pragma unroll
         for (int i = 0; i < keys / 16; ++i) {
             const bool is_valid = 16 * i < rows_left;
-            ragged_attention_mma_cp_async16(s_v + kTile + 2048 * i,
-                                            is_valid ? (const void *)k : k_seq, is_valid);
-            ragged_attention_mma_cp_async16(s_v + 2048 * i, is_valid ? (const void *)v : v_seq,
-                                            is_valid);
+            attention_cp_async16(s_v + kTile + 2048 * i, is_valid ? (const void *)k : k_seq,
+                                 is_valid);
+            attention_cp_async16(s_v + 2048 * i, is_valid ? (const void *)v : v_seq, is_valid);
             k += k_rows16;
             v += v_rows16;
         }
         if (has_tail && ++tiles_loaded == num_tiles) {
             const bool is_valid = keys < rows_left; /* the tail's row cr */
             if (cr < kTail)
-                ragged_attention_mma_cp_async16(s_x + off, is_valid ? (const void *)k : k_seq,
-                                                is_valid);
-            ragged_attention_mma_cp_async16(s_x + 128 * kTail + off,
-                                            is_valid ? (const void *)v : v_seq, is_valid);
+                attention_cp_async16(s_x + off, is_valid ? (const void *)k : k_seq, is_valid);
+            attention_cp_async16(s_x + 128 * kTail + off, is_valid ? (const void *)v : v_seq,
+                                 is_valid);
         }
         k_next = k;
         v_next = v;
@@ -503,11 +493,11 @@ ragged_attention_wgmma_tile(uint32_t smem, int num_stages, const ragvit_attentio
     };
 
     __syncthreads(); /* this block's previous tile may still read shared memory */
-    ragged_attention_wgmma_load_tile<Elem>(
-        s_q,
-        static_cast<const Elem *>(a.q) + ((int64_t)start + q0) * a.q_stride_token +
-            (int64_t)h * a.q_stride_head,
-        a.q_stride_token, min(RAGGED_ATTENTION_WGMMA_ROWS, len - q0));
+    attention_wgmma_load_tile<Elem>(s_q,
+                                    static_cast<const Elem *>(a.q) +
+                                        ((int64_t)start + q0) * a.q_stride_token +
+                                        (int64_t)h * a.q_stride_head,
+                                    a.q_stride_token, min(ATTENTION_WGMMA_ROWS, len - q0));
     /* key tiles loaded ahead of step 0: all of them when they fit the ring (every slot is
      * free after the barrier above), else num_stages - 1 (step t then refills tile t - 1's
      * slot after its own barrier); cp.async group g is key tile g either way */
@@ -516,7 +506,7 @@ ragged_attention_wgmma_tile(uint32_t smem, int num_stages, const ragvit_attentio
         if (st < num_tiles)
             load_kv(first_stage + st < num_stages ? first_stage + st
                                                   : first_stage + st - num_stages);
-        ragged_attention_mma_cp_async_commit(); /* group st: key tile st (+ Q), maybe empty */
+        attention_cp_async_commit(); /* group st: key tile st (+ Q), maybe empty */
     }
 
     float o[32], s[keys / 2];
@@ -526,7 +516,7 @@ ragged_attention_wgmma_tile(uint32_t smem, int num_stages, const ragvit_attentio
     for (int i = 0; i < keys / 2; ++i) s[i] = 0.0f;
     float row_max[2] = {-INFINITY, -INFINITY}, row_sum[2] = {0.0f, 0.0f}, alpha[2];
     uint32_t p[keys / 16][4];
-    const uint64_t desc_q = ragged_attention_wgmma_desc(s_q, 16, 1024);
+    const uint64_t desc_q = attention_wgmma_desc(s_q, 16, 1024);
     /* One step over the key tile at desc_k / desc_v, `width` keys wide (2 x s_w's size):
      * `keys`, or kWide for a folded tail, whose kTail K rows follow the tile (it sits in the
      * last ring slot: they are s_x's, copied with it) and whose V rows at s_x + 128 kTail
@@ -537,16 +527,16 @@ ragged_attention_wgmma_tile(uint32_t smem, int num_stages, const ragvit_attentio
                     bool is_first) {
         constexpr int width = (int)(2 * sizeof(s_w) / sizeof(float));
         constexpr int steps = (int)(sizeof(p_w) / sizeof(p_w[0]));
-        ragged_attention_wgmma_scores<Elem>(s_w, desc_q, desc_k);
-        ragged_attention_wgmma_softmax<width>(s_w, num_keys, scale_log2, is_first, row_max, row_sum,
-                                              alpha);
+        attention_wgmma_scores<Elem>(s_w, desc_q, desc_k);
+        attention_wgmma_softmax<width>(s_w, num_keys, scale_log2, is_first, row_max, row_sum,
+                                       alpha);
         if (!is_first) {
 #pragma unroll
             for (int i = 0; i < 32; ++i) o[i] *= alpha[(i >> 1) & 1];
         }
-        ragged_attention_wgmma_pack<Elem>(p_w, s_w);
-        ragged_attention_wgmma_pv<Elem, steps, keys / 16>(
-            o, p_w, desc_v, ragged_attention_wgmma_desc(s_x + 128 * kTail, 2048, 1024));
+        attention_wgmma_pack<Elem>(p_w, s_w);
+        attention_wgmma_pv<Elem, steps, keys / 16>(
+            o, p_w, desc_v, attention_wgmma_desc(s_x + 128 * kTail, 2048, 1024));
     };
     /* the folded tail's step, with its own kWide-key S and P */
     auto tail_step = [&](uint64_t desc_k, uint64_t desc_v, int num_keys, bool is_first) {
@@ -559,23 +549,23 @@ ragged_attention_wgmma_tile(uint32_t smem, int num_stages, const ragvit_attentio
     int stage = first_stage;
     for (int t = 0; t < num_tiles; ++t) {
         const int num_keys = min(keys, len - t * keys);
-        ragged_attention_mma_cp_async_wait_pending(ahead - 1); /* tile t landed */
+        attention_cp_async_wait_pending(ahead - 1); /* tile t landed */
         if constexpr (tma) {
             if (num_keys == keys) { /* a whole tile came by TMA */
-                ragged_attention_wgmma_mbar_wait(s_bar + 8 * stage, (phases >> stage) & 1u);
+                attention_wgmma_mbar_wait(s_bar + 8 * stage, (phases >> stage) & 1u);
                 phases ^= 1u << stage;
             }
         }
-        ragged_attention_wgmma_fence_proxy();
+        attention_wgmma_fence_proxy();
         __syncthreads();           /* every thread's copies; tile t - 1 fully consumed */
         if (t + ahead < num_tiles) /* tile t + ahead, into tile t - 1's slot */
             load_kv(stage == 0 ? num_stages - 1 : stage - 1);
-        ragged_attention_mma_cp_async_commit(); /* group t + ahead, maybe empty */
+        attention_cp_async_commit(); /* group t + ahead, maybe empty */
         const uint32_t s_v = s_kv + 2 * kTile * stage, s_k = s_v + kTile;
         stage = stage + 1 == num_stages ? 0 : stage + 1;
 
-        const uint64_t desc_k = ragged_attention_wgmma_desc(s_k, 16, 1024);
-        const uint64_t desc_v = ragged_attention_wgmma_desc(s_v, kTile, 1024);
+        const uint64_t desc_k = attention_wgmma_desc(s_k, 16, 1024);
+        const uint64_t desc_v = attention_wgmma_desc(s_v, kTile, 1024);
         if constexpr (keys == 64) {
             if (has_tail && t == num_tiles - 1) {
                 tail_step(desc_k, desc_v, len - t * keys, t == 0);
@@ -584,7 +574,7 @@ ragged_attention_wgmma_tile(uint32_t smem, int num_stages, const ragvit_attentio
         }
         step(s, p, desc_k, desc_v, num_keys, t == 0);
     }
-    ragged_attention_mma_cp_async_wait<0>(); /* only empty groups can be left */
+    attention_cp_async_wait<0>(); /* only empty groups can be left */
 
     float inv[2]; /* 1 / row sum over the quad that shares each row */
 #pragma unroll
@@ -630,14 +620,13 @@ ragged_attention_wgmma_tile(uint32_t smem, int num_stages, const ragvit_attentio
 }
 
 /* 16 elements from src (32-byte aligned, 16 t elements into a row) as 8 words (2 each). */
-static __device__ __forceinline__ void ragged_attention_wgmma_words16(const void *src,
-                                                                      uint32_t (&w)[8]) {
+static __device__ __forceinline__ void attention_wgmma_words16(const void *src, uint32_t (&w)[8]) {
     const uint4 lo = static_cast<const uint4 *>(src)[0], hi = static_cast<const uint4 *>(src)[1];
     w[0] = lo.x, w[1] = lo.y, w[2] = lo.z, w[3] = lo.w;
     w[4] = hi.x, w[5] = hi.y, w[6] = hi.z, w[7] = hi.w;
 }
 
-/* A last query tile of 1 .. RAGGED_ATTENTION_WGMMA_THIN rows (rows q0 .. len - 1 of head h:
+/* A last query tile of 1 .. ATTENTION_WGMMA_THIN rows (rows q0 .. len - 1 of head h:
  * 577 tokens end in one of 1 row, 197 in one of 5) in a block of its own, on mma.sync
  * instead of a 64-row wgmma tile. Each warp takes 16-key chunks w, w + 4, ... transposed
  * (keys and head dims as the 16 rows, the 8 queries as the columns: nothing computed for
@@ -664,18 +653,18 @@ static __device__ __forceinline__ void ragged_attention_wgmma_words16(const void
  * smem: the block's shared memory (8.25 KB used). */
 template <typename Elem>
 static __device__ __forceinline__ void
-ragged_attention_wgmma_thin_tile(unsigned char *smem, const ragvit_attention_args &a, int start,
-                                 int h, int q0, int len, float scale_log2) {
-    using ops = ragged_attention_mma_elem<Elem>;
+attention_wgmma_thin_tile(unsigned char *smem, const ragvit_attention_args &a, int start, int h,
+                          int q0, int len, float scale_log2) {
+    using ops = attention_elem<Elem>;
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const int g = lane >> 2, t = lane & 3;
     const int rows = len - q0;
     uint32_t qb[8] = {0u, 0u, 0u, 0u, 0u, 0u, 0u, 0u}; /* Q^T as B: query g, dims 16 t .. */
     if (g < rows)
-        ragged_attention_wgmma_words16(static_cast<const Elem *>(a.q) +
-                                           ((int64_t)start + q0 + g) * a.q_stride_token +
-                                           (int64_t)h * a.q_stride_head + 16 * t,
-                                       qb);
+        attention_wgmma_words16(static_cast<const Elem *>(a.q) +
+                                    ((int64_t)start + q0 + g) * a.q_stride_token +
+                                    (int64_t)h * a.q_stride_head + 16 * t,
+                                qb);
     const Elem *k_head = static_cast<const Elem *>(a.k) + (int64_t)h * a.k_stride_head +
                          (int64_t)start * a.k_stride_token;
     const Elem *v_head = static_cast<const Elem *>(a.v) + (int64_t)h * a.v_stride_head +
@@ -694,7 +683,7 @@ ragged_attention_wgmma_thin_tile(unsigned char *smem, const ragvit_attention_arg
 #pragma unroll
         for (int r = 0; r < 2; ++r) {
             const int key = key0 + g + 8 * r;
-            ragged_attention_wgmma_words16(
+            attention_wgmma_words16(
                 k_head + (int64_t)(key < len ? key : 0) * a.k_stride_token + 16 * t, kw[r]);
         }
         uint4 vr[4]; /* V rows key0 + 2 t + {0, 1, 8, 9}: head dims 8 g .. 8 g + 7 */
@@ -722,9 +711,9 @@ ragged_attention_wgmma_thin_tile(unsigned char *smem, const ragvit_attention_arg
             for (int lanes = 4; lanes < 32; lanes *= 2)
                 mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, lanes));
             const float m_new = fmaxf(m[e], mx * scale_log2);
-            const float alpha = ragged_attention_mma_exp2(m[e] - m_new); /* from -inf: 0 */
-            p[e] = ragged_attention_mma_exp2(fmaf(s[e], scale_log2, -m_new));
-            p[2 + e] = ragged_attention_mma_exp2(fmaf(s[2 + e], scale_log2, -m_new));
+            const float alpha = attention_exp2(m[e] - m_new); /* from -inf: 0 */
+            p[e] = attention_exp2(fmaf(s[e], scale_log2, -m_new));
+            p[2 + e] = attention_exp2(fmaf(s[2 + e], scale_log2, -m_new));
             l[e] = fmaf(l[e], alpha, p[e] + p[2 + e]);
             m[e] = m_new;
 #pragma unroll
@@ -781,7 +770,7 @@ ragged_attention_wgmma_thin_tile(unsigned char *smem, const ragvit_attention_arg
         float sum = 0.0f, acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
 #pragma unroll
         for (int w = 0; w < 4; ++w) { /* a warp without keys: maximum -inf, weight 0 */
-            const float weight = ragged_attention_mma_exp2(s_ml[w * 16 + r] - mx);
+            const float weight = attention_exp2(s_ml[w * 16 + r] - mx);
             const float4 ow = *reinterpret_cast<const float4 *>(s_o + (w * 8 + r) * 64 + d);
             sum = fmaf(weight, s_ml[w * 16 + 8 + r], sum);
             acc[0] = fmaf(weight, ow.x, acc[0]);
@@ -796,35 +785,34 @@ ragged_attention_wgmma_thin_tile(unsigned char *smem, const ragvit_attention_arg
                                                      ops::pack(acc[2] * inv, acc[3] * inv));
     }
 }
-#endif /* RAGGED_ATTENTION_WGMMA_DEVICE */
+#endif /* ATTENTION_WGMMA_DEVICE */
 
 /* Block (x, y, z): query tiles x, x + gridDim.x, ... of head y of sequences z, z + gridDim.z,
  * ...; a sequence with bad bounds or longer than max_len is skipped and flagged, as in the
  * mma.sync kernel. Blocks x == thin_x (the launcher sets it, >= 0, only when each query
  * tile has a block and that tile of every sequence is thin) run the thin tiles. */
 template <typename Elem, int keys, bool tma>
-static __global__ void __launch_bounds__(128, ragged_attention_wgmma_min_blocks(keys))
-    ragged_attention_wgmma_kernel(const __grid_constant__ ragvit_attention_args a, int max_len,
-                                  int num_stages, int thin_x,
-                                  const __grid_constant__ ragged_attention_wgmma_maps_t<tma> maps) {
-#ifdef RAGGED_ATTENTION_WGMMA_DEVICE
-    cuda_pdl_wait(); /* first: see cuda_check.cuh */
-    extern __shared__ __align__(16) unsigned char ragged_attention_wgmma_smem[];
-    const uint32_t raw = ragged_attention_mma_smem_addr(ragged_attention_wgmma_smem);
+static __global__ void __launch_bounds__(128, attention_wgmma_min_blocks(keys))
+    attention_wgmma_kernel(const __grid_constant__ ragvit_attention_args a, int max_len,
+                           int num_stages, int thin_x,
+                           const __grid_constant__ attention_wgmma_maps_t<tma> maps) {
+#ifdef ATTENTION_WGMMA_DEVICE
+    cuda_pdl_wait(); /* first: see cuda_util.cuh */
+    extern __shared__ __align__(16) unsigned char attention_wgmma_smem[];
+    const uint32_t raw = attention_smem_addr(attention_wgmma_smem);
     const uint32_t smem = (raw + 1023u) & ~1023u; /* the swizzle needs 1024-byte tiles */
     const int h = blockIdx.y;
-    const float scale_log2 = a.scale * RAGGED_ATTENTION_MMA_LOG2E;
+    const float scale_log2 = a.scale * ATTENTION_LOG2E;
     if constexpr (keys == 64) {
         /* the launcher's promise: every tile here is thin. A loop of its own: one tile call
          * choosing between the two paths in the loop below spilled at 96 registers */
         if ((int)blockIdx.x == thin_x) {
-            const int q0 = thin_x * RAGGED_ATTENTION_WGMMA_ROWS;
+            const int q0 = thin_x * ATTENTION_WGMMA_ROWS;
             for (int s = blockIdx.z; s < a.num_seqs; s += gridDim.z) {
                 int start, len;
-                if (ragged_attention_seq_bounds(a, s, h, max_len, start, len) && q0 < len)
-                    ragged_attention_wgmma_thin_tile<Elem>(ragged_attention_wgmma_smem +
-                                                               (smem - raw),
-                                                           a, start, h, q0, len, scale_log2);
+                if (attention_seq_bounds(a, s, h, max_len, start, len) && q0 < len)
+                    attention_wgmma_thin_tile<Elem>(attention_wgmma_smem + (smem - raw), a, start,
+                                                    h, q0, len, scale_log2);
             }
             return;
         }
@@ -832,9 +820,8 @@ static __global__ void __launch_bounds__(128, ragged_attention_wgmma_min_blocks(
     uint32_t phases = 0; /* bit s: the parity stage s's mbarrier completes next */
     if constexpr (tma) {
         if (threadIdx.x == 0) {
-            const uint32_t s_bar = ragged_attention_wgmma_bars(smem, keys, num_stages);
-            for (int st = 0; st < num_stages; ++st)
-                ragged_attention_wgmma_mbar_init(s_bar + 8 * st);
+            const uint32_t s_bar = attention_wgmma_bars(smem, keys, num_stages);
+            for (int st = 0; st < num_stages; ++st) attention_wgmma_mbar_init(s_bar + 8 * st);
             asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
             asm volatile("prefetch.tensormap [%0];\n" ::"l"(reinterpret_cast<uint64_t>(&maps.k))
                          : "memory");
@@ -844,11 +831,11 @@ static __global__ void __launch_bounds__(128, ragged_attention_wgmma_min_blocks(
     }
     for (int s = blockIdx.z; s < a.num_seqs; s += gridDim.z) {
         int start, len;
-        if (!ragged_attention_seq_bounds(a, s, h, max_len, start, len)) continue;
-        for (int q0 = blockIdx.x * RAGGED_ATTENTION_WGMMA_ROWS; q0 < len;
-             q0 += gridDim.x * RAGGED_ATTENTION_WGMMA_ROWS)
-            ragged_attention_wgmma_tile<Elem, keys, tma>(smem, num_stages, a, maps, phases, start,
-                                                         h, q0, len, scale_log2);
+        if (!attention_seq_bounds(a, s, h, max_len, start, len)) continue;
+        for (int q0 = blockIdx.x * ATTENTION_WGMMA_ROWS; q0 < len;
+             q0 += gridDim.x * ATTENTION_WGMMA_ROWS)
+            attention_wgmma_tile<Elem, keys, tma>(smem, num_stages, a, maps, phases, start, h, q0,
+                                                  len, scale_log2);
     }
 #else
     (void)a;
@@ -856,22 +843,22 @@ static __global__ void __launch_bounds__(128, ragged_attention_wgmma_min_blocks(
     (void)max_len;
     (void)num_stages;
     (void)thin_x;
-    __trap(); /* never launched: ragged_attention_wgmma_supports is false without sm_90a */
+    __trap(); /* never launched: attention_wgmma_supports is false without sm_90a */
 #endif
 }
 
 // ---- launcher ----
 
 /* Whether the wgmma path runs these arguments (the caller checked
- * ragged_attention_mma_supports): fp16/bf16, D = 64, no cls_attn, no bias, a compute
+ * attention_mma_supports): fp16/bf16, D = 64, no cls_attn, no bias, a compute
  * capability 9.0 device and a module built with sm_90a code. */
-static bool ragged_attention_wgmma_supports(const ragvit_attention_args *a,
-                                            const ragvit_device_info *dev) {
+static bool attention_wgmma_supports(const ragvit_attention_args *a,
+                                     const ragvit_device_info *dev) {
 #ifdef RAGVIT_HAS_SM90A
     return dev != NULL && dev->cc_major == 9 && dev->cc_minor == 0 && a->head_dim == 64 &&
            a->cls_attn == NULL && a->bias == NULL &&
            (a->dtype == RAGVIT_DTYPE_F16 || a->dtype == RAGVIT_DTYPE_BF16) &&
-           dev->smem_per_block_optin >= ragged_attention_wgmma_smem_bytes(64, 2);
+           dev->smem_per_block_optin >= attention_wgmma_smem_bytes(64, 2);
 #else
     (void)a;
     (void)dev;
@@ -879,12 +866,12 @@ static bool ragged_attention_wgmma_supports(const ragvit_attention_args *a,
 #endif
 }
 
-/* cuTensorMapEncodeTiled from the driver, set by ragged_attention_wgmma_init (device init
+/* cuTensorMapEncodeTiled from the driver, set by attention_wgmma_init (device init
  * runs under the GIL: never two writers); NULL: no TMA. */
-static PFN_cuTensorMapEncodeTiled_v12000 ragged_attention_wgmma_encode = NULL;
+static PFN_cuTensorMapEncodeTiled_v12000 attention_wgmma_encode = NULL;
 
 /* The last descriptor a thread encoded for K (which 0) or V (1), and what for. */
-struct ragged_attention_wgmma_map_cache {
+struct attention_wgmma_map_cache {
     const void *base;
     int64_t stride_token, stride_head, total_tokens;
     int32_t num_heads, dtype;
@@ -897,11 +884,11 @@ struct ragged_attention_wgmma_map_cache {
  * comparison, not an encode); false when TMA cannot read it: no driver entry point, a base
  * or stride off 16 bytes, heads that overlap or tokens that do not hold whole heads, more
  * than 2^31 tokens (the caller then copies by cp.async). */
-static bool ragged_attention_wgmma_tensor_map(CUtensorMap *map, int which, const void *base,
-                                              int64_t stride_token, int64_t stride_head,
-                                              const ragvit_attention_args *a) {
-    thread_local ragged_attention_wgmma_map_cache cache[2];
-    ragged_attention_wgmma_map_cache &c = cache[which];
+static bool attention_wgmma_tensor_map(CUtensorMap *map, int which, const void *base,
+                                       int64_t stride_token, int64_t stride_head,
+                                       const ragvit_attention_args *a) {
+    thread_local attention_wgmma_map_cache cache[2];
+    attention_wgmma_map_cache &c = cache[which];
     if (c.is_valid && c.base == base && c.stride_token == stride_token &&
         c.stride_head == stride_head && c.total_tokens == a->total_tokens &&
         c.num_heads == a->num_heads && c.dtype == a->dtype) {
@@ -910,23 +897,23 @@ static bool ragged_attention_wgmma_tensor_map(CUtensorMap *map, int which, const
     }
     /* one head is never stepped over: any stride that keeps the dimensions apart */
     const int64_t head_step = a->num_heads == 1 ? 64 : stride_head;
-    if (ragged_attention_wgmma_encode == NULL || ((uintptr_t)base & 15) != 0 ||
-        head_step % 8 != 0 || stride_token % 8 != 0 || head_step < 64 ||
-        stride_token < head_step * a->num_heads || a->total_tokens <= 0 ||
-        a->total_tokens > ((int64_t)1 << 31) || stride_token >= ((int64_t)1 << 38))
+    if (attention_wgmma_encode == NULL || ((uintptr_t)base & 15) != 0 || head_step % 8 != 0 ||
+        stride_token % 8 != 0 || head_step < 64 || stride_token < head_step * a->num_heads ||
+        a->total_tokens <= 0 || a->total_tokens > ((int64_t)1 << 31) ||
+        stride_token >= ((int64_t)1 << 38))
         return false;
     const cuuint64_t dims[3] = {64, (cuuint64_t)a->num_heads, (cuuint64_t)a->total_tokens};
     const cuuint64_t strides[2] = {(cuuint64_t)head_step * 2, (cuuint64_t)stride_token * 2};
     const cuuint32_t box[3] = {64, 1, 64};
     const cuuint32_t elem_strides[3] = {1, 1, 1};
     CUtensorMap encoded;
-    if (ragged_attention_wgmma_encode(
-            &encoded,
-            a->dtype == RAGVIT_DTYPE_BF16 ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16
-                                          : CU_TENSOR_MAP_DATA_TYPE_FLOAT16,
-            3, const_cast<void *>(base), dims, strides, box, elem_strides,
-            CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
-            CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) != CUDA_SUCCESS)
+    if (attention_wgmma_encode(&encoded,
+                               a->dtype == RAGVIT_DTYPE_BF16 ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16
+                                                             : CU_TENSOR_MAP_DATA_TYPE_FLOAT16,
+                               3, const_cast<void *>(base), dims, strides, box, elem_strides,
+                               CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
+                               CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+                               CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) != CUDA_SUCCESS)
         return false;
     c.base = base;
     c.stride_token = stride_token;
@@ -943,18 +930,17 @@ static bool ragged_attention_wgmma_tensor_map(CUtensorMap *map, int which, const
 /* The kernel with `keys`-key tiles (by TMA or not), for the element type is_bf16 picks. */
 template <int keys, bool tma>
 static ragvit_status
-ragged_attention_wgmma_launch_kernel(const ragvit_attention_args *a, const ragvit_device_info *dev,
-                                     const ragged_attention_wgmma_maps_t<tma> &maps, bool is_bf16,
-                                     dim3 grid, size_t smem, int max_len, int num_stages,
-                                     int thin_x, cudaStream_t stream) {
+attention_wgmma_launch_kernel(const ragvit_attention_args *a, const ragvit_device_info *dev,
+                              const attention_wgmma_maps_t<tma> &maps, bool is_bf16, dim3 grid,
+                              size_t smem, int max_len, int num_stages, int thin_x,
+                              cudaStream_t stream) {
     if (is_bf16)
         CUDA_TRY(cuda_launch(dev, RAGVIT_PDL_ATTENTION,
-                             ragged_attention_wgmma_kernel<__nv_bfloat16, keys, tma>, grid, 128,
-                             smem, stream, *a, max_len, num_stages, thin_x, maps));
-    else
-        CUDA_TRY(cuda_launch(dev, RAGVIT_PDL_ATTENTION,
-                             ragged_attention_wgmma_kernel<__half, keys, tma>, grid, 128, smem,
+                             attention_wgmma_kernel<__nv_bfloat16, keys, tma>, grid, 128, smem,
                              stream, *a, max_len, num_stages, thin_x, maps));
+    else
+        CUDA_TRY(cuda_launch(dev, RAGVIT_PDL_ATTENTION, attention_wgmma_kernel<__half, keys, tma>,
+                             grid, 128, smem, stream, *a, max_len, num_stages, thin_x, maps));
     return RAGVIT_STATUS_OK;
 }
 
@@ -969,7 +955,7 @@ ragged_attention_wgmma_launch_kernel(const ragvit_attention_args *a, const ragvi
  * capped like the mma.sync plans'; a forced stage count is clamped to what fits. tma: 1
  * takes whole 64-key tiles by TMA wherever the layout allows (a head_dim-contiguous,
  * token-major q/k/v with 16-byte aligned base and strides), 0 never, < 0 the launcher's
- * choice: TMA when max_seqlen >= RAGGED_ATTENTION_WGMMA_TMA_MIN_LEN (257). On an H200
+ * choice: TMA when max_seqlen >= ATTENTION_WGMMA_TMA_MIN_LEN (257). On an H200
  * (graph replay, L2 flushed, against a build without TMA) it is 4-5% faster on 32 DeiT-B
  * images of 577 tokens, where the board sits at its power cap (fewer instructions a tile:
  * one thread's two copies for 128 threads' 16 cp.async), 1-4% on 32 DeiT-S images of 577,
@@ -978,96 +964,89 @@ ragged_attention_wgmma_launch_kernel(const ragvit_attention_args *a, const ragvi
  * mbarrier setup and one thread's issue latency); copying the partial last tile by TMA as
  * well (whole boxes, V rows past the sequence zeroed in shared memory) cost another 1-3% at
  * 50% keep (the box reads past the sequence). */
-static ragvit_status ragged_attention_wgmma_launch_plan(const ragvit_attention_args *a,
-                                                        const ragvit_device_info *dev, int keys,
-                                                        int num_stages, int tma,
-                                                        cudaStream_t stream) {
-    const int64_t max_len = ragged_attention_max_len(a);
-    const int64_t rows = RAGGED_ATTENTION_WGMMA_ROWS;
+static ragvit_status attention_wgmma_launch_plan(const ragvit_attention_args *a,
+                                                 const ragvit_device_info *dev, int keys,
+                                                 int num_stages, int tma, cudaStream_t stream) {
+    const int64_t max_len = attention_max_len(a);
+    const int64_t rows = ATTENTION_WGMMA_ROWS;
     const int64_t sm_count = dev->sm_count > 0 ? dev->sm_count : 132;
     const int64_t seqs = a->num_seqs, heads = a->num_heads;
     int64_t grid_x = (max_len + rows - 1) / rows;
     const bool is_one_wave = grid_x * heads * seqs <= sm_count;
     if (keys <= 0) keys = is_one_wave && max_len > 64 ? 128 : 64;
     if (keys != 64 && keys != 128) keys = 64;
-    if (keys == 128 && ragged_attention_wgmma_smem_bytes(128, 2) > dev->smem_per_block_optin)
-        keys = 64;
+    if (keys == 128 && attention_wgmma_smem_bytes(128, 2) > dev->smem_per_block_optin) keys = 64;
     const int64_t key_tiles = (max_len + keys - 1) / keys;
     if (num_stages <= 0) /* s stages load key tiles 0 .. s - 2 (all, if at most s) before step 0 */
-        num_stages = is_one_wave ? (int)(key_tiles + 1 < RAGGED_ATTENTION_WGMMA_MAX_STAGES
+        num_stages = is_one_wave ? (int)(key_tiles + 1 < ATTENTION_WGMMA_MAX_STAGES
                                              ? key_tiles + 1
-                                             : RAGGED_ATTENTION_WGMMA_MAX_STAGES)
+                                             : ATTENTION_WGMMA_MAX_STAGES)
                                  : 2;
-    if (num_stages > RAGGED_ATTENTION_WGMMA_MAX_STAGES)
-        num_stages = RAGGED_ATTENTION_WGMMA_MAX_STAGES;
+    if (num_stages > ATTENTION_WGMMA_MAX_STAGES) num_stages = ATTENTION_WGMMA_MAX_STAGES;
     if (num_stages < 2) num_stages = 2;
     while (num_stages > 2 &&
-           ragged_attention_wgmma_smem_bytes(keys, num_stages) > dev->smem_per_block_optin)
+           attention_wgmma_smem_bytes(keys, num_stages) > dev->smem_per_block_optin)
         --num_stages;
-    const int64_t grid_z =
-        seqs < RAGGED_ATTENTION_MMA_MAX_GRID_YZ ? seqs : RAGGED_ATTENTION_MMA_MAX_GRID_YZ;
+    const int64_t grid_z = seqs < ATTENTION_MAX_GRID_YZ ? seqs : ATTENTION_MAX_GRID_YZ;
     const int64_t query_tiles = grid_x;
-    grid_x =
-        ragged_attention_cap_grid_x(grid_x, heads, grid_z, a->total_tokens, seqs, rows, sm_count);
+    grid_x = attention_cap_grid_x(grid_x, heads, grid_z, a->total_tokens, seqs, rows, sm_count);
     /* with 64-key tiles and a block for every query tile, blocks x = query_tiles - 1 hold
      * only last tiles, of at most max_len - 64 x rows: all thin when that is <= THIN */
     const int thin_x = keys == 64 && grid_x == query_tiles &&
-                               max_len - (query_tiles - 1) * rows <= RAGGED_ATTENTION_WGMMA_THIN
+                               max_len - (query_tiles - 1) * rows <= ATTENTION_WGMMA_THIN
                            ? (int)(query_tiles - 1)
                            : -1;
     const dim3 grid((unsigned)grid_x, (unsigned)heads, (unsigned)grid_z);
-    const size_t smem = (size_t)ragged_attention_wgmma_smem_bytes(keys, num_stages);
+    const size_t smem = (size_t)attention_wgmma_smem_bytes(keys, num_stages);
     const bool is_bf16 = a->dtype == RAGVIT_DTYPE_BF16;
-    const ragged_attention_wgmma_no_maps no_maps;
+    const attention_wgmma_no_maps no_maps;
     if (keys == 128)
-        return ragged_attention_wgmma_launch_kernel<128, false>(
-            a, dev, no_maps, is_bf16, grid, smem, (int)max_len, num_stages, -1, stream);
-    ragged_attention_wgmma_maps maps;
-    if ((tma > 0 || (tma < 0 && max_len >= RAGGED_ATTENTION_WGMMA_TMA_MIN_LEN)) &&
-        ragged_attention_wgmma_tensor_map(&maps.k, 0, a->k, a->k_stride_token, a->k_stride_head,
-                                          a) &&
-        ragged_attention_wgmma_tensor_map(&maps.v, 1, a->v, a->v_stride_token, a->v_stride_head, a))
-        return ragged_attention_wgmma_launch_kernel<64, true>(
-            a, dev, maps, is_bf16, grid, smem, (int)max_len, num_stages, thin_x, stream);
-    return ragged_attention_wgmma_launch_kernel<64, false>(
-        a, dev, no_maps, is_bf16, grid, smem, (int)max_len, num_stages, thin_x, stream);
+        return attention_wgmma_launch_kernel<128, false>(a, dev, no_maps, is_bf16, grid, smem,
+                                                         (int)max_len, num_stages, -1, stream);
+    attention_wgmma_maps maps;
+    if ((tma > 0 || (tma < 0 && max_len >= ATTENTION_WGMMA_TMA_MIN_LEN)) &&
+        attention_wgmma_tensor_map(&maps.k, 0, a->k, a->k_stride_token, a->k_stride_head, a) &&
+        attention_wgmma_tensor_map(&maps.v, 1, a->v, a->v_stride_token, a->v_stride_head, a))
+        return attention_wgmma_launch_kernel<64, true>(a, dev, maps, is_bf16, grid, smem,
+                                                       (int)max_len, num_stages, thin_x, stream);
+    return attention_wgmma_launch_kernel<64, false>(a, dev, no_maps, is_bf16, grid, smem,
+                                                    (int)max_len, num_stages, thin_x, stream);
 }
 
-/* The launcher's own plan (what ragged_attention_mma_launch runs). */
-static ragvit_status ragged_attention_wgmma_launch(const ragvit_attention_args *a,
-                                                   const ragvit_device_info *dev,
-                                                   cudaStream_t stream) {
-    return ragged_attention_wgmma_launch_plan(a, dev, 0, 0, -1, stream);
+/* The launcher's own plan (what attention_mma_launch runs). */
+static ragvit_status attention_wgmma_launch(const ragvit_attention_args *a,
+                                            const ragvit_device_info *dev, cudaStream_t stream) {
+    return attention_wgmma_launch_plan(a, dev, 0, 0, -1, stream);
 }
 
 /* Opts both element types' kernels with `keys`-key tiles in to their largest plan's shared
  * memory (or all the device allows). */
 template <int keys, bool tma>
-static cudaError_t ragged_attention_wgmma_opt_in(const ragvit_device_info *dev) {
-    int bytes = ragged_attention_wgmma_smem_bytes(keys, RAGGED_ATTENTION_WGMMA_MAX_STAGES);
+static cudaError_t attention_wgmma_opt_in(const ragvit_device_info *dev) {
+    int bytes = attention_wgmma_smem_bytes(keys, ATTENTION_WGMMA_MAX_STAGES);
     if (bytes > dev->smem_per_block_optin) bytes = (int)dev->smem_per_block_optin;
-    cudaError_t err = cudaFuncSetAttribute(ragged_attention_wgmma_kernel<__half, keys, tma>,
+    cudaError_t err = cudaFuncSetAttribute(attention_wgmma_kernel<__half, keys, tma>,
                                            cudaFuncAttributeMaxDynamicSharedMemorySize, bytes);
     if (err == cudaSuccess)
-        err = cudaFuncSetAttribute(ragged_attention_wgmma_kernel<__nv_bfloat16, keys, tma>,
+        err = cudaFuncSetAttribute(attention_wgmma_kernel<__nv_bfloat16, keys, tma>,
                                    cudaFuncAttributeMaxDynamicSharedMemorySize, bytes);
     return err;
 }
 
 /* One-time per-device setup: opt in to the largest plans' shared memory. */
-static ragvit_status ragged_attention_wgmma_init(const ragvit_device_info *dev) {
+static ragvit_status attention_wgmma_init(const ragvit_device_info *dev) {
 #ifdef RAGVIT_HAS_SM90A
     if (dev->cc_major != 9 || dev->cc_minor != 0) return RAGVIT_STATUS_OK;
-    CUDA_TRY((ragged_attention_wgmma_opt_in<64, false>(dev)));
-    CUDA_TRY((ragged_attention_wgmma_opt_in<64, true>(dev)));
-    CUDA_TRY((ragged_attention_wgmma_opt_in<128, false>(dev)));
-    if (ragged_attention_wgmma_encode == NULL) {
+    CUDA_TRY((attention_wgmma_opt_in<64, false>(dev)));
+    CUDA_TRY((attention_wgmma_opt_in<64, true>(dev)));
+    CUDA_TRY((attention_wgmma_opt_in<128, false>(dev)));
+    if (attention_wgmma_encode == NULL) {
         void *fn = NULL;
         cudaDriverEntryPointQueryResult found;
         if (cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &fn, 12000,
                                              cudaEnableDefault, &found) == cudaSuccess &&
             found == cudaDriverEntryPointSuccess)
-            ragged_attention_wgmma_encode = (PFN_cuTensorMapEncodeTiled_v12000)fn;
+            attention_wgmma_encode = (PFN_cuTensorMapEncodeTiled_v12000)fn;
     }
 #else
     (void)dev;
@@ -1075,4 +1054,4 @@ static ragvit_status ragged_attention_wgmma_init(const ragvit_device_info *dev) 
     return RAGVIT_STATUS_OK;
 }
 
-#endif /* RAGVIT_RAGGED_ATTENTION_WGMMA_CUH */
+#endif /* RAGVIT_ATTENTION_WGMMA_CUH */
