@@ -1,82 +1,22 @@
-/* ragged_attention_wgmma.cuh — Hopper attention for fp16/bf16 q/k/v/out with D = 64 and no
- * cls_attn / bias: the path attention_mma_launch takes on a compute capability 9.0
- * device when the module has sm_90a code (RAGVIT_HAS_SM90A; setup.py builds "90" as sm_90a).
- * One warpgroup (4 warps, 128 threads) per 64 query rows of one head of one sequence;
- * grid = (query tiles, H, min(S, 65535)) as the mma.sync kernel's. Q (64 rows) and K/V tiles
- * of `keys` keys (64, or 128 for one wave over sequences past 64 keys: see the launcher) sit
- * in shared memory as rows of 128 bytes (one row = one token's 64 elements) in the 128-byte
- * swizzle wgmma reads: 16-byte chunk c of row r at chunk c ^ (r % 8), each tile 1024-byte
- * aligned, filled by 16-byte cp.async (rows past the sequence zero-filled) through a ring of
- * 2-5 (K, V) stages: a sequence whose key tiles all fit it loads them all before its first
- * step (5% faster on 256 DeiT-S images at 50% keep: 2 tiles), else it runs one tile short
- * of full ahead. With 64-key tiles and max_seqlen past 256 (see the launcher), each key
- * tile wholly inside its sequence comes by TMA instead: thread 0 arms the stage's mbarrier
- * with the tile's 16 KB and issues two 64 x 1 x 64 box copies (K, V) from tensor maps in
- * the same swizzle; every thread waits on that mbarrier (a parity bit a stage, kept across
- * the block's tiles); the partial last tile and the folded tail stay on cp.async, so nothing
- * past a sequence is read. S = Q K^T: 4 wgmma.mma_async m64n{keys}k16 with both operands from
- * shared memory (K-major); O += P V: keys / 16 m64n64k16 with P in registers
- * (the S accumulators rounded to the input type: their layout is the A-register layout) and
- * V from shared memory transposed (MN-major), fp32 accumulators throughout. Online softmax
- * in base 2 with scale * log2(e) folded into the exponent, as the mma.sync kernel. With
- * 64-key tiles a sequence whose last tile would hold 1-8 keys (197 tokens: 5, 577: 1) folds
- * them into the step before (m64n72 Q K^T, 5 P V steps): that step costs little more than
- * the others, and the sequence takes one step fewer (256 x 197 DeiT-B: 4 steps to 3). A last
- * query tile of 1-8 rows (577 and 197 tokens end in one) runs in blocks of its own on
- * mma.sync when the grid has a block for every query tile (see the thin tile). Measured
- * on an H200 and dropped: issuing Q K^T of the next tile with P V (FlashAttention-3's overlap,
- * 2-4% slower: 5 blocks an SM already overlap one another's softmax), two warpgroups a block
- * sharing each K/V tile (4-17% slower), fp16 exponentials two a MUFU.EX2 (2-10% slower),
- * shrinking the last partial key tile's N and P V steps (2-4% slower: not tensor-bound), Q K^T
- * with Q in registers (108 registers: 4 blocks an SM, 5-9% slower), 16-byte shared stores of
- * zeros instead of zero-size cp.async for rows past the sequence (4% slower), a compile-time
- * stage count (20 fewer instructions a step, yet 3-5% slower; 2-7% faster on 64-key tiles at
- * batch 1, untried with 128), skipping the exponentials of key blocks past the sequence (no
- * change) or the softmax of warps whose 16 rows all lie past it (spills at 96 registers: 10-15%
- * slower), 4 partial row maxima and sums a thread instead of 2 (no change), copies of whole key
- * tiles without the zero-fill operand (25 fewer instructions a step, no change) and a last
- * query tile of 1-8 rows (577 tokens end in one) done as m64n8 wgmmas with the keys as rows,
- * either folded into the tile before (its own kernel at 4 blocks an SM: at 96 registers it
- * spills and serializes every wgmma; 6% faster on 256 x 197, 2-27% slower on 577 tokens and
- * small batches), alone (1-5% faster on 197 and 577 tokens, 2-4% slower on every other batch),
- * run by the tile before's block after it (per-warp mma.sync over 32-key stages, 5 deep: its
- * serial key loop cost about what a block of its own did, and the tile's code around it moved:
- * 5-66% slower with such rows, 12% on DeiT-S 256 keep .5 without) or on the FMA pipes in a
- * block of its own (fp32 dot products, the warps on 32-key chunks in turn: 577 tokens within
- * noise, 197 tokens 33-60% slower, twice a tile's instructions at 5 rows), a lazy rescale
- * (a row maximum kept until a tile's exceeds it by 8 in log2, O's rescale skipped by warps none
- * of whose rows moved: 2-10% faster on 32 x 577 tokens in the self-test, no change in
- * benchmarks/bench_attention.py), K and V kept in the ring across a block's query tiles of one
- * sequence with one block a (sequence, head) pair (4% faster on 256 DeiT-B images at 50% keep,
- * 3-40% slower elsewhere), persistent blocks looping over sequences (up to 12% slower), a
- * warp-specialized block (two warpgroups on one mbarrier ring filled by a producer warp, 2
- * blocks an SM: 20-35% slower, 37-54% with the producer 3 copy groups ahead) and launching
- * the blocks in clusters of two query tiles (1-2% slower at 577 tokens; with the thin tiles
- * skipped, the bound of any thin-tile scheme, 158-161 us on 256 DeiT-B images of 197 tokens
- * against 137 without clusters: a thin tile reading its neighbour's K and V over DSMEM
- * could not pay). Timed on 256 DeiT-B images of 197 tokens, where ncu reads 5 blocks an SM,
- * issue slots 63% busy, L2 60%, no pipe above 40%; at 577 tokens the board sits at its 700 W
- * cap, this kernel (before TMA) at 1665-1710 MHz against unmasked SDPA's 1890-1905 (12%
- * fewer clocks a call at the same time): what is left there is energy per call. Covered by
- * dev/test_attention_mma.cu (its launcher plans) and tests/test_ops.py through the
- * dispatcher. Not compiled for other targets (the kernel body is sm_90a-only). */
-#ifndef RAGVIT_ATTENTION_WGMMA_CUH
-#define RAGVIT_ATTENTION_WGMMA_CUH
-
+/* attention_wgmma.cu — the Hopper path (sm_90a, cc 9.0 devices): fp16/bf16 q, k, v, out
+ * (T, H, D) with D = 64, neither cls_attn nor bias. grid = (query tiles of 64, H, min(S,
+ * 65535)), one warpgroup (128 threads) a block; Q and K/V tiles of 64 (or 128) keys in
+ * 128-byte swizzled shared memory, filled by cp.async (whole tiles past 256 tokens by TMA)
+ * through a ring of 2-5 stages; S = Q K^T and O += P V by wgmma with fp32 accumulators.
+ * Decision: the device code exists only in the sm_90a pass (__CUDA_ARCH_FEAT_SM90_ALL); other
+ * targets get kernels that trap, never launched: supports needs cc 9.0 and RAGVIT_HAS_SM90A.
+ * Covered by tests/test_attention.py and dev/test_attention.cu. */
 #include <cuda.h>
-#include <cuda_bf16.h>
-#include <cuda_fp16.h>
 #include <cudaTypedefs.h>
-#include <math.h>
-#include <stdint.h>
 
 #include <type_traits>
 
-#define ATTENTION_WGMMA_ROWS 64      /* query rows per block (one warpgroup) */
-#define ATTENTION_WGMMA_TILE 8192    /* bytes of one 64 x 64 16-bit tile (Q) */
-#define ATTENTION_WGMMA_MAX_STAGES 5 /* (K, V) tile pairs in the ring */
-#define ATTENTION_WGMMA_TAIL 8       /* most keys a 64-key step takes on (see the tile) */
-#define ATTENTION_WGMMA_THIN 8       /* most rows of a thin last query tile (see it) */
+#include "attention.cuh"
+
+#define ATTENTION_WGMMA_ROWS 64   /* query rows per block (one warpgroup) */
+#define ATTENTION_WGMMA_TILE 8192 /* bytes of one 64 x 64 16-bit tile (Q) */
+#define ATTENTION_WGMMA_TAIL 8    /* most keys a 64-key step takes on (see the tile) */
+#define ATTENTION_WGMMA_THIN 8    /* most rows of a thin last query tile (see it) */
 
 /* Blocks an SM the kernel with `keys`-key tiles is compiled for: 5 (<= 96 registers, 2-4%
  * over 4) with 64 keys; 3 with 128 (137 registers; two stages of 32 KB fit 3 an SM). */
@@ -108,6 +48,8 @@ using attention_wgmma_maps_t =
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
 #define ATTENTION_WGMMA_DEVICE 1
 #endif
+
+// ---- device helpers ----
 
 #ifdef ATTENTION_WGMMA_DEVICE
 /* 64-bit shared-memory matrix descriptor: start address, leading and stride byte offsets
@@ -787,6 +729,8 @@ attention_wgmma_thin_tile(unsigned char *smem, const ragvit_attention_args &a, i
 }
 #endif /* ATTENTION_WGMMA_DEVICE */
 
+// ---- kernels ----
+
 /* Block (x, y, z): query tiles x, x + gridDim.x, ... of head y of sequences z, z + gridDim.z,
  * ...; a sequence with bad bounds or longer than max_len is skipped and flagged, as in the
  * mma.sync kernel. Blocks x == thin_x (the launcher sets it, >= 0, only when each query
@@ -849,21 +793,14 @@ static __global__ void __launch_bounds__(128, attention_wgmma_min_blocks(keys))
 
 // ---- launcher ----
 
-/* Whether the wgmma path runs these arguments (the caller checked
- * attention_mma_supports): fp16/bf16, D = 64, no cls_attn, no bias, a compute
- * capability 9.0 device and a module built with sm_90a code. */
-static bool attention_wgmma_supports(const ragvit_attention_args *a,
-                                     const ragvit_device_info *dev) {
-#ifdef RAGVIT_HAS_SM90A
+/* Whether this path runs these arguments (the caller checked attention_mma_supports: aligned
+ * rows): fp16/bf16, D = 64, no cls_attn, no bias, a compute capability 9.0 device (the only
+ * one this file's sm_90a code runs on) with room for the 2-stage plan. */
+bool attention_wgmma_supports(const ragvit_attention_args *a, const ragvit_device_info *dev) {
     return dev != NULL && dev->cc_major == 9 && dev->cc_minor == 0 && a->head_dim == 64 &&
            a->cls_attn == NULL && a->bias == NULL &&
            (a->dtype == RAGVIT_DTYPE_F16 || a->dtype == RAGVIT_DTYPE_BF16) &&
            dev->smem_per_block_optin >= attention_wgmma_smem_bytes(64, 2);
-#else
-    (void)a;
-    (void)dev;
-    return false;
-#endif
 }
 
 /* cuTensorMapEncodeTiled from the driver, set by attention_wgmma_init (device init
@@ -964,9 +901,9 @@ attention_wgmma_launch_kernel(const ragvit_attention_args *a, const ragvit_devic
  * mbarrier setup and one thread's issue latency); copying the partial last tile by TMA as
  * well (whole boxes, V rows past the sequence zeroed in shared memory) cost another 1-3% at
  * 50% keep (the box reads past the sequence). */
-static ragvit_status attention_wgmma_launch_plan(const ragvit_attention_args *a,
-                                                 const ragvit_device_info *dev, int keys,
-                                                 int num_stages, int tma, cudaStream_t stream) {
+ragvit_status attention_wgmma_launch_plan(const ragvit_attention_args *a,
+                                          const ragvit_device_info *dev, int keys, int num_stages,
+                                          int tma, cudaStream_t stream) {
     const int64_t max_len = attention_max_len(a);
     const int64_t rows = ATTENTION_WGMMA_ROWS;
     const int64_t sm_count = dev->sm_count > 0 ? dev->sm_count : 132;
@@ -1014,8 +951,8 @@ static ragvit_status attention_wgmma_launch_plan(const ragvit_attention_args *a,
 }
 
 /* The launcher's own plan (what attention_mma_launch runs). */
-static ragvit_status attention_wgmma_launch(const ragvit_attention_args *a,
-                                            const ragvit_device_info *dev, cudaStream_t stream) {
+ragvit_status attention_wgmma_launch(const ragvit_attention_args *a, const ragvit_device_info *dev,
+                                     cudaStream_t stream) {
     return attention_wgmma_launch_plan(a, dev, 0, 0, -1, stream);
 }
 
@@ -1034,8 +971,7 @@ static cudaError_t attention_wgmma_opt_in(const ragvit_device_info *dev) {
 }
 
 /* One-time per-device setup: opt in to the largest plans' shared memory. */
-static ragvit_status attention_wgmma_init(const ragvit_device_info *dev) {
-#ifdef RAGVIT_HAS_SM90A
+ragvit_status attention_wgmma_init(const ragvit_device_info *dev) {
     if (dev->cc_major != 9 || dev->cc_minor != 0) return RAGVIT_STATUS_OK;
     CUDA_TRY((attention_wgmma_opt_in<64, false>(dev)));
     CUDA_TRY((attention_wgmma_opt_in<64, true>(dev)));
@@ -1048,10 +984,5 @@ static ragvit_status attention_wgmma_init(const ragvit_device_info *dev) {
             found == cudaDriverEntryPointSuccess)
             attention_wgmma_encode = (PFN_cuTensorMapEncodeTiled_v12000)fn;
     }
-#else
-    (void)dev;
-#endif
     return RAGVIT_STATUS_OK;
 }
-
-#endif /* RAGVIT_ATTENTION_WGMMA_CUH */

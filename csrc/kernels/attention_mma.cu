@@ -1,84 +1,18 @@
-/* ragged_attention_mma.cuh — tensor-core ragged attention for fp16/bf16 q/k/v/out (fp32
- * accumulation), D in {32, 64, 80, 96, 128}; included by ragged_attention.cu after launch.h and
- * cuda_util.cuh. grid = (query tiles, H, min(S, 65535)), 4 warps a block (fewer only when
- * max_seqlen < 64), warp w owns 16 query rows. 64-key K/V tiles stream by 16-byte cp.async
- * (zero-filled past the sequence end) through a 2-4 stage ring of padded shared rows (D + 8:
- * conflict-free ldmatrix); S = Q K^T and O += P V by mma.sync m16n8k16 (V via ldmatrix.trans),
- * FlashAttention-2 online softmax in base 2 with scale * log2(e) folded in. cls_attn adds a
- * grid row y = H: block (0, H, s) scores sequence s's first query against every key of every
- * head (tensor cores, K read once more), then one thread a key sums the head probabilities in
- * head order: deterministic, no atomics, no zeroing pass, no wait on other blocks.
- * The optional per-key bias (T,) is a template flag (has_bias = false compiles to the kernel
- * as it was without the feature): base-2 logits become s * scale * log2 e + bias * log2 e,
- * read from global memory (two loads a lane per 64-key tile, spread to the mma fragment
- * layout by shuffles: +1..12 registers, no spills), cls_attn included.
- * Covered by dev/test_attention_mma.cu (and tests/test_ops.py, tests/test_attention_bias.py
- * through the dispatcher). */
-#ifndef RAGVIT_ATTENTION_MMA_CUH
-#define RAGVIT_ATTENTION_MMA_CUH
+/* attention_mma.cu — the mma.sync m16n8k16 path (sm_80+): fp16/bf16 q, k, v, out (T, H, D)
+ * with 16-byte aligned rows, D in {32, 64, 80, 96, 128}, fp32 accumulation, optional cls_attn
+ * (T,) and per-key bias (T,) fp32. grid = (query tiles, H [+ 1 with cls_attn], min(S, 65535)),
+ * 1-4 warps a block, 16 query rows a warp; 64-key K/V tiles through a 2-4 stage cp.async ring
+ * of D + 8-element shared rows (the padding makes ldmatrix conflict-free).
+ * Decision: cls_attn is grid row y = H of the same launch (block (0, H, s) scores sequence s's
+ * first query against every key): no second launch, no atomics, no zeroing pass.
+ * Covered by tests/test_attention.py and dev/test_attention.cu. */
+#include "attention.cuh"
 
-#include <cuda_bf16.h>
-#include <cuda_fp16.h>
-#include <math.h>
-#include <stdint.h>
-#include <string.h>
-
-#define ATTENTION_MMA_KEYS 64        /* keys per K/V tile */
-#define ATTENTION_MMA_MAX_WARPS 4    /* 16 query rows per warp */
-#define ATTENTION_MMA_MAX_STAGES 4   /* K/V tiles in flight */
-#define ATTENTION_MMA_MAX_HEADS 1024 /* cls keeps 8 bytes a head in shared memory */
-#define ATTENTION_MAX_GRID_YZ 65535
-#define ATTENTION_LOG2E 1.4426950408889634f
-
-// ---- grid sizing (host) ----
-
-/* Query-tile blocks along x of a (grid_x, grid_y, grid_z) attention grid with `rows` query
- * rows a block: a loose max_seqlen (CUDA's default is T) must not launch millions of empty
- * blocks, so the grid is capped near twice the real work (T / rows + S query tiles per y,
- * at least 64 blocks an SM) and blocks loop over the remaining query tiles. */
-static int64_t attention_cap_grid_x(int64_t grid_x, int64_t grid_y, int64_t grid_z,
-                                    int64_t total_tokens, int64_t num_seqs, int64_t rows,
-                                    int64_t sm_count) {
-    int64_t budget = 2 * (total_tokens / rows + num_seqs) * grid_y;
-    if (budget < 64 * sm_count) budget = 64 * sm_count;
-    if (grid_x * grid_y * grid_z > budget) {
-        grid_x = budget / (grid_y * grid_z);
-        if (grid_x < 1) grid_x = 1;
-    }
-    return grid_x;
-}
-
-/* The grid's sequence-length bound: max_seqlen (default T) clamped to [1, INT32_MAX]. It
- * only sizes the grid; a sequence longer than it is skipped and flagged by the kernels. */
-static int64_t attention_max_len(const ragvit_attention_args *a) {
-    int64_t max_len = a->max_seqlen > 0 ? a->max_seqlen : a->total_tokens;
-    if (max_len > INT32_MAX) max_len = INT32_MAX;
-    return max_len < 1 ? 1 : max_len;
-}
+#define ATTENTION_MMA_KEYS 64      /* keys per K/V tile */
+#define ATTENTION_MMA_MAX_WARPS 4  /* 16 query rows per warp */
+#define ATTENTION_MMA_MAX_STAGES 4 /* K/V tiles in flight */
 
 // ---- device helpers ----
-
-static __device__ __forceinline__ uint32_t attention_smem_addr(const void *p) {
-    return (uint32_t)__cvta_generic_to_shared(p);
-}
-
-/* 16-byte global -> shared copy; is_valid == false writes 16 zero bytes and reads nothing. */
-static __device__ __forceinline__ void attention_cp_async16(uint32_t dst, const void *src,
-                                                            bool is_valid) {
-    const int src_bytes = is_valid ? 16 : 0;
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst),
-                 "l"(__cvta_generic_to_global(src)), "r"(src_bytes)
-                 : "memory");
-}
-
-static __device__ __forceinline__ void attention_cp_async_commit() {
-    asm volatile("cp.async.commit_group;\n" ::: "memory");
-}
-
-/* Waits until at most N of this thread's committed groups are still in flight. */
-template <int N> static __device__ __forceinline__ void attention_cp_async_wait() {
-    asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
-}
 
 static __device__ __forceinline__ void attention_mma_ldmatrix_x4(uint32_t r[4], uint32_t addr) {
     asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
@@ -94,54 +28,6 @@ static __device__ __forceinline__ void attention_mma_ldmatrix_x4_trans(uint32_t 
                  : "r"(addr)
                  : "memory");
 }
-
-/* Per-dtype pieces: pack two floats (lower column in the low half), unpack, and
- * c[0..3] += A (16x16, row) * B (16x8, col) with fp32 accumulators. */
-template <typename Elem> struct attention_elem;
-
-template <> struct attention_elem<__half> {
-    static constexpr bool is_half = true; /* the instructions' .f16 (else .bf16) type */
-    static __device__ __forceinline__ uint32_t pack(float lo, float hi) {
-        const __half2 h = __floats2half2_rn(lo, hi);
-        uint32_t u;
-        memcpy(&u, &h, sizeof u);
-        return u;
-    }
-    static __device__ __forceinline__ float2 unpack(uint32_t u) {
-        __half2 h;
-        memcpy(&h, &u, sizeof u);
-        return __half22float2(h);
-    }
-    static __device__ __forceinline__ void mma(float c[4], const uint32_t a[4], uint32_t b0,
-                                               uint32_t b1) {
-        asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, "
-            "{%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};\n"
-            : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-            : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-    }
-};
-
-template <> struct attention_elem<__nv_bfloat16> {
-    static constexpr bool is_half = false;
-    static __device__ __forceinline__ uint32_t pack(float lo, float hi) {
-        const __nv_bfloat162 h = __floats2bfloat162_rn(lo, hi);
-        uint32_t u;
-        memcpy(&u, &h, sizeof u);
-        return u;
-    }
-    static __device__ __forceinline__ float2 unpack(uint32_t u) {
-        __nv_bfloat162 h;
-        memcpy(&h, &u, sizeof u);
-        return __bfloat1622float2(h);
-    }
-    static __device__ __forceinline__ void mma(float c[4], const uint32_t a[4], uint32_t b0,
-                                               uint32_t b1) {
-        asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, "
-            "{%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};\n"
-            : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-            : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-    }
-};
 
 /* Copies `rows` rows of D elements (src row r at src + r * stride) into shared rows of
  * D + 8 elements, spread over threads `tid` of `nthreads`; rows >= valid_rows are zero-filled
@@ -159,26 +45,6 @@ static __device__ __forceinline__ void attention_mma_load_rows(Elem *dst, const 
         /* row 0 exists whenever this is called; an invalid chunk reads nothing anyway */
         const Elem *g = src + (is_valid ? (int64_t)r * stride : (int64_t)0) + col * 8;
         attention_cp_async16(attention_smem_addr(dst + r * kLds + col * 8), g, is_valid);
-    }
-}
-
-/* 2^x (ex2.approx.ftz: what exp2f becomes under --use_fast_math; 2^-inf = 0). */
-static __device__ __forceinline__ float attention_exp2(float x) {
-    float y;
-    asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
-    return y;
-}
-
-/* Runtime form of cp.async.wait_group for ring depths up to 8. */
-static __device__ __forceinline__ void attention_cp_async_wait_pending(int n) {
-    switch (n) {
-    case 0: attention_cp_async_wait<0>(); break;
-    case 1: attention_cp_async_wait<1>(); break;
-    case 2: attention_cp_async_wait<2>(); break;
-    case 3: attention_cp_async_wait<3>(); break;
-    case 4: attention_cp_async_wait<4>(); break;
-    case 5: attention_cp_async_wait<5>(); break;
-    default: attention_cp_async_wait<6>(); break;
     }
 }
 
@@ -614,26 +480,6 @@ attention_mma_cls(unsigned char *smem, int smem_bytes, float *cls, int64_t cls_s
     }
 }
 
-/* Sequence s's first token (start) and length (len) from cu_seqlens; false, and the error
- * flag raised by thread 0 of block (0, 0, .), when its bounds are bad (start < 0, end <
- * start, end past total_tokens) or its length exceeds max_len (the grid was sized from it):
- * such a sequence is skipped, its output rows untouched. Uniform across the block. */
-static __device__ __forceinline__ bool attention_seq_bounds(const ragvit_attention_args &a, int s,
-                                                            int h, int max_len, int &start,
-                                                            int &len) {
-    start = __ldg(a.cu_seqlens + s);
-    const int end = __ldg(a.cu_seqlens + s + 1);
-    const bool is_bad = start < 0 || end < start || (int64_t)end > a.total_tokens;
-    if (is_bad || end - start > max_len) {
-        if (blockIdx.x == 0 && h == 0 && threadIdx.x == 0 && a.error_flag != NULL)
-            atomicOr(a.error_flag,
-                     is_bad ? RAGVIT_ERROR_BAD_CU_SEQLENS : RAGVIT_ERROR_SEQLEN_OVER_MAX);
-        return false;
-    }
-    len = end - start;
-    return true;
-}
-
 // ---- kernels ----
 
 /* Block (x, y, z): query tiles x, x + gridDim.x, ... of head y of sequences z, z + gridDim.z,
@@ -676,18 +522,7 @@ static __global__ void __launch_bounds__(ATTENTION_MMA_MAX_WARPS * 32,
     }
 }
 
-#include "ragged_attention_wgmma.cuh" /* the sm_90a path for D = 64 (uses the helpers above) */
-
 // ---- launcher ----
-
-/* Launch shape: warps per block (16 query rows each), K/V ring stages, grid, smem bytes. */
-typedef struct {
-    int num_warps;
-    int num_stages;
-    int max_len;
-    int smem_bytes;
-    dim3 grid;
-} attention_mma_plan;
 
 static int64_t attention_mma_smem_bytes(int head_dim, int num_warps, int num_stages, int num_heads,
                                         bool has_cls) {
@@ -710,9 +545,9 @@ static int64_t attention_mma_smem_max(int head_dim) {
 }
 
 /* Chooses the launch shape; num_warps / num_stages > 0 force a value (benchmarks). */
-static attention_mma_plan attention_mma_make_plan(const ragvit_attention_args *a,
-                                                  const ragvit_device_info *dev, int num_warps,
-                                                  int num_stages) {
+attention_mma_plan attention_mma_make_plan(const ragvit_attention_args *a,
+                                           const ragvit_device_info *dev, int num_warps,
+                                           int num_stages) {
     const int64_t max_len = attention_max_len(a);
     const int64_t sm_count = dev != NULL && dev->sm_count > 0 ? dev->sm_count : 132;
     int64_t smem_limit =
@@ -763,12 +598,12 @@ static attention_mma_plan attention_mma_make_plan(const ragvit_attention_args *a
     return plan;
 }
 
-/* Whether the tensor-core path can run these arguments; when false the dispatcher runs the
- * FMA kernel. Needs fp16/bf16, a listed head_dim, 16-byte aligned rows (every base
+/* Whether this path can run these arguments (when false the dispatcher takes the FMA
+ * path). Needs fp16/bf16, a listed head_dim, 16-byte aligned rows (every base
  * pointer % 16 == 0 and every token/head stride a multiple of 8 elements), at most
  * ATTENTION_MMA_MAX_HEADS heads, and (when dev is given) compute capability >= 8.0
  * and room for the smallest plan in the opt-in shared memory (D = 96, 128 need > 48 KB). */
-static bool attention_mma_supports(const ragvit_attention_args *a, const ragvit_device_info *dev) {
+bool attention_mma_supports(const ragvit_attention_args *a, const ragvit_device_info *dev) {
     if (a->dtype != RAGVIT_DTYPE_F16 && a->dtype != RAGVIT_DTYPE_BF16) return false;
     if (a->head_dim != 32 && a->head_dim != 64 && a->head_dim != 80 && a->head_dim != 96 &&
         a->head_dim != 128)
@@ -803,10 +638,11 @@ static ragvit_status attention_mma_launch_hdim(const ragvit_attention_args *a,
     return RAGVIT_STATUS_OK;
 }
 
-/* Launches with an explicit plan (from attention_mma_make_plan). */
-static ragvit_status attention_mma_launch_plan(const ragvit_attention_args *a,
-                                               const attention_mma_plan *plan,
-                                               const ragvit_device_info *dev, cudaStream_t stream) {
+/* Launches with an explicit plan (from attention_mma_make_plan; dev/test_attention.cu
+ * forces plans through it). */
+ragvit_status attention_mma_launch_plan(const ragvit_attention_args *a,
+                                        const attention_mma_plan *plan,
+                                        const ragvit_device_info *dev, cudaStream_t stream) {
     const bool is_bf16 = a->dtype == RAGVIT_DTYPE_BF16;
     switch (a->head_dim) {
     case 32:
@@ -831,12 +667,11 @@ static ragvit_status attention_mma_launch_plan(const ragvit_attention_args *a,
     }
 }
 
-/* Launches for F16/BF16 (the caller checked attention_mma_supports, set the device,
- * ran attention_mma_init once, and guarantees num_seqs > 0); no allocation, no host
- * sync. */
-static ragvit_status attention_mma_launch(const ragvit_attention_args *a,
-                                          const ragvit_device_info *dev, cudaStream_t stream) {
-    if (attention_wgmma_supports(a, dev)) return attention_wgmma_launch(a, dev, stream);
+/* Launches the plan attention_mma_make_plan chooses (the caller checked
+ * attention_mma_supports, set the device, ran attention_init once, and guarantees
+ * num_seqs > 0); no allocation, no host sync. */
+ragvit_status attention_mma_launch(const ragvit_attention_args *a, const ragvit_device_info *dev,
+                                   cudaStream_t stream) {
     const attention_mma_plan plan = attention_mma_make_plan(a, dev, 0, 0);
     return attention_mma_launch_plan(a, &plan, dev, stream);
 }
@@ -857,7 +692,7 @@ static ragvit_status attention_mma_init_hdim(const ragvit_device_info *dev) {
 /* One-time per-device setup (the device is current): opt in to the dynamic shared memory
  * the largest plan needs. Devices below sm_80 have no image and are skipped
  * (attention_mma_supports refuses them). */
-static ragvit_status attention_mma_init(const ragvit_device_info *dev) {
+ragvit_status attention_mma_init(const ragvit_device_info *dev) {
     if (dev->cc_major < 8) return RAGVIT_STATUS_OK;
     ragvit_status status = RAGVIT_STATUS_OK;
 #define ATTENTION_MMA_INIT(D)                                                                      \
@@ -870,7 +705,5 @@ static ragvit_status attention_mma_init(const ragvit_device_info *dev) {
     ATTENTION_MMA_INIT(96)
     ATTENTION_MMA_INIT(128)
 #undef ATTENTION_MMA_INIT
-    return attention_wgmma_init(dev);
+    return RAGVIT_STATUS_OK;
 }
-
-#endif /* RAGVIT_ATTENTION_MMA_CUH */
