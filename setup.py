@@ -27,18 +27,30 @@ def first_root(roots, *files):
     return next((r for r in roots if r and all(os.path.exists(join(r, f)) for f in files)), None)
 
 
+ARCHS = [a.strip().rstrip("a") for a in
+         env("RAGVIT_CUDA_ARCHS", "80;90").replace(",", ";").split(";") if a.strip()]
+# kernel files of sm_90a instructions (wgmma, TMA): built for sm_90a alone, left out without 90
+SM90A_ONLY = {"attention_wgmma.cu"}
+
+
+def arch_flags(source):
+    """-gencode flags of one kernel file: sm_90a for the SM90A_ONLY files; else every arch
+    (sm_80 SASS also runs on 8.6/8.9; "90" or "90a" gets sm_90a SASS) and, for newer GPUs,
+    the last arch's PTX."""
+    if os.path.basename(source) in SM90A_ONLY:
+        return ["-gencode=arch=compute_90a,code=sm_90a"]
+    return [f"-gencode=arch=compute_{a}{'a' * (a == '90')},code=sm_{a}{'a' * (a == '90')}"
+            for a in ARCHS] + [f"-gencode=arch=compute_{ARCHS[-1]},code=compute_{ARCHS[-1]}"]
+
+
 def nvcc_command(cuda):
-    """nvcc and its flags: arch targets (sm_80 SASS also runs on 8.6/8.9; "90" or "90a" gets
-    sm_90a SASS, RAGVIT_HAS_SM90A; newer GPUs the last arch's PTX) and cuBLASLt's flags."""
-    archs = env("RAGVIT_CUDA_ARCHS", "80;90").replace(",", ";").split(";")
-    archs = [a.strip().rstrip("a") for a in archs if a.strip()]
+    """nvcc and the flags every kernel file shares: RAGVIT_HAS_SM90A when the SM90A_ONLY files
+    are built (the attention dispatcher calls them only then) and cuBLASLt's flags."""
     cmd = [join(cuda, "bin", "nvcc"), "-std=c++17", "-O3", "-DRAGVIT_WITH_CUDA", "-Xcompiler",
            "-fPIC," + ",".join(WARN), "-I" + join(ROOT, "csrc", "include"),
            "-I" + join(ROOT, "csrc"), "--expt-relaxed-constexpr",
            "--threads", "0"]
-    cmd += [f"-gencode=arch=compute_{a}{'a' * (a == '90')},code=sm_{a}{'a' * (a == '90')}"
-            for a in archs] + [f"-gencode=arch=compute_{archs[-1]},code=compute_{archs[-1]}"]
-    cmd += ["-DRAGVIT_HAS_SM90A"] if "90" in archs else []
+    cmd += ["-DRAGVIT_HAS_SM90A"] if "90" in ARCHS else []
     cublas = [join(p, "nvidia", "cublas") for p in SITE]
     blas = first_root([env("RAGVIT_CUBLAS_HOME"), cuda, *WHEELS, *cublas], "include/cublasLt.h")
     if blas is None:
@@ -60,11 +72,13 @@ class BuildExt(build_ext):
             print("ragvit: nvcc not found (CUDA_HOME, CUDA_PATH, PATH): building a CPU-only module")
             return super().build_extensions()
         nvcc, ext = nvcc_command(cuda), self.extensions[0]
-        sources = sorted(glob.glob(join(ROOT, "csrc", "kernels", "*.cu")))
+        sources = [s for s in sorted(glob.glob(join(ROOT, "csrc", "kernels", "*.cu")))
+                   if "90" in ARCHS or os.path.basename(s) not in SM90A_ONLY]
         objects = [join(self.build_temp, os.path.basename(s) + ".o") for s in sources]
         os.makedirs(self.build_temp, exist_ok=True)
         with ThreadPoolExecutor(max(1, os.cpu_count() or 1)) as pool:  # a failed nvcc raises
-            run = lambda s, o: subprocess.check_call(nvcc + ["-c", s, "-o", o])  # noqa: E731
+            run = lambda s, o: subprocess.check_call(  # noqa: E731
+                nvcc + arch_flags(s) + ["-c", s, "-o", o])
             list(pool.map(run, sources, objects))
         ext.extra_objects += objects
         ext.define_macros.append(("RAGVIT_WITH_CUDA", "1"))

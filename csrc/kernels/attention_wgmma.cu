@@ -3,8 +3,8 @@
  * 65535)), one warpgroup (128 threads) a block; Q and K/V tiles of 64 (or 128) keys in
  * 128-byte swizzled shared memory, filled by cp.async (whole tiles past 256 tokens by TMA)
  * through a ring of 2-5 stages; S = Q K^T and O += P V by wgmma with fp32 accumulators.
- * Decision: the device code exists only in the sm_90a pass (__CUDA_ARCH_FEAT_SM90_ALL); other
- * targets get kernels that trap, never launched: supports needs cc 9.0 and RAGVIT_HAS_SM90A.
+ * Decision: the file is built for sm_90a alone (setup.py), so no other target carries stubs
+ * of its kernels; attention.cu calls it only when RAGVIT_HAS_SM90A says it was built.
  * Covered by tests/test_attention.py and dev/test_attention.cu. */
 #include <cuda.h>
 #include <cudaTypedefs.h>
@@ -12,6 +12,10 @@
 #include <type_traits>
 
 #include "attention.cuh"
+
+#if defined(__CUDA_ARCH__) && !defined(__CUDA_ARCH_FEAT_SM90_ALL)
+#error "attention_wgmma.cu holds sm_90a instructions: build it for sm_90a only (see setup.py)"
+#endif
 
 #define ATTENTION_WGMMA_ROWS 64   /* query rows per block (one warpgroup) */
 #define ATTENTION_WGMMA_TILE 8192 /* bytes of one 64 x 64 16-bit tile (Q) */
@@ -45,13 +49,8 @@ template <bool tma>
 using attention_wgmma_maps_t =
     std::conditional_t<tma, attention_wgmma_maps, attention_wgmma_no_maps>;
 
-#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-#define ATTENTION_WGMMA_DEVICE 1
-#endif
-
 // ---- device helpers ----
 
-#ifdef ATTENTION_WGMMA_DEVICE
 /* 64-bit shared-memory matrix descriptor: start address, leading and stride byte offsets
  * (all >> 4), 128-byte swizzle (layout type 1 in bits 62-63). */
 static __device__ __forceinline__ uint64_t attention_wgmma_desc(uint32_t addr, uint32_t lbo_bytes,
@@ -727,7 +726,6 @@ attention_wgmma_thin_tile(unsigned char *smem, const ragvit_attention_args &a, i
                                                      ops::pack(acc[2] * inv, acc[3] * inv));
     }
 }
-#endif /* ATTENTION_WGMMA_DEVICE */
 
 // ---- kernels ----
 
@@ -740,7 +738,6 @@ static __global__ void __launch_bounds__(128, attention_wgmma_min_blocks(keys))
     attention_wgmma_kernel(const __grid_constant__ ragvit_attention_args a, int max_len,
                            int num_stages, int thin_x,
                            const __grid_constant__ attention_wgmma_maps_t<tma> maps) {
-#ifdef ATTENTION_WGMMA_DEVICE
     cuda_pdl_wait(); /* first: see cuda_util.cuh */
     extern __shared__ __align__(16) unsigned char attention_wgmma_smem[];
     const uint32_t raw = attention_smem_addr(attention_wgmma_smem);
@@ -781,14 +778,6 @@ static __global__ void __launch_bounds__(128, attention_wgmma_min_blocks(keys))
             attention_wgmma_tile<Elem, keys, tma>(smem, num_stages, a, maps, phases, start, h, q0,
                                                   len, scale_log2);
     }
-#else
-    (void)a;
-    (void)maps;
-    (void)max_len;
-    (void)num_stages;
-    (void)thin_x;
-    __trap(); /* never launched: attention_wgmma_supports is false without sm_90a */
-#endif
 }
 
 // ---- launcher ----
