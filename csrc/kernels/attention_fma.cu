@@ -137,7 +137,10 @@ static __device__ __forceinline__ void attention_fma_merge(float &m, float &l, f
 
 /* Block (x, y, z) handles query tiles x, x + gridDim.x, ... of heads y, y + gridDim.y, ...
  * of sequences z, z + gridDim.z, ...; every loop bound below is uniform across the block,
- * so each __syncthreads is reached by all of its threads. */
+ * so each __syncthreads is reached by all of its threads. Online softmax in base 2: q is
+ * scaled by scale * log2 e as it is staged, so exp2f replaces expf; with has_bias (a template
+ * flag: the kernels without a bias are the code without the feature) key j's logit gains
+ * bias[j] * log2 e. */
 template <int D, typename T, bool has_bias>
 static __global__ void __launch_bounds__(kFmaThreads, 4)
     attention_fma_kernel(const ragvit_attention_args a) {

@@ -487,7 +487,8 @@ attention_mma_cls(unsigned char *smem, int smem_bytes, float *cls, int64_t cls_s
  * branch and loop bound is uniform across the block, so all threads reach each barrier.
  * smem: Q rows (16 per warp), then num_stages stages of 64 K rows and 64 V rows, each row
  * D + 8 elements. Min blocks per SM: 4 for D <= 64 (<= 128 registers, no spills), 3 for
- * D = 80, 96 (<= 168) and 2 for D = 128 (~185). */
+ * D = 80, 96 (<= 168) and 2 for D = 128 (~185). has_bias is a template flag, so the kernels
+ * without a bias are the code without the feature (the bias costs them nothing). */
 template <typename Elem, int D, bool has_bias>
 static __global__ void __launch_bounds__(ATTENTION_MMA_MAX_WARPS * 32,
                                          D <= 64 ? 4 : (D <= 96 ? 3 : 2))

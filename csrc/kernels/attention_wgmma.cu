@@ -215,8 +215,9 @@ static __device__ __forceinline__ void attention_wgmma_rs(float (&d)[32], const 
             : "r"(1), "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b));
 }
 
-/* 64 rows of 64 elements (src row r at src + r * stride) into a swizzled 1024-byte aligned
- * tile at shared address dst; rows >= valid_rows are zero-filled and read nothing. */
+/* 64 rows of 64 elements (src row r at src + r * stride) into a 1024-byte aligned tile at
+ * shared address dst in the 128-byte swizzle wgmma reads (16-byte chunk c of row r at chunk
+ * c ^ (r % 8)); rows >= valid_rows are zero-filled and read nothing. */
 template <typename Elem>
 static __device__ __forceinline__ void attention_wgmma_load_tile(uint32_t dst, const Elem *src,
                                                                  int64_t stride, int valid_rows) {
@@ -388,7 +389,7 @@ attention_wgmma_tile(uint32_t smem, int num_stages, const ragvit_attention_args 
             } else {
                 /* the last, partial tile: cp.async, rows past the sequence zero-filled. Kept
                  * apart from the cp.async path below (its running pointers): one shared path
-                 * measured 1.5-4% slower on 577-token rows (branch next/tma-fold). */
+                 * measured 1.5-4% slower on 577-token rows (docs/experiments.md). */
 #pragma unroll
                 for (int i = 0; i < keys / 16; ++i) {
                     const int key = row0 + cr + 16 * i;
@@ -580,17 +581,10 @@ static __device__ __forceinline__ void attention_wgmma_words16(const void *src, 
  * and g + 8 of m-block i are 8 g + 2 i and 8 g + 2 i + 1, so thread (g, t) reads dims
  * 8 g .. 8 g + 7 of V rows 2 t, 2 t + 1, 2 t + 8, 2 t + 9. Rows past the tile read zeros
  * and are never stored; keys past the sequence score -inf, their K row clamped to the
- * first, their V row zero (P 0 must not meet NaN). Measured on an H200 (graph replay, L2
- * flushed): 256 DeiT-B images of 197 tokens 165-171 -> 163-167 us, 32 of 577 117-123 ->
- * 115-119; with those blocks skipped outright (wrong output, the bound) 145 and 111-113.
- * A thin block still takes about 90% of a full one's time (per-block timer: 17.5 against
- * 19.1 us on 32 x 577 DeiT-B): alone it waits a memory round trip a chunk (16.9 us), and
- * beside the full tiles it shares the L2 reads they nearly saturate (each sequence's K and
- * V read once per query tile: 4.7 TB/s there). Dropped: the thin tiles launched a wave
- * after their sequences' full ones (keys in L2 by then: no change) or after every full
- * tile (6-12% slower), a per-warp cp.async ring of 2 chunks in flight (the block no
- * shorter; 2% slower in total), the next chunk's K prefetched into registers (slower) and
- * its K and V (a thin block 14% shorter, totals within noise).
+ * first, their V row zero (P 0 must not meet NaN). Why a block of its own: a 64-row tile
+ * for such rows cost about a full tile's time (256 DeiT-B images of 197 tokens on an H200:
+ * 165-171 us with it, 163-167 with this; docs/kernels/attention.md). A thin block is still
+ * bound by its K and V reads, which it shares with the full tiles' nearly saturated L2 path.
  * smem: the block's shared memory (8.25 KB used). */
 template <typename Elem>
 static __device__ __forceinline__ void
@@ -873,23 +867,15 @@ attention_wgmma_launch_kernel(const ragvit_attention_args *a, const ragvit_devic
 /* Launches (no allocation, no host sync) with key tiles of `keys` keys (64 or 128) and
  * num_stages K and V slots each; 0 for either is the launcher's choice. A grid of one wave
  * (at most a block an SM) over sequences longer than 64 takes 128-key tiles, when two such
- * stages fit: half the loop steps, 5-15% faster at batch 1-4 on an H200 (up to 64 keys one
- * tile of 128 is 10-13% slower than one of 64). One wave prefetches every key tile (up to
- * 5 stages). A larger grid takes 64-key tiles and 2 stages: 5 blocks an SM overlap one
- * another's steps; 128-key tiles (3 blocks an SM) measured 6-20% slower there, 32-key tiles
- * (6 blocks an SM) 4-17% (5% faster only on 64 DeiT-B images at 50% keep). The grid is
- * capped like the mma.sync plans'; a forced stage count is clamped to what fits. tma: 1
- * takes whole 64-key tiles by TMA wherever the layout allows (a head_dim-contiguous,
- * token-major q/k/v with 16-byte aligned base and strides), 0 never, < 0 the launcher's
- * choice: TMA when max_seqlen >= ATTENTION_WGMMA_TMA_MIN_LEN (257). On an H200
- * (graph replay, L2 flushed, against a build without TMA) it is 4-5% faster on 32 DeiT-B
- * images of 577 tokens, where the board sits at its power cap (fewer instructions a tile:
- * one thread's two copies for 128 threads' 16 cp.async), 1-4% on 32 DeiT-S images of 577,
- * 0-2.5% on 256 DeiT-B images of 197, but 3-4% slower on short sequences and small grids
- * (32 DeiT-S images of 197, 256 DeiT-B at 20% keep, 32 DeiT-S at 50%: the per-block
- * mbarrier setup and one thread's issue latency); copying the partial last tile by TMA as
- * well (whole boxes, V rows past the sequence zeroed in shared memory) cost another 1-3% at
- * 50% keep (the box reads past the sequence). */
+ * stages fit: half the loop steps (5-15% faster at batch 1-4 on an H200), and prefetches
+ * every key tile (up to 5 stages). A larger grid takes 64-key tiles and 2 stages: 5 blocks
+ * an SM overlap one another's steps. The grid is capped like the mma.sync plans'; a forced
+ * stage count is clamped to what fits. tma: 1 takes whole 64-key tiles by TMA wherever the
+ * layout allows (a head_dim-contiguous, token-major q/k/v with 16-byte aligned base and
+ * strides), 0 never, < 0 the launcher's choice: TMA when max_seqlen >=
+ * ATTENTION_WGMMA_TMA_MIN_LEN (257), where one thread's two box copies replacing 128
+ * threads' 16 cp.async pay (4-5% faster on 32 DeiT-B images of 577 tokens on an H200, whose
+ * board sits at its power cap there); below it the per-block mbarrier setup does not. */
 ragvit_status attention_wgmma_launch_plan(const ragvit_attention_args *a,
                                           const ragvit_device_info *dev, int keys, int num_stages,
                                           int tma, cudaStream_t stream) {
@@ -939,7 +925,7 @@ ragvit_status attention_wgmma_launch_plan(const ragvit_attention_args *a,
                                                     (int)max_len, num_stages, thin_x, stream);
 }
 
-/* The launcher's own plan (what attention_mma_launch runs). */
+/* The launcher's own plan (what the dispatcher runs). */
 ragvit_status attention_wgmma_launch(const ragvit_attention_args *a, const ragvit_device_info *dev,
                                      cudaStream_t stream) {
     return attention_wgmma_launch_plan(a, dev, 0, 0, -1, stream);
