@@ -1,23 +1,14 @@
-/* test_attention_mma.cu — standalone GPU self-test of csrc/kernels/ragged_attention_mma.cuh:
- * random ragged batches (lengths 1 .. 1024, gaps before/after, empty and invalid sequences,
- * 70000 sequences), fp16/bf16, D in {32, 64, 80, 96, 128}, contiguous and (T, 3, H, D) q/k/v
- * views with a padded output, cls_attn on/off, the launcher's plan (on an H200 built with
- * -DRAGVIT_HAS_SM90A: the sm_90a wgmma path wherever D = 64 without cls_attn), forced
- * mma.sync ones (1..4 warps, 2..4 K/V stages) and forced wgmma ones (64- and 128-key tiles,
- * 2..5 stages), against a float64 CPU reference. Outputs and
- * cls_attn start as NaN and tokens outside valid sequences are NaN in q/k/v: everything
- * outside the valid sequences must stay bit-for-bit NaN, the error flag must match, and a
- * second launch must reproduce the first bitwise. Build and run from the repository root on
- * the GPU machine:
- *   nvcc -std=c++17 -O3 -DRAGVIT_WITH_CUDA -DRAGVIT_HAS_SM90A -Icsrc -Icsrc/kernels \
- *     -gencode=arch=compute_80,code=sm_80 -gencode=arch=compute_90a,code=sm_90a \
- *     dev/test_attention_mma.cu -o /tmp/test_attention_mma -lpthread && /tmp/test_attention_mma
- * Prints one line per case and "ALL PASS" (exit 0) or "FAIL: n case(s)" (exit 1). --quick runs
- * small cases only (for compute-sanitizer --tool racecheck/memcheck); --bench adds GPU timings
- * of DeiT shapes per launch plan, --bench-only runs just the auto and wgmma plans' timings (no
- * checks, no forced mma.sync plans: for A/B runs and ncu), --no-sweep only the wgmma
- * launcher's own plan, --shape NAME only the shapes whose name contains NAME (e.g.
- * "deit-b B=256"). */
+/* test_attention.cu — GPU self-test of the attention kernels against a float64 CPU reference:
+ * ragged fp16/bf16 batches (lengths 1-1024 with gaps, empty and invalid sequences, 70000
+ * sequences; D 32-128; contiguous and (T, 3, H, D) q/k/v views, padded out; cls_attn on and off)
+ * through the dispatcher's plan and forced mma.sync and wgmma plans. Outputs start as NaN and
+ * must stay NaN outside the valid rows, the error flag must match, and a second launch must be
+ * bitwise equal. It links the module's own csrc/kernels/attention*.cu, so it tests the code that
+ * ships. Options, and the build for sm_80 GPUs: dev/README.md. Build and run (cc 9.0 GPUs):
+ *   nvcc -std=c++17 -O3 --expt-relaxed-constexpr -DRAGVIT_WITH_CUDA -DRAGVIT_HAS_SM90A \
+ *     -Icsrc/include -Icsrc/kernels -gencode=arch=compute_90a,code=sm_90a dev/test_attention.cu \
+ *     csrc/kernels/attention.cu csrc/kernels/attention_fma.cu csrc/kernels/attention_mma.cu \
+ *     csrc/kernels/attention_wgmma.cu -o dev/test_attention.bin && dev/test_attention.bin */
 #include <algorithm>
 #include <atomic>
 #include <cmath>
@@ -31,11 +22,9 @@
 #include <thread>
 #include <vector>
 
-#include "launch.h"
-#include "cuda_check.cuh"
-#include "ragged_attention_mma.cuh"
+#include "attention.cuh"
 
-// ---- link stand-ins (status.c / cuda_common.cu are not part of this program) ----
+// ---- link stand-ins (status.c and device.cu are not part of this program) ----
 
 extern "C" ragvit_status ragvit_cuda_fail(int error, const char *expr, const char *file, int line) {
     fprintf(stderr, "CUDA error %s: %s (%s @ %s:%d)\n", cudaGetErrorName((cudaError_t)error),
@@ -64,6 +53,35 @@ extern "C" ragvit_status ragvit_fail(ragvit_status status, const char *fmt, ...)
             exit(2);                                                                               \
         }                                                                                          \
     } while (0)
+
+/* The wgmma path is linked only with sm_90a code (RAGVIT_HAS_SM90A); without it its predicate
+ * is false, so its plans are never forced. */
+static bool wgmma_supports(const ragvit_attention_args *a, const ragvit_device_info *dev) {
+#ifdef RAGVIT_HAS_SM90A
+    return attention_wgmma_supports(a, dev);
+#else
+    (void)a;
+    (void)dev;
+    return false;
+#endif
+}
+
+/* attention_wgmma_launch_plan on the default stream (keys, num_stages 0 and tma -1: its own
+ * choice); only called where wgmma_supports holds. */
+static ragvit_status wgmma_launch_plan(const ragvit_attention_args *a,
+                                       const ragvit_device_info *dev, int keys, int num_stages,
+                                       int tma) {
+#ifdef RAGVIT_HAS_SM90A
+    return attention_wgmma_launch_plan(a, dev, keys, num_stages, tma, 0);
+#else
+    (void)a;
+    (void)dev;
+    (void)keys;
+    (void)num_stages;
+    (void)tma;
+    return RAGVIT_STATUS_INVALID_VALUE;
+#endif
+}
 
 static const uint16_t kPoison16 = 0xFFFFu;     /* NaN in fp16 and in bf16 */
 static const uint32_t kPoison32 = 0xFFFFFFFFu; /* NaN in fp32 */
@@ -310,17 +328,17 @@ static run_result run_kernel(const test_case &c, const layout &l, const device_b
     dev.smem_per_block_optin = (int64_t)prop.sharedMemPerBlockOptin;
     dev.error_flag = b.flag;
 
-    if (ragged_attention_mma_supports(&a, &dev)) {
-        const ragged_attention_mma_plan plan =
-            ragged_attention_mma_make_plan(&a, &dev, shape.num_warps, shape.num_stages);
+    if (attention_mma_supports(&a, &dev)) {
+        const attention_mma_plan plan =
+            attention_mma_make_plan(&a, &dev, shape.num_warps, shape.num_stages);
         const bool is_auto = (shape.num_warps == 0 && shape.num_stages == 0) ||
-                             (shape.num_warps < 0 && !ragged_attention_wgmma_supports(&a, &dev));
-        const ragvit_status st = is_auto ? ragged_attention_mma_launch(&a, &dev, 0)
-                                 : shape.num_warps < 0
-                                     ? ragged_attention_wgmma_launch_plan(
-                                           &a, &dev, shape.num_warps == -2 ? 128 : 64,
-                                           shape.num_stages, shape.num_warps == -3 ? 1 : 0, 0)
-                                     : ragged_attention_mma_launch_plan(&a, &plan, &dev, 0);
+                             (shape.num_warps < 0 && !wgmma_supports(&a, &dev));
+        const ragvit_status st =
+            is_auto ? ragvit_cuda_attention(&a, &dev, nullptr)
+            : shape.num_warps < 0
+                ? wgmma_launch_plan(&a, &dev, shape.num_warps == -2 ? 128 : 64, shape.num_stages,
+                                    shape.num_warps == -3 ? 1 : 0)
+                : attention_mma_launch_plan(&a, &plan, &dev, 0);
         if (st != RAGVIT_STATUS_OK) {
             fprintf(stderr, "launch returned status %d\n", (int)st);
             exit(2);
@@ -531,7 +549,7 @@ static test_case make_case(const std::string &name, int dtype, int D, int H, boo
     return c;
 }
 
-/* ragged_attention_mma_supports must refuse what the kernel cannot read with 16-byte loads. */
+/* attention_mma_supports must refuse what the kernel cannot read with 16-byte loads. */
 static int check_supports(void) {
     static char buffer[4096] __attribute__((aligned(256)));
     ragvit_attention_args a;
@@ -569,7 +587,7 @@ static int check_supports(void) {
         };
     auto expect = [&](const char *what, const ragvit_attention_args &x, const ragvit_device_info &d,
                       bool want) {
-        expect_of("supports", ragged_attention_mma_supports, what, x, d, want);
+        expect_of("supports", attention_mma_supports, what, x, d, want);
     };
     expect("aligned f16 D=64", a, dev, true);
     ragvit_attention_args x = a;
@@ -594,7 +612,7 @@ static int check_supports(void) {
     x.v_stride_head = 68;
     expect("v head stride % 8 != 0", x, dev, false);
     x = a;
-    x.num_heads = RAGGED_ATTENTION_MMA_MAX_HEADS + 1;
+    x.num_heads = ATTENTION_MMA_MAX_HEADS + 1;
     expect("too many heads", x, dev, false);
     ragvit_device_info old_dev = dev;
     old_dev.cc_major = 7;
@@ -611,7 +629,7 @@ static int check_supports(void) {
 #ifndef RAGVIT_HAS_SM90A
         want = false; /* a build without sm_90a code never takes it */
 #endif
-        expect_of("wgmma_supports", ragged_attention_wgmma_supports, what, x, d, want);
+        expect_of("wgmma_supports", wgmma_supports, what, x, d, want);
     };
     expect_wgmma("D=64 on 9.0", a, big_dev, true);
     expect_wgmma("D=64 on 9.0 with 48 KB of shared memory", a, dev, false);
@@ -630,7 +648,7 @@ static int check_supports(void) {
     x = a;
     x.dtype = RAGVIT_DTYPE_F32;
     expect_wgmma("fp32", x, big_dev, false);
-    printf("%-4s ragged_attention_mma_supports checks\n", failures ? "FAIL" : "ok");
+    printf("%-4s attention_mma_supports checks\n", failures ? "FAIL" : "ok");
     return failures;
 }
 
@@ -747,16 +765,15 @@ static void bench(const char *only, bool is_wgmma_only) {
             std::sort(reps.begin(), reps.end());
             return (double)reps[2];
         };
-        auto time_plan = [&](const ragged_attention_mma_plan &plan) {
-            return time_launch(
-                [&] { return ragged_attention_mma_launch_plan(&a, &plan, &dev, 0); });
+        auto time_plan = [&](const attention_mma_plan &plan) {
+            return time_launch([&] { return attention_mma_launch_plan(&a, &plan, &dev, 0); });
         };
         a.cls_attn = nullptr;
-        const ragged_attention_mma_plan best = ragged_attention_mma_make_plan(&a, &dev, 0, 0);
+        const attention_mma_plan best = attention_mma_make_plan(&a, &dev, 0, 0);
         const double us = g_is_sweep ? time_plan(best) : 0.0;
         a.cls_attn = cls;
         const double us_cls =
-            is_wgmma_only ? 0.0 : time_plan(ragged_attention_mma_make_plan(&a, &dev, 0, 0));
+            is_wgmma_only ? 0.0 : time_plan(attention_mma_make_plan(&a, &dev, 0, 0));
         a.cls_attn = nullptr;
         printf("  %-22s T=%6lld  auto (w%d s%d grid %ux%ux%u) %7.2f us %6.1f TFLOP/s | "
                "cls %7.2f us |",
@@ -766,15 +783,14 @@ static void bench(const char *only, bool is_wgmma_only) {
         for (const auto &f : forced)
             if (!is_wgmma_only)
                 printf(" w%ds%d %.2f", f[0], f[1],
-                       time_plan(ragged_attention_mma_make_plan(&a, &dev, f[0], f[1])));
-        if (ragged_attention_wgmma_supports(&a, &dev)) { /* the sm_90a path, what auto runs */
+                       time_plan(attention_mma_make_plan(&a, &dev, f[0], f[1])));
+        if (wgmma_supports(&a, &dev)) { /* the sm_90a path, what auto runs */
             printf(" | wgmma %.2f",
-                   time_launch([&] { return ragged_attention_wgmma_launch(&a, &dev, 0); }));
+                   time_launch([&] { return wgmma_launch_plan(&a, &dev, 0, 0, -1); }));
             for (int keys = 64; keys <= 128 && g_is_sweep; keys *= 2)
-                for (int stages = 2; stages <= RAGGED_ATTENTION_WGMMA_MAX_STAGES; ++stages)
+                for (int stages = 2; stages <= ATTENTION_WGMMA_MAX_STAGES; ++stages)
                     printf(" k%ds%d %.2f", keys, stages, time_launch([&] {
-                               return ragged_attention_wgmma_launch_plan(&a, &dev, keys, stages, -1,
-                                                                         0);
+                               return wgmma_launch_plan(&a, &dev, keys, stages, -1);
                            }));
         }
         printf("\n");
@@ -823,8 +839,8 @@ int main(int argc, char **argv) {
     init_dev.cc_minor = prop.minor;
     init_dev.sm_count = prop.multiProcessorCount;
     init_dev.smem_per_block_optin = (int64_t)prop.sharedMemPerBlockOptin;
-    if (ragged_attention_mma_init(&init_dev) != RAGVIT_STATUS_OK) {
-        printf("FAIL: ragged_attention_mma_init\n");
+    if (attention_init(&init_dev) != RAGVIT_STATUS_OK) {
+        printf("FAIL: attention_init\n");
         return 1;
     }
 
@@ -841,7 +857,7 @@ int main(int argc, char **argv) {
                    : std::vector<int>{1, 16, 17, 63, 64, 65, 72, 136, 137, 197, 577, 1024};
     uint32_t seed = 1234;
 
-    /* The brief's sweep: every dtype, head_dim and layout over the awkward lengths. */
+    /* Every dtype, head_dim and layout over the awkward lengths. */
     for (int dtype : dtypes)
         for (int D : dims)
             for (int view = 0; view < 2; ++view) {
