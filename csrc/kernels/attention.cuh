@@ -183,6 +183,7 @@ typedef struct {
 
 ATTENTION_INTERNAL bool attention_mma_supports(const ragvit_attention_args *a,
                                                const ragvit_device_info *dev);
+/* The launcher's plan; num_warps (1-4) / num_stages (2-4) > 0 force a value. */
 ATTENTION_INTERNAL attention_mma_plan attention_mma_make_plan(const ragvit_attention_args *a,
                                                               const ragvit_device_info *dev,
                                                               int num_warps, int num_stages);
@@ -199,6 +200,8 @@ ATTENTION_INTERNAL ragvit_status attention_mma_init(const ragvit_device_info *de
 /* wgmma path (attention_wgmma.cu, built only for sm_90a: present only with RAGVIT_HAS_SM90A). */
 ATTENTION_INTERNAL bool attention_wgmma_supports(const ragvit_attention_args *a,
                                                  const ragvit_device_info *dev);
+/* keys 64 or 128, num_stages 2-5 (0: the launcher's choice); tma 1 where the layout allows, 0
+ * never, -1 the launcher's choice. attention_wgmma_launch is (0, 0, -1). */
 ATTENTION_INTERNAL ragvit_status attention_wgmma_launch_plan(const ragvit_attention_args *a,
                                                              const ragvit_device_info *dev,
                                                              int keys, int num_stages, int tma,
