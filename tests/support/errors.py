@@ -1,0 +1,249 @@
+"""The error tables: every error a user can reach, its exception type and message.
+
+A table row is (case_id, mutate, exception, message regex, cpu_only): mutate(args) turns an
+op's valid base arguments (a dict) into the failing call's. error_params makes the rows
+pytest params for "cpu" and "cuda" (cpu_only rows, contents only the CPU can check without
+a sync, run on the CPU alone); assert_rejected runs one and checks that the rejected call
+wrote nothing. Rows several ops share live here (matrix inputs, packed inputs, row ops).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from support.devices import gpu_marks
+from support.inputs import make_cu_seqlens, poison, same_bits
+
+
+def set_args(**changes):
+    """A mutation: sets args[name] = value(args) (or the plain value) for each change."""
+
+    def mutate(a):
+        for name, value in changes.items():
+            a[name] = value(a) if callable(value) else value
+
+    return mutate
+
+
+def error_params(cases, *leading) -> list:
+    """pytest params (*leading, device, mutate, exc, pattern) of an error table, for "cpu"
+    and "cuda" (CUDA rows marked gpu_marks(), cpu_only rows left out); ids
+    "<leading>-<device>-<case_id>"."""
+    params = []
+    for device in ("cpu", "cuda"):
+        for case_id, mutate, exc, pattern, cpu_only in cases:
+            if cpu_only and device == "cuda":
+                continue
+            marks = gpu_marks() if device == "cuda" else []
+            params.append(pytest.param(*leading, device, mutate, exc, pattern, marks=marks,
+                                       id="-".join([*map(str, leading), device, case_id])))
+    return params
+
+
+def assert_rejected(call, args, mutate, exc, pattern, may_write=()):
+    """mutate(args); call(args) must raise exc matching pattern and leave every tensor of
+    args bit-identical (outputs are poisoned: untouched means unwritten), except those
+    named in may_write (outputs an op fills before the check that fails, as pack_into's
+    prefix sums before its capacity check)."""
+    mutate(args)
+    before = {
+        name: value.detach().clone()
+        for name, value in args.items()
+        if isinstance(value, torch.Tensor) and name not in may_write
+    }
+    assert before, "test bug: no tensor argument to watch"
+    with pytest.raises(exc, match=pattern):
+        call(args)
+    for name, value in before.items():
+        assert same_bits(args[name], value), f"rejected call modified {name}"
+
+
+# ---- rows shared by several ops ----
+
+
+def matrix_input_errors(op: str, name: str, shape: tuple[int, int]) -> list:
+    """Rows of the ops whose argument `name` is a (rows, cols) float matrix with a unit
+    column stride (linear's and the row ops' x, topk_index's scores): 1-D and 3-D, int32
+    and float64, a list, a column stride, and NumPy float64 / int64 with out omitted (the
+    dtype is refused before anything is allocated). `shape` is the base argument's (cols
+    even)."""
+    rows, cols = shape
+
+    def change(fn, **more):
+        return set_args(**{name: fn}, **more)
+
+    def numpy_as(dtype):
+        return change(lambda a: a[name].cpu().numpy().astype(dtype), out=None)
+
+    dims = rf"{op}: {name} must have 2 dimensions"
+    dtype = rf"{op}: {name} must be float16, bfloat16 or float32, got "
+    return [
+        (f"{name}_1d", change(lambda a: a[name].reshape(-1)), ValueError, dims, False),
+        (f"{name}_3d", change(lambda a: a[name].reshape(rows, 2, cols // 2)), ValueError, dims,
+         False),
+        (f"{name}_int32", change(lambda a: a[name].to(torch.int32)), TypeError, dtype + "int32",
+         False),
+        (f"{name}_float64", change(lambda a: a[name].double()), TypeError, dtype + "float64",
+         False),
+        (f"{name}_list", change(lambda a: a[name].tolist()), TypeError,
+         rf"{op}: {name} must be an array", False),
+        (f"{name}_last_dim_strided",
+         change(lambda a: torch.randn((cols, rows), device=a[name].device).t()), ValueError,
+         rf"{op}: {name} must be contiguous in its last dimension \(stride 1\), got stride "
+         rf"{rows}", False),
+        (f"{name}_numpy_float64_out_omitted", numpy_as(np.float64), TypeError, dtype + "float64",
+         True),
+        (f"{name}_numpy_int64_out_omitted", numpy_as(np.int64), TypeError, dtype + "int64", True),
+    ]
+
+
+def packed_args(device) -> dict:
+    """packed (12, 6) float32 and cu_seqlens of lengths [5, 0, 7]: the arguments the rows
+    of PACKED_INPUT_ERRORS change (repack, repack_into, gather_prefix, segment_mean)."""
+    return {
+        "packed": torch.arange(12 * 6, dtype=torch.float32, device=device).reshape(12, 6),
+        "cu_seqlens": make_cu_seqlens([5, 0, 7], device),
+        "stream": None,
+    }
+
+
+def _packed_device(a):
+    return a["packed"].device
+
+
+def _cu_seqlens(values):
+    return set_args(
+        cu_seqlens=lambda a: torch.tensor(values, dtype=torch.int32, device=_packed_device(a))
+    )
+
+
+PACKED_INPUT_ERRORS = [
+    (
+        "packed_int32",
+        set_args(packed=lambda a: a["packed"].to(torch.int32)),
+        TypeError,
+        "packed",
+        False,
+    ),
+    (
+        "packed_3d",
+        set_args(packed=lambda a: a["packed"].reshape(2, 6, 6)),
+        ValueError,
+        "packed",
+        False,
+    ),
+    (
+        "packed_channels_strided",
+        set_args(packed=lambda a: a["packed"].t().contiguous().t()),
+        ValueError,
+        "contiguous",
+        False,
+    ),
+    ("packed_list", set_args(packed=lambda a: a["packed"].tolist()), TypeError, "packed", False),
+    (
+        "cu_seqlens_int64",
+        set_args(cu_seqlens=lambda a: a["cu_seqlens"].long()),
+        TypeError,
+        "cu_seqlens",
+        False,
+    ),
+    (
+        "cu_seqlens_2d",
+        set_args(cu_seqlens=lambda a: a["cu_seqlens"].reshape(2, 2)),
+        ValueError,
+        "cu_seqlens",
+        False,
+    ),
+    (
+        "cu_seqlens_empty",
+        set_args(cu_seqlens=lambda a: a["cu_seqlens"][:0]),
+        ValueError,
+        "cu_seqlens",
+        False,
+    ),
+    ("cu_seqlens_decreasing", _cu_seqlens([0, 5, 3, 12]), ValueError, "non-decreasing", True),
+    ("cu_seqlens_past_T", _cu_seqlens([0, 5, 5, 13]), ValueError, "total_tokens", True),
+    ("cu_seqlens_negative", _cu_seqlens([-1, 5, 5, 12]), ValueError, r"cu_seqlens\[0\]", True),
+    ("stream_str", set_args(stream="s"), TypeError, "stream", False),
+]
+
+
+def row_op_args(device) -> dict:
+    """Valid arguments of layer_norm (all of them) and gelu (x, out, stream)."""
+    gen = torch.Generator().manual_seed(4321)
+    return {
+        "x": torch.randn((5, 12), generator=gen).to(device),
+        "weight": torch.randn((12,), generator=gen).to(device),
+        "bias": torch.randn((12,), generator=gen).to(device),
+        "eps": 1e-5,
+        "out": poison((5, 12), device=device),
+        "stream": None,
+    }
+
+
+def _x_device(a):
+    return a["x"].device
+
+
+def _out_overlaps_x(a):
+    buf = torch.randn((6, 12), device=_x_device(a))
+    a["x"] = buf[:-1]
+    a["out"] = buf[1:]  # shares x's last four rows
+
+
+def _out_is_x_with_other_stride(a):
+    buf = torch.randn((5, 24), device=_x_device(a))
+    a["x"] = buf[:, :12]  # row stride 24
+    a["out"] = buf.view(-1)[:60].view(5, 12)  # same first element, row stride 12
+
+
+def row_op_errors(op: str) -> list:
+    """Rows of the row ops (layer_norm, gelu) about x, out and stream, for row_op_args."""
+    return matrix_input_errors(op, "x", (5, 12)) + [
+        (
+            "out_wrong_shape",
+            set_args(out=lambda a: poison((5, 11), device=_x_device(a))),
+            ValueError,
+            r"out must have shape \(5, 12\), got \(5, 11\)",
+            False,
+        ),
+        (
+            "out_1d",
+            set_args(out=lambda a: poison((60,), device=_x_device(a))),
+            ValueError,
+            r"out must have shape \(5, 12\), got \(60,\)",
+            False,
+        ),
+        (
+            "out_float16",
+            set_args(out=lambda a: a["out"].half()),
+            TypeError,
+            r"out must have the dtype of x \(float32\), got float16",
+            False,
+        ),
+        (
+            "out_last_dim_strided",
+            set_args(out=lambda a: poison((12, 5), device=_x_device(a)).t()),
+            ValueError,
+            r"out must be contiguous in its last dimension",
+            False,
+        ),
+        (
+            "out_overlaps_x",
+            _out_overlaps_x,
+            ValueError,
+            rf"{op}: out must not alias \(overlap\) x",
+            False,
+        ),
+        (
+            "out_is_x_with_other_stride",
+            _out_is_x_with_other_stride,
+            ValueError,
+            r"out must have x's row stride when it is x \(in place\), got 12 and 24",
+            False,
+        ),
+        ("out_str", set_args(out="out"), TypeError, r"out must be an array", False),
+        ("stream_str", set_args(stream="s"), TypeError, r"stream must be an int handle", False),
+    ]
