@@ -73,3 +73,13 @@ def call_with_debug(call, debug: bool, pattern: str, inspect=None):
             inspect()
         drain_device_error_flag()
     torch.cuda.synchronize()
+
+
+# Garbage cu_seqlens for a packed input of 24 rows (repack_into, gather_prefix,
+# segment_mean): kernels must stay inside packed and their outputs whatever these say.
+GARBAGE_PACKED_CU_SEQLENS = {
+    "decreasing": [0, 20, 10, 24],
+    "past_T": [0, 10, 24 + 1000],
+    "far_past_T": [0, 2**31 - 1],
+    "negative": [-100, 10, 24],
+}

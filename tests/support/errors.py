@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from support.devices import gpu_marks
-from support.inputs import make_cu_seqlens, poison, same_bits
+from support.inputs import as_numpy, make_cu_seqlens, poison, same_bits
 
 
 def set_args(**changes):
@@ -42,22 +42,40 @@ def error_params(cases, *leading) -> list:
     return params
 
 
+def _copy(value) -> torch.Tensor:
+    """A torch copy of a tensor or NumPy array (read-only arrays included)."""
+    if isinstance(value, np.ndarray):
+        return torch.from_numpy(np.array(value))
+    return value.detach().clone()
+
+
 def assert_rejected(call, args, mutate, exc, pattern, may_write=()):
-    """mutate(args); call(args) must raise exc matching pattern and leave every tensor of
-    args bit-identical (outputs are poisoned: untouched means unwritten), except those
-    named in may_write (outputs an op fills before the check that fails, as pack_into's
-    prefix sums before its capacity check)."""
+    """mutate(args); call(args) must raise exc matching pattern and leave every tensor and
+    array of args bit-identical (outputs are poisoned: untouched means unwritten), except
+    those named in may_write (outputs an op fills before the check that fails, as
+    pack_into's prefix sums before its capacity check)."""
     mutate(args)
-    before = {
-        name: value.detach().clone()
+    watched = [
+        name
         for name, value in args.items()
-        if isinstance(value, torch.Tensor) and name not in may_write
-    }
-    assert before, "test bug: no tensor argument to watch"
+        if isinstance(value, (torch.Tensor, np.ndarray)) and name not in may_write
+    ]
+    assert watched, "test bug: no tensor argument to watch"
+    before = {name: _copy(args[name]) for name in watched}
     with pytest.raises(exc, match=pattern):
         call(args)
-    for name, value in before.items():
-        assert same_bits(args[name], value), f"rejected call modified {name}"
+    for name in watched:
+        assert same_bits(_copy(args[name]), before[name]), f"rejected call modified {name}"
+
+
+def assert_device_mismatch_rejected(call, args, name, op, x_name="x"):
+    """args[name] moved to the other device than args[x_name]: call(args) must raise
+    "<op>: <name> must be on the device of <x_name> (...), got ..." and write nothing."""
+    here = args[x_name].device.type
+    there = "cpu" if here == "cuda" else "cuda"
+    pattern = rf"{op}: {name} must be on the device of {x_name} \({here}:0\), got {there}:0"
+    move = set_args(**{name: lambda a: a[name].to(there)})
+    assert_rejected(call, args, move, ValueError, pattern)
 
 
 # ---- rows shared by several ops ----
@@ -199,6 +217,17 @@ def _out_is_x_with_other_stride(a):
     a["out"] = buf.view(-1)[:60].view(5, 12)  # same first element, row stride 12
 
 
+def _numpy_read_only_out(a):
+    a.update(as_numpy(a))
+    a["out"].flags.writeable = False
+
+
+def _numpy_read_only_in_place(a):
+    a.update(as_numpy(a))
+    a["x"].flags.writeable = False
+    a["out"] = a["x"]  # in place on a read-only array: out is read-only
+
+
 def row_op_errors(op: str) -> list:
     """Rows of the row ops (layer_norm, gelu) about x, out and stream, for row_op_args."""
     return matrix_input_errors(op, "x", (5, 12)) + [
@@ -244,6 +273,15 @@ def row_op_errors(op: str) -> list:
             r"out must have x's row stride when it is x \(in place\), got 12 and 24",
             False,
         ),
+        (
+            "out_read_only_numpy",
+            _numpy_read_only_out,
+            ValueError,
+            rf"{op}: out must be writable, got a read-only array",
+            True,
+        ),
+        ("in_place_read_only_numpy", _numpy_read_only_in_place, ValueError,
+         r"out must be writable", True),
         ("out_str", set_args(out="out"), TypeError, r"out must be an array", False),
         ("stream_str", set_args(stream="s"), TypeError, r"stream must be an int handle", False),
     ]

@@ -12,6 +12,9 @@ import math
 
 import torch
 
+from support.devices import device_param
+from support.tolerances import DTYPE_IDS, DTYPES
+
 INT32_POISON = -(2**31) + 7  # poison for int32 outputs (cu_seqlens, indices)
 
 
@@ -151,9 +154,24 @@ def place_columns(values, dtype, device, layout):
     return view, buffer
 
 
+def column_layout_params() -> list:
+    """(device, dtype, layout) params over COLUMN_LAYOUTS, ids "<device>-<dtype>-<layout>"."""
+    return [
+        device_param(device, dtype, layout, id=f"{DTYPE_IDS[dtype]}-{layout}")
+        for device in ("cpu", "cuda")
+        for dtype in DTYPES
+        for layout in COLUMN_LAYOUTS
+    ]
+
+
 def padding_is_nan(buffer, layout, cols) -> bool:
     """True when every column of buffer outside the view place_columns put there is NaN."""
     start, _ = COLUMN_LAYOUTS[layout]
     outside = torch.ones(buffer.shape, dtype=torch.bool)
     outside[:, start : start + cols] = False
     return bool(torch.isnan(buffer.cpu()[outside]).all())
+
+
+def as_numpy(args: dict) -> dict:
+    """args with every (CPU) torch tensor replaced by its NumPy array."""
+    return {k: (v.numpy() if isinstance(v, torch.Tensor) else v) for k, v in args.items()}
