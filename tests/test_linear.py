@@ -1,28 +1,10 @@
-"""ragvit.linear against the float64 reference and torch, in place, errors.
-
-out = x @ weight.T + bias + residual on DeiT widths (K, N in 192 ... 3072) and
-M in {0, 1, 7, 197, 577} (larger packed batches on CUDA only), every dtype, bias
-absent or present, residual absent, separate, or out itself (in place), dense
-tensors or column slices of wider buffers (padded and odd-offset row strides).
-Inputs are fresh seeded random numbers (x ~ N(0, 1), weight ~ N(0, 1/K), so
-outputs are unit-scale like a ViT block's); outputs are NaN-poisoned before the
-call and every element must come back finite; padding columns of strided
-inputs are NaN too (a stray read shows), those of strided outputs must keep
-their NaN (a stray write shows).
-
-Accuracy rule (a float64 reference of the dtype-valued inputs is the oracle):
-  1. per element |got - ref| <= TOL.atol * sqrt(K / 192) + TOL.rtol * (|x w^T + b| +
-     |residual|) (the operands' size: a residual add may cancel): the
-     conftest table at the smallest DeiT width, atol growing like sqrt(K) with
-     the float32 accumulation error on CUDA (the CPU backend accumulates in
-     double and rounds once, so it sits at half an ulp of the dtype);
-  2. max |got - ref| <= 2 * max |torch - ref| + ERROR_FLOOR, where torch is
-     F.linear(x, weight, bias) + residual in the same dtype on the same device
-     (fp32 with TF32 off, as conftest sets), flash-attention's rule.
-Then every user-reachable error (type and message; a rejected call writes
-nothing), numpy in and out, read-only outputs, and on CUDA mixed devices and a
-CUDA graph replay. CPU cases keep M*N*K <= ~3e7 (the CPU backend is a plain C
-loop); the whole file runs in a few seconds on two cores.
+"""ragvit.linear (out = x @ weight.T + bias + residual) against a float64 reference and torch:
+DeiT widths (K, N in 192 ... 3072), M in {0, 1, 7, 197, 577} (larger packed batches on CUDA),
+every dtype, bias absent or present, residual absent, separate or out itself (in place),
+dense tensors or column slices of NaN-padded buffers; NumPy, every user-reachable error, and
+on CUDA mixed devices and graph capture. x ~ N(0, 1) and weight ~ N(0, 1/K), so outputs are
+unit-scale like a ViT block's; the accuracy rule is linear_tolerance's. CPU cases keep
+M*N*K <= ~3e7 (the CPU backend is a plain C loop).
 """
 
 from __future__ import annotations
@@ -33,22 +15,20 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import (
-    DTYPE_IDS,
-    DTYPES,
-    ERROR_FLOOR,
-    TOL,
-    devices,
-    dtype_params,
-    error_params,
-    gpu_marks,
-    matrix_input_errors,
+from support.checks import assert_within_baseline
+from support.cuda import capture_graph
+from support.devices import device_param, devices, requires_cuda
+from support.errors import assert_rejected, error_params, matrix_input_errors
+from support.errors import set_args as _set
+from support.inputs import (
+    as_numpy,
+    padding_is_nan,
+    place_columns,
     poison,
-    requires_cuda,
     same_bits,
     seed_note,
 )
-from conftest import set_args as _set  # error-table mutations
+from support.tolerances import DTYPE_IDS, DTYPES, TOL, dtype_params
 
 import ragvit
 
@@ -84,47 +64,27 @@ COMBOS = [
     ("bias", "in_place"),
 ]
 
-# Row layouts of x, weight, residual and out: dense, the first columns of a buffer 64
-# columns wider (aligned row stride, as a slice of a fused qkv buffer), or columns
-# 1.. of a buffer 3 columns wider (odd row stride, start not 16-byte aligned).
-LAYOUTS = {"contiguous": (0, 0), "padded": (0, 64), "offset": (1, 3)}
-
-
 # ---- inputs, reference, check ----
 
 
-def _place(values, dtype, device, layout):
-    """values (rows, cols) as dtype on device, in a layout of LAYOUTS.
-
-    Returns (view, buffer): the padding columns of buffer around the view are NaN.
-    """
-    start, extra = LAYOUTS[layout]
-    rows, cols = values.shape
-    if layout == "contiguous":
-        view = values.to(dtype=dtype, device=device)
-        return view, view
-    buffer = poison((rows, cols + extra), dtype, device)
-    view = buffer[:, start : start + cols]
-    view.copy_(values.to(dtype=dtype, device=device))
-    return view, buffer
-
-
 def _make_linear_inputs(gen, M, K, N, dtype, device, bias_kind, residual_kind, layout):
-    """x, weight, bias, residual (or None), out and the buffers holding them."""
-    x, x_buf = _place(torch.randn((M, K), generator=gen), dtype, device, layout)
-    w, w_buf = _place(torch.randn((N, K), generator=gen) / math.sqrt(K), dtype, device, layout)
+    """x, weight, bias, residual (or None), out and the buffers holding them, placed as
+    support.inputs.COLUMN_LAYOUTS[layout] (x, weight, residual and out; bias is dense)."""
+    x, x_buf = place_columns(torch.randn((M, K), generator=gen), dtype, device, layout)
+    weight = torch.randn((N, K), generator=gen) / math.sqrt(K)
+    w, w_buf = place_columns(weight, dtype, device, layout)
     bias = None
     if bias_kind == "bias":
         bias = (torch.randn((N,), generator=gen) * 0.5).to(dtype=dtype, device=device)
     residual_values = torch.randn((M, N), generator=gen)
     if residual_kind == "in_place":
-        out, out_buf = _place(residual_values, dtype, device, layout)
+        out, out_buf = place_columns(residual_values, dtype, device, layout)
         residual = out
     else:
-        out, out_buf = _place(torch.full((M, N), math.nan), dtype, device, layout)
+        out, out_buf = place_columns(torch.full((M, N), math.nan), dtype, device, layout)
         residual = None
         if residual_kind == "residual":
-            residual, _ = _place(residual_values, dtype, device, layout)
+            residual, _ = place_columns(residual_values, dtype, device, layout)
     return {
         "x": x,
         "weight": w,
@@ -146,13 +106,19 @@ def linear_reference(x, weight, bias=None, residual=None):
 
 
 def linear_tolerance(dtype, K):
-    """Rule 1 of the module docstring: TOL with atol scaled by sqrt(K / 192)."""
+    """The per-element rule |got - ref| <= atol + rtol * (|x w^T + b| + |residual|): TOL at
+    the smallest DeiT width, atol growing like sqrt(K / 192) with the float32 accumulation
+    error on CUDA (the CPU backend accumulates in double and rounds once, so it sits at
+    half an ulp of the dtype). rtol scales with the operands, not their sum: a residual add
+    may cancel."""
     tol = TOL[dtype]
     return {"atol": tol["atol"] * math.sqrt(max(K, 1) / 192), "rtol": tol["rtol"]}
 
 
 def _check_linear(got, x, weight, bias, residual, seed):
-    """Asserts got (poisoned before the call) is linear(x, weight, bias, residual).
+    """Asserts got (poisoned before the call) is linear(x, weight, bias, residual): every
+    element finite and within linear_tolerance of the float64 reference, and err <= 2 *
+    err(F.linear(x, weight, bias) + residual in the same dtype) + floor.
 
     residual is the value residual held before the call (a copy when in place).
     """
@@ -185,12 +151,7 @@ def _check_linear(got, x, weight, bias, residual, seed):
     baseline = F.linear(x, weight, bias)
     if residual is not None:
         baseline = baseline + residual
-    baseline = baseline.to(torch.float64)
-    err = (got64 - expected).abs().max().item()
-    err_torch = (baseline - expected).abs().max().item()
-    assert math.isfinite(err_torch), "test bug: torch baseline is not finite"
-    bound = 2 * err_torch + ERROR_FLOOR[x.dtype]
-    assert err <= bound, f"err {err:.3g} > 2*err(torch) {err_torch:.3g} + floor" + note
+    assert_within_baseline(got64, expected, baseline.to(torch.float64), x.dtype, note)
 
 
 def _snapshot(*tensors):
@@ -206,19 +167,14 @@ def _assert_same(tensors, before, what):
 
 
 def _linear_params():
-    params = []
-    for device in ("cpu", "cuda"):
-        marks = gpu_marks() if device == "cuda" else []
-        for M, K, N in SHAPES[device]:
-            for dtype in DTYPES:
-                for bias_kind, residual_kind in COMBOS:
-                    name = f"{device}-{DTYPE_IDS[dtype]}-M{M}-K{K}-N{N}-{bias_kind}-{residual_kind}"
-                    params.append(
-                        pytest.param(
-                            device, dtype, (M, K, N), bias_kind, residual_kind, marks=marks, id=name
-                        )
-                    )
-    return params
+    return [
+        device_param(device, dtype, (M, K, N), bias_kind, residual_kind,
+                     id=f"{DTYPE_IDS[dtype]}-M{M}-K{K}-N{N}-{bias_kind}-{residual_kind}")
+        for device in ("cpu", "cuda")
+        for M, K, N in SHAPES[device]
+        for dtype in DTYPES
+        for bias_kind, residual_kind in COMBOS
+    ]
 
 
 @pytest.mark.parametrize("device, dtype, shape, bias_kind, residual_kind", _linear_params())
@@ -238,17 +194,14 @@ def test_linear_matches_reference(device, dtype, shape, bias_kind, residual_kind
 
 
 def _strided_params():
-    params = []
-    for device in ("cpu", "cuda"):
-        marks = gpu_marks() if device == "cuda" else []
-        for dtype in DTYPES:
-            for layout in ("padded", "offset"):
-                for residual_kind in ("no_residual", "residual", "in_place"):
-                    name = f"{device}-{DTYPE_IDS[dtype]}-{layout}-{residual_kind}"
-                    params.append(
-                        pytest.param(device, dtype, layout, residual_kind, marks=marks, id=name)
-                    )
-    return params
+    return [
+        device_param(device, dtype, layout, residual_kind,
+                     id=f"{DTYPE_IDS[dtype]}-{layout}-{residual_kind}")
+        for device in ("cpu", "cuda")
+        for dtype in DTYPES
+        for layout in ("padded", "offset")
+        for residual_kind in ("no_residual", "residual", "in_place")
+    ]
 
 
 @pytest.mark.sanitizer
@@ -263,13 +216,7 @@ def test_linear_strided_views(device, dtype, layout, residual_kind, gen, seed):
     result = ragvit.linear(x, w, bias, residual=residual, out=out)
     assert result is out
     _check_linear(out, x, w, bias, residual_before, seed)
-    start, extra = LAYOUTS[layout]
-    out_buf = a["buffers"][2]
-    outside = torch.ones(out_buf.shape, dtype=torch.bool)
-    outside[:, start : start + N] = False
-    assert torch.isnan(out_buf.cpu()[outside]).all(), "linear wrote outside out's view" + seed_note(
-        seed
-    )
+    assert padding_is_nan(a["buffers"][2], layout, N), "linear wrote outside out" + seed_note(seed)
 
 
 @pytest.mark.sanitizer
@@ -593,14 +540,7 @@ def test_linear_error_base_args_are_valid(device, seed):
 
 @pytest.mark.parametrize("device, mutate, exc, pattern", error_params(LINEAR_ERRORS))
 def test_linear_rejects(device, mutate, exc, pattern):
-    a = _linear_base(device)
-    mutate(a)
-    names = [n for n, v in a.items() if isinstance(v, torch.Tensor)]
-    before = {n: a[n].detach().clone() for n in names}
-    with pytest.raises(exc, match=pattern):
-        _call_linear(a)
-    for name in names:  # out was NaN-poisoned: still bit-identical means nothing written
-        assert same_bits(a[name], before[name]), f"rejected call modified {name}"
+    assert_rejected(_call_linear, _linear_base(device), mutate, exc, pattern)
 
 
 def test_linear_rejects_missing_and_unknown_arguments():
@@ -622,9 +562,7 @@ def test_linear_rejects_missing_and_unknown_arguments():
 
 
 def test_linear_rejects_read_only_numpy_out():
-    a = {
-        k: (v.numpy() if isinstance(v, torch.Tensor) else v) for k, v in _linear_base("cpu").items()
-    }
+    a = as_numpy(_linear_base("cpu"))
     out = a["out"].copy()
     out.flags.writeable = False
     with pytest.raises(ValueError, match=r"linear: out must be writable, got a read-only array"):
@@ -652,13 +590,8 @@ DEVICE_MISMATCH = [
 @requires_cuda
 @pytest.mark.parametrize("name, pattern", DEVICE_MISMATCH, ids=[n for n, _ in DEVICE_MISMATCH])
 def test_linear_rejects_device_mismatch(name, pattern):
-    a = _linear_base("cuda")
-    a[name] = a[name].cpu()
-    before = {n: v.detach().clone() for n, v in a.items() if isinstance(v, torch.Tensor)}
-    with pytest.raises(ValueError, match=pattern):
-        _call_linear(a)
-    for n, value in before.items():
-        assert same_bits(a[n], value), f"rejected call modified {n}"
+    on_cpu = _set(**{name: lambda a: a[name].cpu()})
+    assert_rejected(_call_linear, _linear_base("cuda"), on_cpu, ValueError, pattern)
 
 
 @pytest.mark.gpu
@@ -681,8 +614,8 @@ def test_linear_rejects_cpu_x_with_cuda_weight():
 def test_linear_mlp_cuda_graph_replay(dtype, gen, seed):
     """A ViT MLP block (layer_norm, fc1, gelu, fc2 + residual) captured once, replayed.
 
-    The first linear call on a stream allocates its cuBLASLt workspace, so the
-    block runs eagerly on the capture stream first (as ragvit.cuda_graph does).
+    The first linear call on a stream allocates its cuBLASLt workspace, so the block runs
+    eagerly on the capture stream first (as ragvit.cuda_graph does).
     """
     ragvit.set_debug(False)  # debug mode syncs after each op: not capturable
     M, C, H = 1024, 384, 1536
@@ -704,15 +637,7 @@ def test_linear_mlp_cuda_graph_replay(dtype, gen, seed):
         ragvit.linear(hidden, w2, b2, residual=x, out=out)
 
     x.copy_(torch.randn((M, C), generator=gen))
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        block()
-    torch.cuda.current_stream().wait_stream(side)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, stream=side):
-        block()
+    graph = capture_graph(block, capture_on_side_stream=True)
     for _ in range(2):
         x.copy_(torch.randn((M, C), generator=gen))
         out.fill_(math.nan)
@@ -763,20 +688,3 @@ def test_linear_first_call_inside_capture(residual_kind, gen, seed):
         eager.copy_(start)
     ragvit.linear(x, w, b, out=eager, **({"residual": eager} if kwargs else {}))
     _check_linear(eager, x, w, b, start if kwargs else None, seed)
-
-
-@pytest.mark.parametrize("np_dtype", [np.float64, np.int64], ids=["float64", "int64"])
-@pytest.mark.parametrize("op", ["linear", "layer_norm", "gelu"])
-def test_numpy_non_float_x_without_out(op, np_dtype):
-    """With out omitted, a numpy x of another dtype is a dtype error about x (nothing is
-    allocated), not a complaint about out."""
-    x = np.ones((3, 4), dtype=np_dtype)
-    call = {
-        "linear": lambda: ragvit.linear(x, np.ones((5, 4), dtype=np_dtype)),
-        "layer_norm": lambda: ragvit.layer_norm(x),
-        "gelu": lambda: ragvit.gelu(x),
-    }[op]
-    name = np.dtype(np_dtype).name
-    with pytest.raises(TypeError, match=rf"{op}: x must be float16, bfloat16 or float32, got "
-                                        rf"{name}"):
-        call()
