@@ -1,19 +1,11 @@
-"""ragvit.topk_index against a Python reference, exactly.
+"""ragvit.topk_index against a Python reference, exactly (torch.equal).
 
-The reference is the spec: per row, sorted(range(prefix, L), key=(-score, column))[:k]
-(NaN first) plus the prefix columns, sorted ascending, on the float64 values of the
-dtype-rounded scores. Results are compared with torch.equal. Inputs are fresh
-per case (seeded from the test id); out is poisoned with -7 beforehand and must
-be fully overwritten; the prefix columns of scores are NaN (they must never be
-read: a NaN would rank first); strided scores are column slices of NaN-padded
-matrices and strided outputs must leave their padding poisoned. Shapes: L in
-{1, 2, 40, 197, 577, 1024, 8192}, B in {0, 1, 3, 64}, k in {0, 1, n//2, n} with
-n = L - prefix, prefix in {0, 1, 2}; float32/float16/bfloat16 scores; int32
-and int64 out. Ties (small integers, all-equal rows), NaN, +-inf and -0.0/+0.0;
-NumPy arrays; every user-reachable error (type and message; a rejected call
-writes nothing); CUDA graph capture. CUDA cases share the CPU parametrization
-and skip without a GPU; the `sanitizer` cases are small enough for
-compute-sanitizer (memcheck, racecheck) on the GPU machine.
+The reference is the spec: per row, sorted(range(prefix, L), key=(-score, column))[:k] (NaN
+first, -0.0 == +0.0) plus the prefix columns, ascending, on the float64 values of the
+dtype-rounded scores. Shapes: L in {1, 2, 40, 197, 577, 1024, 8192}, B in {0, 1, 3, 64}, k
+in {0, 1, n//2, n} with n = L - prefix, prefix in {0, 1, 2}; int32 and int64 out; ties, NaN,
+infinities, signed zeros; strided rows, NumPy, every user-reachable error, CUDA graphs. The
+prefix columns of scores are NaN (never read: a NaN would rank first); out is poisoned (-7).
 """
 
 from __future__ import annotations
@@ -23,19 +15,12 @@ import math
 import numpy as np
 import pytest
 import torch
-from conftest import (
-    DTYPE_IDS,
-    DTYPES,
-    devices,
-    dtype_params,
-    error_params,
-    gpu_marks,
-    matrix_input_errors,
-    requires_cuda,
-    same_bits,
-    seed_note,
-)
-from conftest import set_args as _set  # error-table mutations
+from support.cuda import capture_graph
+from support.devices import device_param, devices, requires_cuda
+from support.errors import assert_rejected, error_params, matrix_input_errors
+from support.errors import set_args as _set
+from support.inputs import same_bits, seed_note
+from support.tolerances import DTYPE_IDS, DTYPES, dtype_params
 
 import ragvit
 
@@ -117,23 +102,17 @@ def _ks(n: int) -> list[int]:
 
 
 def _grid_params():
-    params = []
-    for device in ("cpu", "cuda"):
-        marks = gpu_marks() if device == "cuda" else []
-        for dtype in DTYPES:
-            for out_dtype, out_id in OUT_DTYPES.items():
-                for L in LENGTHS:
-                    for prefix in PREFIXES:
-                        if prefix > L:
-                            continue
-                        for k in _ks(L - prefix):
-                            name = f"{device}-{DTYPE_IDS[dtype]}-{out_id}-L{L}-p{prefix}-k{k}"
-                            params.append(
-                                pytest.param(
-                                    device, dtype, out_dtype, L, prefix, k, marks=marks, id=name
-                                )
-                            )
-    return params
+    return [
+        device_param(device, dtype, out_dtype, L, prefix, k,
+                     id=f"{DTYPE_IDS[dtype]}-{out_id}-L{L}-p{prefix}-k{k}")
+        for device in ("cpu", "cuda")
+        for dtype in DTYPES
+        for out_dtype, out_id in OUT_DTYPES.items()
+        for L in LENGTHS
+        for prefix in PREFIXES
+        if prefix <= L
+        for k in _ks(L - prefix)
+    ]
 
 
 @pytest.mark.parametrize("device, dtype, out_dtype, L, prefix, k", _grid_params())
@@ -149,15 +128,13 @@ def test_topk_index_matches_reference(device, dtype, out_dtype, L, prefix, k, ge
 
 
 def _batch_params():
-    params = []
-    for device in ("cpu", "cuda"):
-        marks = gpu_marks() if device == "cuda" else []
-        for B in (1, 3, 64):
-            for L, dtypes in ((197, DTYPES), (577, (torch.bfloat16,)), (8192, (torch.float32,))):
-                for dtype in dtypes:
-                    name = f"{device}-{DTYPE_IDS[dtype]}-B{B}-L{L}"
-                    params.append(pytest.param(device, dtype, B, L, marks=marks, id=name))
-    return params
+    return [
+        device_param(device, dtype, B, L, id=f"{DTYPE_IDS[dtype]}-B{B}-L{L}")
+        for device in ("cpu", "cuda")
+        for B in (1, 3, 64)
+        for L, dtypes in ((197, DTYPES), (577, (torch.bfloat16,)), (8192, (torch.float32,)))
+        for dtype in dtypes
+    ]
 
 
 @pytest.mark.parametrize("device, dtype, B, L", _batch_params())
@@ -174,15 +151,13 @@ def test_topk_index_batch_sizes(device, dtype, B, L, gen, seed):
 
 
 def _value_params():
-    params = []
-    for device in ("cpu", "cuda"):
-        marks = gpu_marks() if device == "cuda" else []
-        for dtype in DTYPES:
-            for kind in ("ties", "equal", "special"):
-                for L in (40, 577, 8192):
-                    name = f"{device}-{DTYPE_IDS[dtype]}-{kind}-L{L}"
-                    params.append(pytest.param(device, dtype, kind, L, marks=marks, id=name))
-    return params
+    return [
+        device_param(device, dtype, kind, L, id=f"{DTYPE_IDS[dtype]}-{kind}-L{L}")
+        for device in ("cpu", "cuda")
+        for dtype in DTYPES
+        for kind in ("ties", "equal", "special")
+        for L in (40, 577, 8192)
+    ]
 
 
 @pytest.mark.parametrize("device, dtype, kind, L", _value_params())
@@ -495,13 +470,7 @@ def test_error_base_args_are_valid(device):
 
 @pytest.mark.parametrize("device, mutate, exc, pattern", error_params(TOPK_ERRORS))
 def test_rejects(device, mutate, exc, pattern):
-    a = _base(device)
-    mutate(a)
-    before = {n: a[n].clone() for n in ("scores", "out") if isinstance(a[n], torch.Tensor)}
-    with pytest.raises(exc, match=pattern):
-        _call(a)
-    for name, value in before.items():
-        assert same_bits(a[name], value), f"rejected call modified {name}"
+    assert_rejected(_call, _base(device), mutate, exc, pattern)
 
 
 @pytest.mark.parametrize("device", devices())
@@ -563,16 +532,8 @@ def test_topk_index_cuda_graph_replay(dtype, gen, seed):
         scores.copy_(_scores(gen, B, L, dtype, "cpu", "ties", prefix))
 
     refill()
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        ragvit.topk_index(scores, k, prefix=prefix, out=out)
-    torch.cuda.current_stream().wait_stream(side)
-    torch.cuda.synchronize()
-    _check(out, scores, k, prefix, seed)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        ragvit.topk_index(scores, k, prefix=prefix, out=out)
+    graph = capture_graph(lambda: ragvit.topk_index(scores, k, prefix=prefix, out=out))
+    _check(out, scores, k, prefix, seed)  # the eager run before the capture
     for _ in range(2):
         refill()
         out.fill_(OUT_POISON)
