@@ -1,13 +1,11 @@
 """Tensor exchange: every import path, stride units, lifetimes, leaks, refusals.
 
-Paths: torch tensors (DLPack C exchange API), NumPy arrays, objects offering only
-versioned DLPack, only legacy DLPack (old signature with no max_version, or one
-that ignores it), DLPack capsules built by hand with ctypes (versioned and
-legacy, with byte_offset), and on CUDA only the CUDA Array Interface (v2, and v3
-with a 'stream' key). Inputs are views of a (T, 3, H, D) buffer and outputs
-views of a wider buffer, so a stride read in the wrong unit (DLPack counts
-elements, CAI bytes) or a write outside the view shows. The fakes count their
-calls, so no test can pass by silently taking another path.
+Paths: torch tensors (the DLPack C exchange API), NumPy, producers offering only versioned or
+only legacy DLPack, capsules built by hand with ctypes (byte_offset included), and on CUDA
+the CUDA Array Interface v2 and v3. Inputs are views of a (T, 3, H, D) buffer and outputs
+views of a wider one, so a stride read in the wrong unit (DLPack counts elements, CAI
+bytes) or a write outside the view shows. The fakes count their calls, so no test can pass
+by silently taking another path.
 """
 
 from __future__ import annotations
@@ -23,22 +21,21 @@ import weakref
 import numpy as np
 import pytest
 import torch
-from conftest import (
-    DTYPE_IDS,
+from support.checks import check_attention, check_cls_attn
+from support.devices import gpu_marks, requires_cuda
+from support.inputs import (
     INT32_POISON,
-    TOL,
     covered_rows,
-    gpu_marks,
     make_cu_seqlens,
     make_qkv,
     poison,
-    requires_cuda,
     same_bits,
     seed_note,
 )
+from support.tolerances import DTYPE_IDS, TOL
 
 import ragvit
-from ragvit.reference import attention_reference, cls_attn_reference, pack_reference
+from ragvit.reference import attention_reference, pack_reference
 
 kDLCPU, kDLCUDA, kDLOpenCL = 1, 2, 4
 FLAG_READ_ONLY = 1
@@ -383,25 +380,6 @@ def _path_params(dtypes=(torch.float32, torch.float16, torch.bfloat16)):
     return params
 
 
-def _check_out(out, q, k, v, cu_seqlens, seed, cls_attn=None):
-    note = seed_note(seed)
-    covered = covered_rows(cu_seqlens, q.shape[0])
-    assert covered.any()
-    got = out.detach().to("cpu", torch.float64)
-    expected = attention_reference(q, k, v, cu_seqlens)
-    assert torch.isnan(got[~covered]).all(), "rows outside every sequence were written" + note
-    torch.testing.assert_close(
-        got[covered], expected[covered], **TOL[q.dtype], msg=lambda m: m + note
-    )
-    if cls_attn is not None:
-        got_cls = cls_attn.detach().to("cpu", torch.float64)
-        exp_cls = cls_attn_reference(q, k, cu_seqlens)
-        assert torch.isnan(got_cls[~covered]).all()
-        torch.testing.assert_close(
-            got_cls[covered], exp_cls[covered], atol=1e-5, rtol=0, msg=lambda m: m + note
-        )
-
-
 def _qkv_problem(gen, dtype, device, lengths=(5, 0, 70, 1), tail=3, num_heads=2, head_dim=64):
     """q, k, v views of one (T, 3, H, D) buffer, cu_seqlens, and poisoned outputs:
     out = view [:, 0] of a (T, 2, H, D) buffer and cls_attn = every other entry
@@ -429,7 +407,8 @@ def test_attention_through_every_path(path, dtype, gen, seed):
     if device == "cuda":
         torch.cuda.synchronize()
     _assert_fakes_used(args)
-    _check_out(out, q, k, v, cu_seqlens, seed, cls_attn=cls_attn)
+    check_attention(out, q, k, v, cu_seqlens, seed=seed)
+    check_cls_attn(cls_attn, q, k, cu_seqlens, seed=seed)
     assert torch.isnan(out_buffer[:, 1]).all() and torch.isnan(cls_buffer[1::2]).all(), (
         "a write landed outside the strided output views"
     )
@@ -489,7 +468,7 @@ def test_mixed_producers_in_one_call(gen, seed):
     ]
     assert ragvit.attention(*args[:4], out=args[4]) is args[4]
     _assert_fakes_used(args)
-    _check_out(out, q, k, v, cu_seqlens, seed)
+    check_attention(out, q, k, v, cu_seqlens, seed=seed)
 
 
 def test_torch_tensors_take_the_exchange_api(gen, seed):
@@ -504,7 +483,7 @@ def test_torch_tensors_take_the_exchange_api(gen, seed):
     out = out_buffer[:, 0]
     qs, ks, vs, cus, outs = (t.as_subclass(NoDlpack) for t in (q, k, v, cu_seqlens, out))
     assert ragvit.attention(qs, ks, vs, cus, out=outs) is outs
-    _check_out(out, q, k, v, cu_seqlens, seed)
+    check_attention(out, q, k, v, cu_seqlens, seed=seed)
 
 
 def test_dlpack_byte_offset_is_honoured(gen, seed):
@@ -516,7 +495,7 @@ def test_dlpack_byte_offset_is_honoured(gen, seed):
     out_producer = CtypesProducer(out, versioned=False, base=out_buffer.untyped_storage())
     ragvit.attention(*producers, cu_seqlens, out=out_producer)
     _assert_fakes_used(producers + [out_producer])
-    _check_out(out, q, k, v, cu_seqlens, seed)
+    check_attention(out, q, k, v, cu_seqlens, seed=seed)
     assert torch.isnan(out_buffer[:, 0]).all(), "byte_offset ignored: wrote at the buffer start"
 
 
@@ -564,7 +543,7 @@ def test_producer_deleted_right_after_the_call(path, gen, seed):
     gc.collect()
     assert all(r() is None for r in producer_refs), "a producer outlived the call"
     assert all(r() is None for r in backing_refs), "an exported array was never released"
-    _check_out(out, *copies, cu_seqlens, seed)
+    check_attention(out, *copies, cu_seqlens, seed=seed)
 
 
 # ---- no leaks over 10,000 calls ----
@@ -816,7 +795,7 @@ def test_cai_v3_stream_is_waited_on(gen, seed):
     ragvit.attention(*args[:4], out=args[4])  # no torch tensor: the CAI stream decides
     torch.cuda.synchronize()
     _assert_fakes_used(args)
-    _check_out(out, q_src, k, v, cu_seqlens, seed)
+    check_attention(out, q_src, k, v, cu_seqlens, seed=seed)
 
 
 @pytest.mark.gpu
@@ -830,7 +809,7 @@ def test_cai_strides_are_bytes(gen, seed):
     assert cai["strides"] == tuple(s * 2 for s in q.stride())
     ragvit.attention(*(CAIOnly(t) for t in (q, k, v, cu_seqlens)), out=CAIOnly(out))
     torch.cuda.synchronize()
-    _check_out(out, q, k, v, cu_seqlens, seed)
+    check_attention(out, q, k, v, cu_seqlens, seed=seed)
 
 
 def test_fake_classes_are_faithful():
