@@ -1,12 +1,10 @@
 """ragvit.cuda_graph: replayed CUDA graphs equal the eager forward of the same model.
 
-CPU (CI): argument errors, the eager fallback (one CudaGraphFallbackWarning per reason,
-outputs equal to eager), the LRU bound, timm_patch.graph_capture's temporary capacity
-mode, and the bench pipeline accepting data-dependent policies. GPU (device machine,
-`python -m pytest -q tests/test_graph.py`): replays vs eager for a fixed-count policy and
-capacity-mode policies (ThresholdL2 threshold=, ATS), batch 1 and 8, DeiT-S and distilled
-DeiT-S (random init); fresh inputs per replay; a poisoned static output; flat memory over
-100 replays; non-default streams; the LRU bound; autocast; re-patching; fallbacks.
+CPU: argument errors, the eager fallback (one CudaGraphFallbackWarning per reason, outputs
+equal to eager), the LRU bound, timm_patch.graph_capture's temporary capacity mode, and the
+bench pipeline accepting data-dependent policies. GPU: replays vs eager (fixed-count and
+capacity-mode policies, batch 1 and 8, DeiT-S and distilled DeiT-S), fresh inputs per replay,
+a poisoned static output, flat memory over 100 replays, streams, autocast, re-patching.
 """
 
 from __future__ import annotations
@@ -19,17 +17,15 @@ import warnings
 
 import pytest
 import torch
-from conftest import TOL, requires_cuda, seed_note
+from support.devices import requires_cuda
+from support.inputs import seed_note
+from support.tolerances import TOL
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 timm = pytest.importorskip("timm")
 
-from test_timm_patch import (  # noqa: E402
-    _one_cpu_thread,  # noqa: F401  (autouse fixture: one torch thread for tiny models)
-    images,
-    make_model,
-)
+from support.models import CPU_ATOL, images, make_model  # noqa: E402
 
 import ragvit  # noqa: E402
 from ragvit import bench, graph, timm_patch  # noqa: E402
@@ -37,7 +33,8 @@ from ragvit.graph import CudaGraphFallbackWarning, cuda_graph  # noqa: E402
 from ragvit.pruning import ATS, ThresholdL2  # noqa: E402
 from ragvit.timm_patch import patch, unpatch  # noqa: E402
 
-CPU_ATOL = 1e-4
+pytestmark = pytest.mark.usefixtures("one_cpu_thread")
+
 # fp16 logits, eager (trimmed rows) vs graph (capacity rows) or autocast: GEMM shapes differ,
 # so cuBLAS sums in another order: up to 4.1e-3 apart on an H200 (one logit in 8000); twice
 # that.
@@ -251,7 +248,7 @@ def test_bench_graph_pipeline_takes_data_dependent_policies(gen, seed):
     assert torch.equal(got, expected), seed_note(seed)
 
 
-# ---- GPU (device machine) ----
+# ---- GPU ----
 
 GPU_MODELS = [
     pytest.param("deit_small_patch16_224", id="deit_small"),

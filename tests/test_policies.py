@@ -1,10 +1,9 @@
-"""Issue-7 pruning policies (EViT, ATS, ToMe, DynamicViT): the packed pipeline equals the
+"""The pruning policies (EViT, ATS, ToMe, DynamicViT): the packed pipeline equals the
 padded-masked reference with identical decisions, the scoring rules equal float64
 re-implementations on small hand-made inputs, and bad arguments are refused.
 
-CPU tests use random-init DeiTs (pretrained=False, weights perturbed from the test seed) at
-small img_size, one torch thread; GPU tests (fp16, DeiT-S/B 224, batch 1 and 32) run on the
-device machine.
+CPU tests use support.models' random-init DeiTs (weights perturbed from the test's seed) at
+small img_size, one torch thread; GPU tests run fp16 DeiT-S/B 224 at batch 1 and 32.
 """
 
 from __future__ import annotations
@@ -17,16 +16,16 @@ import warnings
 
 import pytest
 import torch
-from conftest import requires_cuda, seed_note
+from support.devices import requires_cuda
+from support.inputs import seed_note
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 timm = pytest.importorskip("timm")
 
-from test_timm_patch import (  # noqa: E402
+from support.models import (  # noqa: E402
     CPU_ATOL,
     GPU_ATOL,
-    _one_cpu_thread,  # noqa: F401  (autouse fixture: one torch thread for tiny models)
     assert_fp16_close,
     check_against_reference,
     images,
@@ -51,6 +50,8 @@ from ragvit.pruning import (  # noqa: E402
     kept_count,
 )
 from ragvit.timm_patch import patch, unpatch  # noqa: E402
+
+pytestmark = pytest.mark.usefixtures("one_cpu_thread")
 
 POLICIES = {
     "evit_fuse": lambda: EViT(0.7, layers=(3, 6, 9)),
@@ -243,17 +244,25 @@ def test_kept_mask_of_masks_and_merge_maps():
                                                       [True, False, True, False]]
 
 
+def _tome_at_block_2(gen, batch, r):
+    """A DeiT-T (img_size 64) patched with ToMe(r) at block 2 and run on batch images:
+    (model, images, policy, logits, decisions), the model unpatched again."""
+    model = make_model("deit_tiny_patch16_224", gen, 64)
+    x = images(gen, batch, 64)
+    policy = ToMe(r, layers=(2,))
+    with torch.no_grad():
+        patch(model, policy)
+        got, decided = timm_patch.forward_with_decisions(model, x)
+    unpatch(model)
+    return model, x, policy, got, decided
+
+
 def test_tome_replays_merge_decisions(gen, seed):
     """A merge map other than the reference's own is replayed, not re-decided: merging
     token 3 into token 1 instead (both alive, 1 kept) changes the replayed logits, and the
     recorded map of the replay is the one given."""
-    model = make_model("deit_tiny_patch16_224", gen, 64)
-    x = images(gen, 2, 64)
-    policy = ToMe(2, layers=(2,))
+    model, x, policy, got, decided = _tome_at_block_2(gen, 2, 2)
     with torch.no_grad():
-        patch(model, policy)
-        got, decided = timm_patch.forward_with_decisions(model, x)
-        unpatch(model)
         same = reference.vit_forward_reference(model, x, policy, decisions=decided)
         other = [d.clone() for d in decided]
         kept = timm_patch.kept_mask(other[0])[0]
@@ -274,24 +283,19 @@ def test_tome_replays_merge_decisions(gen, seed):
     ("into_dropped", "merges a token into one that is not kept"),
 ])
 def test_tome_reference_refuses_bad_merge_decisions(edit, message, gen):
-    model = make_model("deit_tiny_patch16_224", gen, 64)
-    x = images(gen, 1, 64)
-    policy = ToMe(1, layers=(2,))
-    with torch.no_grad():
-        patch(model, policy)
-        _, decided = timm_patch.forward_with_decisions(model, x)
-        d = decided[0]
-        kept = timm_patch.kept_mask(d)[0]
-        if edit == "bool":
-            d = kept[None]
-        elif edit == "gone":
-            d = d.clone()
-            d[0, 1] = -1
-        else:  # a kept token now merges into a merged (dropped) token
-            d = d.clone()
-            d[0, int(kept[1:].nonzero()[0]) + 1] = int(kept.logical_not().nonzero()[0])
-        with pytest.raises(ValueError, match=message):
-            reference.vit_forward_reference(model, x, policy, decisions=[d])
+    model, x, policy, _, decided = _tome_at_block_2(gen, 1, 1)
+    d = decided[0]
+    kept = timm_patch.kept_mask(d)[0]
+    if edit == "bool":
+        d = kept[None]
+    elif edit == "gone":
+        d = d.clone()
+        d[0, 1] = -1
+    else:  # a kept token now merges into a merged (dropped) token
+        d = d.clone()
+        d[0, int(kept[1:].nonzero()[0]) + 1] = int(kept.logical_not().nonzero()[0])
+    with torch.no_grad(), pytest.raises(ValueError, match=message):
+        reference.vit_forward_reference(model, x, policy, decisions=[d])
 
 
 def test_selecting_policy_refuses_merge_map(gen):
@@ -503,8 +507,6 @@ def test_evit_topk_and_fusion_weights_float64(gen):
     ragged = EViT(0.5, layers=(3,)).select(dataclasses.replace(batch, seq_len=None))
     mask = torch.zeros(B, L, dtype=torch.bool).scatter_(1, sel.index, True)
     assert torch.equal(ragged.keep.view(B, L)[:, P:], mask[:, P:])
-    import ragvit
-
     out, cu, src = ragvit.repack(batch.rows, batch.cu_seqlens, mask.view(-1),
                                  fuse_weights=ragged.fuse_weights)
     assert cu.tolist() == [b * (P + k + 1) for b in range(B + 1)]
@@ -611,10 +613,10 @@ def test_select_without_inputs_raises(gen):
     assert isinstance(EViT().select(batch), Selection)
 
 
-# ---- GPU (device machine) ----
+# ---- GPU ----
 
 
-# Paper defaults run on the device only (CPU cases above use smaller settings).
+# Paper defaults run on the GPU only (CPU cases above use smaller settings).
 GPU_POLICIES = {
     "tome_r8": lambda: ToMe(8),
     "ats_k108_b3": lambda: ATS(108, layers=(3,)),
@@ -631,7 +633,7 @@ GPU_POLICIES = {
 @pytest.mark.parametrize("name", ["deit_small_patch16_224", "deit_base_patch16_224"],
                          ids=["deit_small", "deit_base"])
 def test_gpu_fp16_matches_reference(name, policy_name, batch, gen, seed):
-    """Issue 7: fp16 max |dlogit| vs the fp16 padded reference <= 0.004 (decisions replayed,
+    """fp16 max |dlogit| vs the fp16 padded reference <= 0.004 (decisions replayed,
     ToMe's merge maps included: rounding may flip a near-tie), top-1 identical where the
     reference's top-2 gap is clear; the unreplayed reference must agree on most decisions."""
     dtype = torch.float16
