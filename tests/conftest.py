@@ -1,4 +1,4 @@
-"""pytest fixtures and hooks: per-test seeds, the debug switch, markers, session settings.
+"""pytest fixtures and hooks: per-test seeds, the debug switch, markers, run-wide settings.
 
 Every random input comes from a torch.Generator seeded from a hash of the test's node id
 (`gen`), so a failure reproduces by re-running that one test; the seed is attached to the

@@ -23,6 +23,7 @@ from support.errors import (
     error_params,
     row_op_args,
     row_op_errors,
+    vector_arg_errors,
 )
 from support.errors import set_args as _set
 from support.inputs import (
@@ -237,63 +238,18 @@ def _call(a):
     )
 
 
-# (id, mutation, exception, message regex, cpu_only): support.errors.row_op_errors (x, out,
-# stream) and the rows of weight, bias and eps.
-LAYER_NORM_ERRORS = row_op_errors("layer_norm") + [
-    (
-        "weight_wrong_length",
-        _set(weight=lambda a: a["weight"][:11]),
-        ValueError,
-        r"weight must have shape \(12,\), got \(11,\)",
-        False,
-    ),
-    (
-        "weight_2d",
-        _set(weight=lambda a: a["weight"].reshape(1, 12)),
-        ValueError,
-        r"weight must have shape \(12,\), got \(1, 12\)",
-        False,
-    ),
-    (
-        "weight_float16",
-        _set(weight=lambda a: a["weight"].half()),
-        TypeError,
-        r"weight must have the dtype of x \(float32\), got float16",
-        False,
-    ),
+# (id, mutation, exception, message regex, cpu_only): support.errors' rows of x, out, stream,
+# weight and bias, and layer_norm's own.
+LAYER_NORM_ERRORS = (
+    row_op_errors("layer_norm")
+    + vector_arg_errors("weight", 12, torch.float16, out_row=1)
+    + vector_arg_errors("bias", 12, torch.bfloat16, out_row=4)
+) + [
     (
         "weight_list",
         _set(weight=lambda a: a["weight"].tolist()),
         TypeError,
         r"weight must be an array",
-        False,
-    ),
-    (
-        "bias_wrong_length",
-        _set(bias=lambda a: torch.ones(13, device=a["x"].device)),
-        ValueError,
-        r"bias must have shape \(12,\), got \(13,\)",
-        False,
-    ),
-    (
-        "bias_bfloat16",
-        _set(bias=lambda a: a["bias"].bfloat16()),
-        TypeError,
-        r"bias must have the dtype of x \(float32\), got bfloat16",
-        False,
-    ),
-    (
-        "out_aliases_weight",
-        _set(weight=lambda a: a["out"][1]),
-        ValueError,
-        r"out must not alias \(overlap\) weight",
-        False,
-    ),
-    (
-        "out_aliases_bias",
-        _set(bias=lambda a: a["out"][4]),
-        ValueError,
-        r"out must not alias \(overlap\) bias",
         False,
     ),
     ("eps_zero", _set(eps=0.0), ValueError, r"eps must be finite and in \(0, 1\], got 0", False),

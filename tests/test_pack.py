@@ -15,14 +15,26 @@ import math
 import numpy as np
 import pytest
 import torch
-from support.cuda import GARBAGE_PACKED_CU_SEQLENS, call_with_debug, capture_graph
+from support.cuda import (
+    GARBAGE_PACKED_CU_SEQLENS,
+    call_with_debug,
+    capture_graph,
+    flagged_contents_test,
+)
 from support.devices import device_param, devices, gpu_marks, requires_cuda
-from support.errors import PACKED_INPUT_ERRORS, assert_rejected, error_params, packed_args
+from support.errors import (
+    PACKED_INPUT_ERRORS,
+    assert_rejected,
+    cu_seqlens_errors,
+    error_params,
+    packed_args,
+)
 from support.errors import set_args as _set
 from support.inputs import (
     INT32_POISON,
     as_numpy,
     make_cu_seqlens,
+    packed_rows,
     poison,
     random_lengths,
     same_bits,
@@ -744,12 +756,7 @@ def test_gather_prefix_short_sequence_raises_on_cpu():
 @pytest.mark.parametrize("device", devices())
 def test_gather_prefix_strided_packed(device, gen):
     """packed as a column slice of a wider NaN buffer (row stride C + 6)."""
-    lengths = [3, 1, 7, 4]
-    rows, C = GAP + sum(lengths) + GAP, 30
-    wide = poison((rows, C + 6))
-    wide[:, :C] = torch.randn((rows, C), generator=gen)
-    packed = wide.to(device)[:, :C]
-    cu_seqlens = (make_cu_seqlens(lengths) + GAP).to(torch.int32).to(device)
+    packed, cu_seqlens = packed_rows(gen, [3, 1, 7, 4], 30, device=device, gap=GAP, pad_cols=6)
     prefix = ragvit.gather_prefix(packed, cu_seqlens, 1)
     assert torch.equal(prefix[:, 0].cpu(), packed.cpu()[cu_seqlens.cpu()[:-1].long()])
 
@@ -927,36 +934,49 @@ PACK_ERRORS = [
     ("x_list", _set(x=lambda a: a["x"].tolist()), TypeError, r"\bx\b", False),
 ]
 
-PACK_INTO_ERRORS = PACK_ERRORS + [
+# The _into forms' out (capacity, C): another dtype, C + 1 columns, 1-D.
+def _capacity_too_small(op, index_name, capacity, kept):
+    """The row of an _into form given out and index rows for `capacity` < `kept` tokens
+    (checked on the CPU; CUDA flags it on the device: test_*_capacity_too_small_on_cuda)."""
+    return (
+        "capacity_too_small",
+        _set(
+            out=lambda a: poison((capacity, 6), device=a["out"].device),
+            **{index_name: lambda a: poison((capacity,), torch.int32, a["out"].device)},
+        ),
+        ValueError,
+        rf"{op}: out must have room for every kept token \(capacity {capacity}\), got {kept}",
+        True,
+    )
+
+
+def _prefix_sums_out_errors(name):
+    """Rows of an _into form's (B + 1,) int32 prefix-sum output: one entry short, int64."""
+    return [
+        (f"{name}_too_short", _set(**{name: lambda a: a[name][:-1]}), ValueError, name, False),
+        (f"{name}_int64", _set(**{name: lambda a: a[name].long()}), TypeError, name, False),
+    ]
+
+
+PACKED_OUT_ERRORS = [
     ("out_dtype_differs", _set(out=lambda a: a["out"].half()), TypeError, r"\bout\b", False),
     (
         "out_channels_differ",
-        _set(out=lambda a: poison((10, 7), device=_x_device(a))),
+        _set(out=lambda a: poison((a["out"].shape[0], 7), device=a["out"].device)),
         ValueError,
         r"\bout\b",
         False,
     ),
     (
         "out_1d",
-        _set(out=lambda a: poison((60,), device=_x_device(a))),
+        _set(out=lambda a: poison((a["out"].numel(),), device=a["out"].device)),
         ValueError,
         r"\bout\b",
         False,
     ),
-    (
-        "cu_seqlens_too_short",
-        _set(cu_seqlens=lambda a: a["cu_seqlens"][:2]),
-        ValueError,
-        "cu_seqlens",
-        False,
-    ),
-    (
-        "cu_seqlens_int64",
-        _set(cu_seqlens=lambda a: a["cu_seqlens"].long()),
-        TypeError,
-        "cu_seqlens",
-        False,
-    ),
+]
+
+PACK_INTO_ERRORS = PACK_ERRORS + PACKED_OUT_ERRORS + _prefix_sums_out_errors("cu_seqlens") + [
     ("indices_int64", _set(indices=lambda a: a["indices"].long()), TypeError, "indices", False),
     (
         "indices_wrong_length",
@@ -966,19 +986,10 @@ PACK_INTO_ERRORS = PACK_ERRORS + [
         False,
     ),
     ("out_aliases_x", _set(out=lambda a: a["x"].reshape(10, 6)), ValueError, "alias", False),
-    (
-        "capacity_too_small",
-        _set(
-            out=lambda a: poison((4, 6), device=_x_device(a)),
-            indices=lambda a: poison((4,), torch.int32, _x_device(a)),
-        ),
-        ValueError,
-        r"capacity|room|out",
-        True,
-    ),
+    _capacity_too_small("pack_into", "indices", capacity=4, kept=5),
 ]
 
-UNPACK_ERRORS = [
+UNPACK_ERRORS = cu_seqlens_errors() + [
     (
         "N_below_a_length",
         _set(N=3, out=lambda a: poison((2, 3, 6), device=_packed_device(a)), indices=None),
@@ -1071,13 +1082,6 @@ UNPACK_ERRORS = [
         "cu_seqlens",
         True,
     ),
-    (
-        "cu_seqlens_int64",
-        _set(cu_seqlens=lambda a: a["cu_seqlens"].long()),
-        TypeError,
-        "cu_seqlens",
-        False,
-    ),
     ("fill_str", _set(fill="0"), TypeError, "fill", False),
     ("packed_dict", _set(packed={}), TypeError, "packed", False),
 ]
@@ -1088,30 +1092,10 @@ REPACK_ERRORS = PACKED_INPUT_ERRORS + [
     ("keep_short", _set(keep=lambda a: a["keep"][:11]), ValueError, "keep", False),
 ]
 
-REPACK_INTO_ERRORS = REPACK_ERRORS + [
-    ("out_dtype", _set(out=lambda a: a["out"].half()), TypeError, r"\bout\b", False),
-    (
-        "out_channels",
-        _set(out=lambda a: poison((12, 7), device=_packed_device(a))),
-        ValueError,
-        r"\bout\b",
-        False,
-    ),
+REPACK_INTO_ERRORS = (
+    REPACK_ERRORS + PACKED_OUT_ERRORS + _prefix_sums_out_errors("cu_seqlens_out")
+) + [
     ("out_aliases_packed", _set(out=lambda a: a["packed"]), ValueError, "alias", False),
-    (
-        "cu_seqlens_out_short",
-        _set(cu_seqlens_out=lambda a: a["cu_seqlens_out"][:3]),
-        ValueError,
-        "cu_seqlens_out",
-        False,
-    ),
-    (
-        "cu_seqlens_out_int64",
-        _set(cu_seqlens_out=lambda a: a["cu_seqlens_out"].long()),
-        TypeError,
-        "cu_seqlens_out",
-        False,
-    ),
     (
         "cu_seqlens_out_aliases_cu_seqlens",
         _set(cu_seqlens_out=lambda a: a["cu_seqlens"]),
@@ -1127,16 +1111,7 @@ REPACK_INTO_ERRORS = REPACK_ERRORS + [
         r"\bsrc\b",
         False,
     ),
-    (
-        "capacity_too_small",
-        _set(
-            out=lambda a: poison((5, 6), device=_packed_device(a)),
-            src=lambda a: poison((5,), torch.int32, _packed_device(a)),
-        ),
-        ValueError,
-        r"room|capacity",
-        True,
-    ),
+    _capacity_too_small("repack_into", "src", capacity=5, kept=7),
 ]
 
 GATHER_PREFIX_ERRORS = PACKED_INPUT_ERRORS + [
@@ -1330,10 +1305,7 @@ def test_repack_into_segment_helpers_cuda_graph_replay(gen, seed):
         )
 
 
-@pytest.mark.gpu
-@pytest.mark.sanitizer
-@requires_cuda
-@pytest.mark.parametrize("debug", [True, False], ids=["debug", "no_debug"])
+@flagged_contents_test
 def test_pack_into_capacity_too_small_on_cuda(debug, gen, seed):
     x, keep, mask = _make_pack_inputs(gen, (8, 197, 30), torch.float16, "cuda", "random_bool")
     exp_packed, exp_cu, _ = pack_reference(x, mask.to("cuda"))
@@ -1364,10 +1336,7 @@ GARBAGE_UNPACK = {
 }
 
 
-@pytest.mark.gpu
-@pytest.mark.sanitizer
-@requires_cuda
-@pytest.mark.parametrize("debug", [True, False], ids=["debug", "no_debug"])
+@flagged_contents_test
 @pytest.mark.parametrize("case", list(GARBAGE_UNPACK))
 def test_unpack_garbage_contents_never_crash(case, debug):
     values, index_values = GARBAGE_UNPACK[case]
@@ -1389,10 +1358,7 @@ def test_unpack_garbage_contents_never_crash(case, debug):
     assert torch.equal(padded, expected)
 
 
-@pytest.mark.gpu
-@pytest.mark.sanitizer
-@requires_cuda
-@pytest.mark.parametrize("debug", [True, False], ids=["debug", "no_debug"])
+@flagged_contents_test
 @pytest.mark.parametrize("case", list(GARBAGE_PACKED_CU_SEQLENS))
 @pytest.mark.parametrize("op", ["repack_into", "gather_prefix"])
 def test_garbage_cu_seqlens_never_crash(op, case, debug):
@@ -1416,10 +1382,7 @@ def test_garbage_cu_seqlens_never_crash(op, case, debug):
     assert torch.equal(repacked, packed) and cu_good.cpu().tolist() == [0, 10, 24]
 
 
-@pytest.mark.gpu
-@pytest.mark.sanitizer
-@requires_cuda
-@pytest.mark.parametrize("debug", [True, False], ids=["debug", "no_debug"])
+@flagged_contents_test
 def test_repack_into_capacity_too_small_on_cuda(debug, gen, seed):
     lengths = [40, 1, 0, 30, 197]
     packed, cu_seqlens, keep, mask = _make_packed(gen, lengths, 30, torch.float16, "cuda")
@@ -1441,10 +1404,7 @@ def test_repack_into_capacity_too_small_on_cuda(debug, gen, seed):
     assert (src_guard[capacity:] == INT32_POISON).all(), "src written past capacity"
 
 
-@pytest.mark.gpu
-@pytest.mark.sanitizer
-@requires_cuda
-@pytest.mark.parametrize("debug", [True, False], ids=["debug", "no_debug"])
+@flagged_contents_test
 def test_gather_prefix_short_sequence_on_cuda(debug):
     packed = torch.arange(12 * 3, dtype=torch.float32, device="cuda").reshape(12, 3)
     cu_seqlens = make_cu_seqlens([5, 1, 6], "cuda")

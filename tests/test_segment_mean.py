@@ -2,7 +2,7 @@
 dtype, widths, skip (the prefix rows left out), strided packed rows, every user-reachable
 error, and on CUDA garbage device-side cu_seqlens (never out of bounds; debug mode raises).
 
-Packed inputs carry NaN rows before the first and after the last sequence (never read);
+Packed inputs hold NaN rows before the first and after the last sequence (never read);
 outputs are NaN-poisoned with guard rows past them (never written). An empty segment's mean
 is zeros. CPU cases are sized for two slow cores.
 """
@@ -12,11 +12,18 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from support.cuda import GARBAGE_PACKED_CU_SEQLENS, call_with_debug
-from support.devices import device_param, devices, requires_cuda
+from support.cuda import GARBAGE_PACKED_CU_SEQLENS, call_with_debug, flagged_contents_test
+from support.devices import device_param, devices
 from support.errors import PACKED_INPUT_ERRORS, assert_rejected, error_params, packed_args
 from support.errors import set_args as _set
-from support.inputs import as_numpy, make_cu_seqlens, poison, random_lengths, seed_note
+from support.inputs import (
+    as_numpy,
+    make_cu_seqlens,
+    packed_rows,
+    poison,
+    random_lengths,
+    seed_note,
+)
 from support.references import segment_mean_reference
 from support.tolerances import DTYPE_IDS, DTYPES, TOL
 
@@ -41,11 +48,7 @@ def _segment_mean_params():
 def test_segment_mean_matches_reference(device, dtype, C, skip, with_out, gen, seed):
     B = 7 if device == "cpu" else 256
     lengths = random_lengths(gen, B, 0, 197, include=(0, 1, skip, skip + 1, 197, 577))
-    rows = GAP + sum(lengths) + GAP
-    packed = poison((rows, C), dtype)
-    packed[GAP : rows - GAP] = torch.randn((rows - 2 * GAP, C), generator=gen).to(dtype)
-    packed = packed.to(device)
-    cu_seqlens = (make_cu_seqlens(lengths) + GAP).to(torch.int32).to(device)
+    packed, cu_seqlens = packed_rows(gen, lengths, C, dtype, device, gap=GAP)
     kwargs = {"skip": skip} if skip else {}
     if with_out:
         guard = poison((B + 2, C), dtype, device)
@@ -73,12 +76,7 @@ def test_segment_mean_accumulates_in_float32():
 @pytest.mark.parametrize("device", devices())
 def test_segment_mean_strided_packed(device, gen, seed):
     """packed as a column slice of a wider NaN buffer (row stride C + 6)."""
-    lengths = [3, 1, 7, 4]
-    rows, C = GAP + sum(lengths) + GAP, 30
-    wide = poison((rows, C + 6))
-    wide[:, :C] = torch.randn((rows, C), generator=gen)
-    packed = wide.to(device)[:, :C]
-    cu_seqlens = (make_cu_seqlens(lengths) + GAP).to(torch.int32).to(device)
+    packed, cu_seqlens = packed_rows(gen, [3, 1, 7, 4], 30, device=device, gap=GAP, pad_cols=6)
     mean = ragvit.segment_mean(packed, cu_seqlens, skip=1)
     torch.testing.assert_close(
         mean.cpu().double(),
@@ -122,6 +120,8 @@ SEGMENT_MEAN_ERRORS = PACKED_INPUT_ERRORS + [
 def test_error_base_args_are_valid(device):
     a = _base(device)
     assert _call(a) is a["out"]
+    expected = segment_mean_reference(a["packed"], a["cu_seqlens"], 0)
+    torch.testing.assert_close(a["out"].cpu().double(), expected)
 
 
 @pytest.mark.parametrize("device, mutate, exc, pattern", error_params(SEGMENT_MEAN_ERRORS))
@@ -149,10 +149,7 @@ def test_rejects_read_only_numpy_outputs():
 # ---- CUDA: garbage contents ----
 
 
-@pytest.mark.gpu
-@pytest.mark.sanitizer
-@requires_cuda
-@pytest.mark.parametrize("debug", [True, False], ids=["debug", "no_debug"])
+@flagged_contents_test
 @pytest.mark.parametrize("case", list(GARBAGE_PACKED_CU_SEQLENS))
 def test_garbage_cu_seqlens_never_crash(case, debug):
     packed = torch.arange(24 * 6, dtype=torch.float32, device="cuda").reshape(24, 6)

@@ -1,9 +1,9 @@
-"""Helpers shared by the test files (fixtures and pytest hooks live in conftest.py).
+"""Helpers shared by the test files; fixtures and pytest hooks live in conftest.py.
 
-tolerances: dtypes and the per-dtype tables; inputs: seeded factories, poison, cu_seqlens,
-bit comparisons; lengths: the named length sets of the attention tests; errors: the error
-tables every op's `rejects` test runs; devices: device parameters, GPU marks and CUDA
-helpers; checks: assertions against a float64 reference and a baseline; references: float64
-references more than one file needs; models: timm models for the patch and policy tests.
-Imported as `from support.inputs import poison` (tests/ is on sys.path under pytest).
+tolerances: dtypes and tolerance tables; inputs: seeded factories, poison, bit comparisons;
+lengths: the named sequence-length sets; errors: the error tables and the rows several ops
+share; devices: device params and GPU marks; cuda: graph capture, streams, the debug switch;
+checks: the float64-reference and baseline assertions; references: float64 references two
+files need; models: timm models and patched-forward checks. Imported as `from support.inputs
+import poison` (pytest puts tests/ on sys.path).
 """

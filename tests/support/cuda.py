@@ -4,7 +4,7 @@ error flag.
 Kernels never trust device contents (cu_seqlens, indices, capacities): they stay in bounds
 and OR error bits into a per-device flag, which a debug-mode call reads back and clears
 (raising ValueError). call_with_debug runs a call on such contents both ways. Only used by
-tests that carry gpu_marks().
+tests marked with gpu_marks() or flagged_contents_test.
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ import pytest
 import torch
 
 import ragvit
+from support.devices import requires_cuda
 
 
 def capture_graph(fn, *, capture_on_side_stream=False) -> torch.cuda.CUDAGraph:
@@ -53,6 +54,16 @@ def drain_device_error_flag():
     except ValueError:
         pass
     torch.cuda.synchronize()
+
+
+def flagged_contents_test(fn):
+    """Marks a test of device contents a kernel must flag (it runs call_with_debug): a GPU
+    test, small enough for compute-sanitizer, parametrized over the debug switch (ids
+    debug / no_debug)."""
+    fn = pytest.mark.parametrize("debug", [True, False], ids=["debug", "no_debug"])(fn)
+    for mark in (requires_cuda, pytest.mark.sanitizer, pytest.mark.gpu):
+        fn = mark(fn)
+    return fn
 
 
 def call_with_debug(call, debug: bool, pattern: str, inspect=None):

@@ -4,7 +4,8 @@ A table row is (case_id, mutate, exception, message regex, cpu_only): mutate(arg
 op's valid base arguments (a dict) into the failing call's. error_params makes the rows
 pytest params for "cpu" and "cuda" (cpu_only rows, contents only the CPU can check without
 a sync, run on the CPU alone); assert_rejected runs one and checks that the rejected call
-wrote nothing. Rows several ops share live here (matrix inputs, packed inputs, row ops).
+wrote nothing. Rows several ops share are made here: matrix inputs and outputs, vector
+arguments, cu_seqlens, packed inputs, the row ops' x and out.
 """
 
 from __future__ import annotations
@@ -117,6 +118,68 @@ def matrix_input_errors(op: str, name: str, shape: tuple[int, int]) -> list:
     ]
 
 
+def matrix_out_errors(op: str, shape: tuple[int, int], make_out, same_dtype_as_x=True) -> list:
+    """Rows of the ops whose out is a (rows, cols) matrix with a unit column stride, and
+    which take a stream: out of the wrong cols, rows or rank, with a column stride, not an
+    array, in another dtype than a float32 x (same_dtype_as_x); stream not a handle.
+    make_out(shape, device) makes a poisoned out; `shape` is the base out's."""
+    rows, cols = shape
+
+    def out_of(shape_, transpose=False):
+        def make(a):
+            out = make_out(shape_, a["out"].device)
+            return out.t() if transpose else out
+
+        return set_args(out=make)
+
+    got = rf"{op}: out must have shape \({rows}, {cols}\), got "
+    dtype_rows = [
+        ("out_float16", set_args(out=lambda a: a["out"].half()), TypeError,
+         rf"{op}: out must have the dtype of x \(float32\), got float16", False),
+    ] if same_dtype_as_x else []
+    return dtype_rows + [
+        ("out_wrong_cols", out_of((rows, cols + 1)), ValueError,
+         got + rf"\({rows}, {cols + 1}\)", False),
+        ("out_wrong_rows", out_of((rows - 1, cols)), ValueError,
+         got + rf"\({rows - 1}, {cols}\)", False),
+        ("out_1d", out_of((rows * cols,)), ValueError, got + rf"\({rows * cols},\)", False),
+        ("out_last_dim_strided", out_of((cols, rows), transpose=True), ValueError,
+         rf"{op}: out must be contiguous in its last dimension \(stride 1\), got stride {rows}",
+         False),
+        ("out_str", set_args(out="out"), TypeError, rf"{op}: out must be an array", False),
+        ("stream_str", set_args(stream="s"), TypeError, rf"{op}: stream must be an int handle",
+         False),
+    ]
+
+
+def vector_arg_errors(name: str, length: int, other_dtype: torch.dtype, out_row: int) -> list:
+    """Rows of a (length,) argument of a float32 x's dtype (linear's bias, layer_norm's
+    weight and bias): too short, 2-D, another dtype, and out's row out_row itself."""
+    dtype_name = str(other_dtype).removeprefix("torch.")
+    return [
+        (f"{name}_wrong_length", set_args(**{name: lambda a: a[name][:-1]}), ValueError,
+         rf"{name} must have shape \({length},\), got \({length - 1},\)", False),
+        (f"{name}_2d", set_args(**{name: lambda a: a[name].reshape(1, length)}), ValueError,
+         rf"{name} must have shape \({length},\), got \(1, {length}\)", False),
+        (f"{name}_{dtype_name}", set_args(**{name: lambda a: a[name].to(other_dtype)}),
+         TypeError, rf"{name} must have the dtype of x \(float32\), got {dtype_name}", False),
+        (f"out_aliases_{name}", set_args(**{name: lambda a: a["out"][out_row]}), ValueError,
+         rf"out must not alias \(overlap\) {name}", False),
+    ]
+
+
+def cu_seqlens_errors() -> list:
+    """Rows of every op that reads a cu_seqlens: int64, 2-D, empty."""
+    return [
+        ("cu_seqlens_int64", set_args(cu_seqlens=lambda a: a["cu_seqlens"].long()), TypeError,
+         "cu_seqlens", False),
+        ("cu_seqlens_2d", set_args(cu_seqlens=lambda a: a["cu_seqlens"][None]), ValueError,
+         "cu_seqlens", False),
+        ("cu_seqlens_empty", set_args(cu_seqlens=lambda a: a["cu_seqlens"][:0]), ValueError,
+         "cu_seqlens", False),
+    ]
+
+
 def packed_args(device) -> dict:
     """packed (12, 6) float32 and cu_seqlens of lengths [5, 0, 7]: the arguments the rows
     of PACKED_INPUT_ERRORS change (repack, repack_into, gather_prefix, segment_mean)."""
@@ -137,7 +200,7 @@ def _cu_seqlens(values):
     )
 
 
-PACKED_INPUT_ERRORS = [
+PACKED_INPUT_ERRORS = cu_seqlens_errors() + [
     (
         "packed_int32",
         set_args(packed=lambda a: a["packed"].to(torch.int32)),
@@ -160,27 +223,6 @@ PACKED_INPUT_ERRORS = [
         False,
     ),
     ("packed_list", set_args(packed=lambda a: a["packed"].tolist()), TypeError, "packed", False),
-    (
-        "cu_seqlens_int64",
-        set_args(cu_seqlens=lambda a: a["cu_seqlens"].long()),
-        TypeError,
-        "cu_seqlens",
-        False,
-    ),
-    (
-        "cu_seqlens_2d",
-        set_args(cu_seqlens=lambda a: a["cu_seqlens"].reshape(2, 2)),
-        ValueError,
-        "cu_seqlens",
-        False,
-    ),
-    (
-        "cu_seqlens_empty",
-        set_args(cu_seqlens=lambda a: a["cu_seqlens"][:0]),
-        ValueError,
-        "cu_seqlens",
-        False,
-    ),
     ("cu_seqlens_decreasing", _cu_seqlens([0, 5, 3, 12]), ValueError, "non-decreasing", True),
     ("cu_seqlens_past_T", _cu_seqlens([0, 5, 5, 13]), ValueError, "total_tokens", True),
     ("cu_seqlens_negative", _cu_seqlens([-1, 5, 5, 12]), ValueError, r"cu_seqlens\[0\]", True),
@@ -230,58 +272,17 @@ def _numpy_read_only_in_place(a):
 
 def row_op_errors(op: str) -> list:
     """Rows of the row ops (layer_norm, gelu) about x, out and stream, for row_op_args."""
-    return matrix_input_errors(op, "x", (5, 12)) + [
-        (
-            "out_wrong_shape",
-            set_args(out=lambda a: poison((5, 11), device=_x_device(a))),
-            ValueError,
-            r"out must have shape \(5, 12\), got \(5, 11\)",
-            False,
-        ),
-        (
-            "out_1d",
-            set_args(out=lambda a: poison((60,), device=_x_device(a))),
-            ValueError,
-            r"out must have shape \(5, 12\), got \(60,\)",
-            False,
-        ),
-        (
-            "out_float16",
-            set_args(out=lambda a: a["out"].half()),
-            TypeError,
-            r"out must have the dtype of x \(float32\), got float16",
-            False,
-        ),
-        (
-            "out_last_dim_strided",
-            set_args(out=lambda a: poison((12, 5), device=_x_device(a)).t()),
-            ValueError,
-            r"out must be contiguous in its last dimension",
-            False,
-        ),
-        (
-            "out_overlaps_x",
-            _out_overlaps_x,
-            ValueError,
-            rf"{op}: out must not alias \(overlap\) x",
-            False,
-        ),
-        (
-            "out_is_x_with_other_stride",
-            _out_is_x_with_other_stride,
-            ValueError,
-            r"out must have x's row stride when it is x \(in place\), got 12 and 24",
-            False,
-        ),
-        (
-            "out_read_only_numpy",
-            _numpy_read_only_out,
-            ValueError,
-            rf"{op}: out must be writable, got a read-only array",
-            True,
-        ),
-        ("in_place_read_only_numpy", _numpy_read_only_in_place, ValueError,
-         r"out must be writable", True),
-        ("out_str", set_args(out="out"), TypeError, r"out must be an array", False),
-        ("stream_str", set_args(stream="s"), TypeError, r"stream must be an int handle", False),
-    ]
+    return (
+        matrix_input_errors(op, "x", (5, 12))
+        + matrix_out_errors(op, (5, 12), lambda shape, device: poison(shape, device=device))
+        + [
+            ("out_overlaps_x", _out_overlaps_x, ValueError,
+             rf"{op}: out must not alias \(overlap\) x", False),
+            ("out_is_x_with_other_stride", _out_is_x_with_other_stride, ValueError,
+             r"out must have x's row stride when it is x \(in place\), got 12 and 24", False),
+            ("out_read_only_numpy", _numpy_read_only_out, ValueError,
+             rf"{op}: out must be writable, got a read-only array", True),
+            ("in_place_read_only_numpy", _numpy_read_only_in_place, ValueError,
+             r"out must be writable", True),
+        ]
+    )

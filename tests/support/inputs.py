@@ -97,6 +97,18 @@ def poison(shape, dtype=torch.float32, device="cpu") -> torch.Tensor:
     return torch.full(shape, INT32_POISON, dtype=dtype, device=device)
 
 
+def packed_rows(gen, lengths, C, dtype=torch.float32, device="cpu", gap=0, pad_cols=0):
+    """(packed, cu_seqlens): N(0, 1) rows of sequences of `lengths`, with `gap` NaN rows
+    before the first and after the last (rows of no sequence: never read), as dtype on
+    device. With pad_cols, packed is the first C columns of a NaN buffer pad_cols wider."""
+    rows = gap + sum(lengths) + gap
+    buffer = poison((rows, C + pad_cols), dtype)
+    buffer[gap : rows - gap, :C] = torch.randn((rows - 2 * gap, C), generator=gen).to(dtype)
+    packed = buffer.to(device)[:, :C]
+    cu_seqlens = (make_cu_seqlens(lengths) + gap).to(torch.int32).to(device)
+    return packed, cu_seqlens
+
+
 def bits(t: torch.Tensor) -> torch.Tensor:
     """A contiguous CPU integer view of t's bits, so NaN compares equal to itself."""
     t = t.detach().to("cpu").contiguous()
