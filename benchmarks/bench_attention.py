@@ -25,18 +25,13 @@ from __future__ import annotations
 
 import argparse
 import math
-import os
-import sys
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import report  # noqa: E402
-import timing  # noqa: E402
-
-import ragvit  # noqa: E402
+import ragvit
+from ragvit.bench import report, sweep, timing
 
 HEAD_DIM = 64
 MODELS = {"DeiT-S": 6, "DeiT-B": 12}
@@ -260,7 +255,7 @@ def fmt(row, kind, name):
 
 def render(rows, env) -> str:
     lines = [
-        f"# ragvit.attention on {env['gpu']}",
+        f"# ragvit.attention on {env['device']}",
         "",
         f"driver {env['driver']}, CUDA {env['cuda']}, torch {env['torch']}, "
         f"ragvit {env['ragvit']} @ {env['git_sha']}; fp16, head_dim 64, q/k/v strided views "
@@ -350,11 +345,12 @@ def main(argv=None):
         args.block = min(args.block, 25)
     flusher = timing.L2Flusher()
     cases = [Case(*g) for g in grid]
-    rows, bad = report.check_then_time(
+    rows, bad = sweep.check_then_time(
         cases, check_case, lambda case, row: time_case(case, row, args, flusher),
         lambda row: row["ragvit_ok"])
-    return report.publish(rows, bad, render, args.out, rounds=args.rounds, reps=args.reps,
-                          ratio_rounds=max(2, args.ratio_calls // args.block), block=args.block)
+    return report.publish(rows, bad, render, args.out, "cuda", rounds=args.rounds,
+                          reps=args.reps, ratio_rounds=max(2, args.ratio_calls // args.block),
+                          block=args.block)
 
 
 if __name__ == "__main__":

@@ -52,20 +52,15 @@ import argparse
 import contextlib
 import copy
 import math
-import os
-import sys
 import time
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import report  # noqa: E402
-import timing  # noqa: E402
-
-import ragvit  # noqa: E402
-from ragvit import bench, timm_patch  # noqa: E402
-from ragvit.bench import patched, timm_forward  # noqa: E402
-from ragvit.pruning import ATS, EViT, ThresholdL2, ToMe  # noqa: E402
+import ragvit
+from ragvit import timm_patch
+from ragvit.bench import pipelines, report, timing
+from ragvit.bench.pipelines import GPU_ONLY, UNPRUNED, patched, timm_forward
+from ragvit.pruning import ATS, EViT, ThresholdL2, ToMe
 
 MODELS = {
     "DeiT-S 224": ("deit_small_patch16_224", 224),
@@ -80,8 +75,6 @@ SUITES = tuple(SUITE_MINUTES)
 # its model's weights back in L2 (DeiT-S's fit) as when a model is served alone; the eager
 # suites are host-bound and take one call per round.
 BURST = {"paper": 1, "policies": 1, "graph": 3}
-UNPRUNED = ("timm_eager", "timm_graph")
-GPU_ONLY = ("timm_graph", "paper_fa2", "fa2_packed", "ragvit_graph")
 
 
 class Context:
@@ -123,14 +116,14 @@ class Context:
 
     def load(self, label):
         name, img_size = MODELS[label]
-        return bench.load_model(name, img_size, self.dtype, self.device, self.seed), img_size
+        return pipelines.load_model(name, img_size, self.dtype, self.device, self.seed), img_size
 
 
 # ---- policies ----
 
 
 def random_predictors(model, stages, seed):
-    """DynamicViT prediction modules with seeded random weights (no trained ones offline)."""
+    """DynamicViT prediction modules with seeded random weights (no trained ones are loaded)."""
     from ragvit.pruning import DynamicViTPredictor
 
     with torch.random.fork_rng(devices=[]):
@@ -141,7 +134,7 @@ def random_predictors(model, stages, seed):
 
 
 def policy_configs(model, seed) -> dict:
-    """Issue 7's policies: {key: (setting, policy)}; setting "paper" or "keep~50%".
+    """The policies suite: {key: (setting, policy)}; setting "paper" or "keep~50%".
 
     Paper settings are ragvit.pruning's documented defaults (EViT 0.7 at 3/6/9 fused; ATS
     K=108 at block 3; ToMe r=8 in every block; DynamicViT 0.7/0.49/0.343 at 3/6/9;
@@ -174,63 +167,6 @@ PAPER_POLICIES = {
 }
 
 
-# ---- the FA2 baseline for policies that read the CLS attention row ----
-
-
-def fa2_attention_cls(q, k, v, cu_seqlens, max_seqlen=None, *, scale=None, out=None,
-                      cls_attn=None, bias=None):
-    """ragvit.bench.fa2_attention plus, when asked, the head-mean CLS attention row.
-
-    FA2 varlen returns no probabilities, so a user of it computes what EViT/ATS score with
-    in torch: each sequence's first query against its keys, a segment softmax, the mean
-    over heads (about ten small ops per attention call; counted in fa2_packed's time).
-
-    Args:
-        q, k, v: (T, H, D) views; cu_seqlens: (S+1,) int32; cls_attn: (T,) float32 out.
-
-    Raises:
-        ValueError: bias given (FA2 varlen has no per-key bias: ToMe cannot run on it).
-    """
-    if bias is not None:
-        raise ValueError("fa2_attention_cls: FA2 varlen takes no per-key bias "
-                         "(ToMe's proportional attention)")
-    o = bench.fa2_attention(q, k, v, cu_seqlens, max_seqlen, scale=scale)
-    if cls_attn is not None:
-        T, H, D = q.shape
-        S = cu_seqlens.numel() - 1
-        scale = scale if scale is not None else D ** -0.5
-        seq = torch.repeat_interleave(torch.arange(S, device=q.device), cu_seqlens.diff(),
-                                      output_size=T)
-        first = q[cu_seqlens[:-1].long()].float()  # (S, H, D)
-        logits = (first[seq] * k.float()).sum(-1) * scale  # (T, H)
-        idx = seq[:, None].expand(-1, H)
-        peak = torch.full((S, H), -math.inf, device=q.device).scatter_reduce(
-            0, idx, logits, reduce="amax")
-        e = torch.exp(logits - peak[seq])
-        total = torch.zeros(S, H, device=q.device).index_add_(0, seq, e)
-        cls_attn.copy_((e / total[seq]).mean(1))
-    if out is not None:
-        out.copy_(o)
-        return out
-    return o
-
-
-def fa2_unsupported(policy) -> str | None:
-    return ("FA2 varlen takes no per-key bias (ToMe's proportional attention)"
-            if policy is not None and policy.needs_keys else None)
-
-
-@contextlib.contextmanager
-def pipeline(name, model, policy, x):
-    """ragvit.bench.make_pipeline, except fa2_packed for policies reading cls_attn."""
-    if name == "fa2_packed" and policy is not None and policy.needs_cls_attn:
-        with patched(model, policy, attention=fa2_attention_cls):
-            yield lambda: model(x)
-    else:
-        with bench.make_pipeline(name, model, policy, x) as fn:
-            yield fn
-
-
 # ---- correctness ----
 
 
@@ -249,33 +185,33 @@ def kept_fractions(model, policy, decided) -> tuple[float, float]:
 
 def check_fa2(model, x, policy, tol) -> tuple[float | None, str | None]:
     """FA2 packed vs the reference replaying FA2's own decisions: (err, unavailable)."""
-    why = fa2_unsupported(policy)
+    why = pipelines.fa2_unsupported(policy)
     if why:
         return None, why
-    attention = fa2_attention_cls if policy.needs_cls_attn else bench.fa2_attention
     try:
-        return bench.own_decisions_err(model, x, policy, attention), None
+        attention = pipelines.fa2_attention_for(policy)
+        return pipelines.own_decisions_err(model, x, policy, attention), None
     except Exception as e:  # noqa: BLE001 - a baseline that cannot run is reported
         return None, f"{type(e).__name__}: {e}"
 
 
-def check_row(model, x, policy, pipelines, ctx) -> dict:
-    """ragvit.bench.check on the pipelines it builds, FA2 against its own decisions, kept
+def check_row(model, x, policy, pipeline_names, ctx) -> dict:
+    """pipelines.check on the pipelines it builds, FA2 against its own decisions, kept
     fractions. ok: ragvit (and ragvit_graph, FA2 where they run) within
-    bench.TOLERANCE[dtype], ragvit's top-1 equal to the reference's except on near-ties
-    (bench.check's rule: top-2 margin <= 2 x tolerance). The reference's own decisions are
+    pipelines.TOLERANCE[dtype], ragvit's top-1 equal to the reference's except on near-ties
+    (check's rule: top-2 margin <= 2 x tolerance). The reference's own decisions are
     reported (decisions_agree), not required: a near-tie may flip in fp16."""
-    tol = bench.TOLERANCE[ctx.dtype]
-    own = tuple(p for p in pipelines if p not in ("reference", "fa2_packed"))
+    tol = pipelines.TOLERANCE[ctx.dtype]
+    own = tuple(p for p in pipeline_names if p not in ("reference", "fa2_packed"))
     try:
-        c = bench.check(model, x, policy, own, ctx.dtype)
+        c = pipelines.check(model, x, policy, own, ctx.dtype)
     except Exception as e:  # noqa: BLE001 - e.g. ToMe: the fp16 reference merged others
         return {"ok": False, "error": f"{type(e).__name__}: {e}", "err": {},
                 "err_ragvit_vs_reference": math.nan, "err_fa2_vs_reference": math.nan,
                 "kept_fraction_last_stage": math.nan, "kept_per_block": math.nan,
                 "top1_agree": math.nan, "unavailable": {}}
     err, unavailable = dict(c["err"]), dict(c["unavailable"])
-    if "fa2_packed" in pipelines:
+    if "fa2_packed" in pipeline_names:
         err["fa2_packed"], why = check_fa2(model, x, policy, tol)
         if why:
             unavailable["fa2_packed"] = why
@@ -283,7 +219,7 @@ def check_row(model, x, policy, pipelines, ctx) -> dict:
         _, decided = timm_patch.forward_with_decisions(model, x)
     final, per_block = kept_fractions(model, policy, decided)
     # FA2 packed runs torch's modules like the reference: plain tolerance. Our own
-    # pipelines were judged by bench.check (tolerance, or its fp32-relative rule).
+    # pipelines were judged by pipelines.check (tolerance, or its fp32-relative rule).
     ok = c["ok"] and (err.get("fa2_packed") is None or err["fa2_packed"] <= tol)
     return {
         "err": err,
@@ -305,17 +241,17 @@ def check_row(model, x, policy, pipelines, ctx) -> dict:
 def check_lossless(model, x) -> float:
     with patched(model, None):
         ours = model(x)
-    return bench.max_err(ours, timm_forward(model, x))
+    return pipelines.max_err(ours, timm_forward(model, x))
 
 
 # ---- one suite: check everything, then time what passed ----
 
 
-def run_suite(suite, ctx, models, batches, policies_for, pipelines, remaining, lossless=False):
+def run_suite(suite, ctx, models, batches, policies_for, pipeline_names, remaining, lossless=False):
     """rows of one suite; policies_for(model) -> {key: (setting, policy)}."""
     ctx.start_suite(suite, remaining)
     print(f"== suite {suite}: {', '.join(models)}; batch {', '.join(map(str, batches))}; "
-          f"{', '.join(pipelines)}", flush=True)
+          f"{', '.join(pipeline_names)}", flush=True)
     loaded = {label: ctx.load(label) for label in models}
     configs = {label: policies_for(loaded[label][0]) for label in models}
     rows = []
@@ -330,7 +266,7 @@ def run_suite(suite, ctx, models, batches, policies_for, pipelines, remaining, l
                 if ctx.out_of_time():
                     row["skipped"] = "budget"
                     continue
-                row["check"] = check_row(model, x, policy, pipelines, ctx)
+                row["check"] = check_row(model, x, policy, pipeline_names, ctx)
                 if lossless_err is not None:
                     row["lossless_err"] = lossless_err
                 c = row["check"]
@@ -359,7 +295,7 @@ def run_suite(suite, ctx, models, batches, policies_for, pipelines, remaining, l
                     continue
                 x = x if x is not None else ctx.images(batch, img_size)
                 policy = configs[label][row["policy"]][1]
-                names = [n for n in pipelines
+                names = [n for n in pipeline_names
                          if (n in UNPRUNED and n not in shared) or n == "reference"
                          or (n not in UNPRUNED and row["check"]["err"].get(n) is not None)]
                 with contextlib.ExitStack() as stack:
@@ -371,12 +307,12 @@ def run_suite(suite, ctx, models, batches, policies_for, pipelines, remaining, l
                             if name not in copies:
                                 copies[name] = copy.deepcopy(model)
                             target = copies[name]
-                        fns[name] = stack.enter_context(pipeline(
+                        fns[name] = stack.enter_context(pipelines.make_pipeline(
                             name, target, None if name in UNPRUNED else policy, x))
                     stats = ctx.time_ms_interleaved(fns, BURST[suite])
                 shared.update({n: stats[n] for n in UNPRUNED if n in stats})
                 row["timing"] = {}
-                for name in pipelines:  # unavailable ones are listed in the check
+                for name in pipeline_names:  # unavailable ones are listed in the check
                     st = shared.get(name) if name in UNPRUNED else stats.get(name)
                     if st is not None:
                         row["timing"][name] = {"ms": vars(st),
@@ -416,7 +352,7 @@ def _status(row) -> str | None:
 
 
 def _errs(c) -> str:
-    """ragvit / FA2 max |dlogit| vs the reference; where ragvit passed by bench.check's
+    """ragvit / FA2 max |dlogit| vs the reference; where ragvit passed by pipelines.check's
     fp32-relative rule, also its error and the reference's against the fp32 forward."""
     text = f"{_fmt(c.get('err_ragvit_vs_reference'))} / {_fmt(c.get('err_fa2_vs_reference'))}"
     exact = (c.get("err_exact") or {}).get("ragvit")
@@ -510,7 +446,7 @@ def render_graph(rows) -> list[str]:
     head = ("| model | BS | kept | max dlogit ragvit / ragvit graph / paper | img/s: "
             + " / ".join(names) + " | graph / timm graph | graph / paper FA2 | "
             "graph / FA2 packed | graph / ragvit eager |")
-    lines = ["ThresholdL2 keep 50% after block 4; graph = ragvit.bench.make_pipeline"
+    lines = ["ThresholdL2 keep 50% after block 4; graph = ragvit.bench.pipelines.make_pipeline"
              "('ragvit_graph'), the whole pruned forward replayed as one CUDA graph.", "",
              head, "|" + "---|" * (head.count("|") - 1)]
     targets = {"s1_2500": [], "s1_fa2": [], "s1_timm": [], "timm12": []}
@@ -561,8 +497,8 @@ RENDER = {"paper": render_paper, "policies": render_policies, "graph": render_gr
 
 
 def render(rows, env) -> str:
-    lines = [f"# End-to-end images/s on {env['gpu']}", "",
-             f"driver {env['driver']}, CUDA {env['cuda']}, torch {env['torch']}, "
+    lines = [f"# End-to-end images/s on {env['device']}", "",
+             f"driver {env['driver'] or '–'}, CUDA {env['cuda']}, torch {env['torch']}, "
              f"timm {env['timm']}, ragvit {env['ragvit']} @ {env['git_sha']}; "
              f"{env['dtype']}, random weights and images; median of {env['reps']} after "
              f"{env['warmup']} warm-ups ({env['timer']}). max dlogit: vs the padded-masked "
@@ -613,8 +549,6 @@ def main(argv=None):
         parser.error("--batches must be >= 1")
     if not args.tiny and not (torch.cuda.is_available() and ragvit.cuda_available()):
         parser.error("needs a CUDA device and a CUDA build of ragvit (or --tiny on the CPU)")
-    import timm
-
     ctx = Context(args)
     if args.tiny:
         torch.set_num_threads(1)  # tiny models: intra-op threads only add barrier waits
@@ -623,13 +557,13 @@ def main(argv=None):
     rows, bad = [], 0
     with torch.inference_mode(), _quiet_dynamicvit():
         for i, suite in enumerate(suites):
-            models, batches, policies, pipelines, lossless = suite_plan(suite, args, ctx)
-            got, failed = run_suite(suite, ctx, models, batches, policies, pipelines,
+            models, batches, policies, pipeline_names, lossless = suite_plan(suite, args, ctx)
+            got, failed = run_suite(suite, ctx, models, batches, policies, pipeline_names,
                                     suites[i:], lossless)
             rows += got
             bad += failed
     return report.publish(
-        rows, bad, render, args.out, timm=timm.__version__, suites=suites, dtype=ctx.dtype,
+        rows, bad, render, args.out, ctx.device, suites=suites, dtype=ctx.dtype,
         warmup=args.warmup, reps=args.reps,
         timer=("CUDA events" if ctx.device == "cuda" else "perf_counter, CPU smoke run")
         + ", a row's pipelines interleaved call by call"
@@ -638,31 +572,31 @@ def main(argv=None):
 
 
 def suite_plan(suite, args, ctx):
-    """(models, batches, policies_for, pipelines, lossless) of one suite."""
+    """(models, batches, policies_for, pipeline_names, lossless) of one suite."""
     if suite == "paper":
         models, batches = list(MODELS)[:3], [1, 4, 16, 64, 256]
         keys = list(PAPER_POLICIES)
         if args.quick:
             models, batches, keys = models[:2], [1, 64], keys[:1]
         policies = lambda model: {k: ("paper", PAPER_POLICIES[k]()) for k in keys}  # noqa: E731
-        pipelines = ("timm_eager", "timm_graph", "reference", "fa2_packed", "ragvit")
+        pipeline_names = ("timm_eager", "timm_graph", "reference", "fa2_packed", "ragvit")
         lossless = True
     elif suite == "policies":
         models, batches = list(MODELS)[:2], [1, 16, 256]
         policies = lambda model: policy_configs(model, args.seed)  # noqa: E731
-        pipelines = ("timm_eager", "reference", "fa2_packed", "ragvit")
+        pipeline_names = ("timm_eager", "reference", "fa2_packed", "ragvit")
         lossless = False
     else:
         models, batches = list(MODELS)[:2], [1, 4, 16]
         policies = lambda model: {"l2_keep50_b4": ("paper", ThresholdL2(0.5, layers=(4,)))}  # noqa: E731
-        pipelines = ("timm_eager", "timm_graph", "paper_fa2", "fa2_packed", "ragvit",
+        pipeline_names = ("timm_eager", "timm_graph", "paper_fa2", "fa2_packed", "ragvit",
                      "ragvit_graph")
         lossless = False
     if args.tiny:
         models, batches = ["DeiT-T 64"], [1, 2]
     models = args.models if args.models and not args.tiny else models
     batches = args.batches or batches
-    return models, batches, policies, ctx.pipelines(pipelines), lossless
+    return models, batches, policies, ctx.pipelines(pipeline_names), lossless
 
 
 @contextlib.contextmanager

@@ -16,17 +16,12 @@ runs), GPU time per call from CUDA-graph replay (capturable ops) next to the mem
 from __future__ import annotations
 
 import argparse
-import os
-import sys
 
 import numpy as np
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import report  # noqa: E402
-import timing  # noqa: E402
-
-import ragvit  # noqa: E402
+import ragvit
+from ragvit.bench import report, sweep, timing
 
 N = 197
 COPY_BANDWIDTH = 4.3e12  # bytes/s, measured device-to-device copy bandwidth of the H200
@@ -191,7 +186,7 @@ def time_case(case: Case, row: dict, args, flusher) -> None:
         for k in capturable
     }
     row["wall_us"] = {
-        k: timing.events_ms(fn, reps=args.reps).median * 1e3
+        k: timing.time_ms(fn, reps=args.reps).median * 1e3
         for k, fn in ops.items()
         if k != "launch_floor"
     }
@@ -204,7 +199,7 @@ def time_case(case: Case, row: dict, args, flusher) -> None:
 
 def render(rows, env) -> str:
     lines = [
-        f"# ragvit token packing on {env['gpu']}",
+        f"# ragvit token packing on {env['device']}",
         "",
         f"driver {env['driver']}, CUDA {env['cuda']}, torch {env['torch']}, "
         f"ragvit {env['ragvit']} @ {env['git_sha']}; fp16, N = {N}. Host µs = Python → "
@@ -269,10 +264,10 @@ def main(argv=None):
     ragvit.set_debug(False)
     flusher = timing.L2Flusher()
     cases = [Case(*g) for g in grid]
-    rows, bad = report.check_then_time(
+    rows, bad = sweep.check_then_time(
         cases, check_case, lambda case, row: time_case(case, row, args, flusher),
         lambda row: row["ok"])
-    return report.publish(rows, bad, render, args.out)
+    return report.publish(rows, bad, render, args.out, "cuda")
 
 
 if __name__ == "__main__":

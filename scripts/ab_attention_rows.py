@@ -46,7 +46,8 @@ def main(argv=None) -> int:
     if not (torch.cuda.is_available() and ragvit.cuda_available()):
         parser.error("needs a CUDA device and a CUDA build of ragvit")
     import bench_attention as ba
-    import timing
+
+    from ragvit.bench import timing
 
     flusher = timing.L2Flusher()
     for row in args.rows:

@@ -1,30 +1,30 @@
-"""The one timer of ragvit's benchmarks.
+"""The one timer of ragvit's benchmarks, ragvit.demo and `python -m ragvit.bench`.
 
-Host time: median over many back-to-back calls timed with perf_counter_ns (Python →
-enqueued), the device synchronized afterwards. Host comparisons (an op against the
-empty-launch floor) interleave the callables in alternating blocks over many rounds, so
-clock drift and noise hit both sides alike; the ratio is the median of per-round ratios of
-block medians, with its spread across rounds. GPU time: the calls captured in a CUDA
-graph, replays timed with CUDA events on the current stream, warm-up by time, L2 flushed
-before each replay, median and p20/p80 over at least 50 replays; contenders compared on
-the GPU (gpu_us_graphs) are timed in sequential blocks, one contender a block with its own
-warm-up, the order rotating over rounds, so none is always the one that inherits the
-clocks and temperature the block before left. End to end: CUDA events around each
-forward, the pipelines of a row interleaved call by call (interleaved_ms). Never a single
-sample.
+Host µs (host_us, host_us_interleaved): perf_counter_ns per call, medians; contenders run in
+alternating blocks so clock drift cancels in per-round ratios. GPU µs (gpu_us_graph(s)):
+CUDA-graph replays timed with CUDA events, warm-up by time, L2 flushed before each replay,
+contenders in blocks whose order rotates. End-to-end ms (time_ms, interleaved_ms): CUDA events
+around each call (perf_counter on the CPU), contenders interleaved call by call. Never a
+single sample. torch is imported only where a GPU is timed: the host timers run without it.
 """
 
 from __future__ import annotations
 
 import gc
 import statistics
+import sys
 import time
 from dataclasses import dataclass
+
+__all__ = [
+    "GraphTimer", "L2Flusher", "Stats", "cuda_sync", "gpu_us_graph", "gpu_us_graphs",
+    "host_us", "host_us_interleaved", "interleaved_ms", "rotated_blocks", "time_ms",
+]
 
 
 @dataclass
 class Stats:
-    """Per-call time in µs (or a ratio): median and the 10/20/80/90th percentiles."""
+    """Per-call time in µs or ms (or a ratio): median and the 10/20/80/90th percentiles."""
 
     median: float
     p20: float
@@ -36,46 +36,54 @@ class Stats:
         return f"{self.median:.2f}"
 
 
-def _stats(samples_us: list[float]) -> Stats:
-    qs = statistics.quantiles(samples_us, n=10, method="inclusive")
-    return Stats(statistics.median(samples_us), qs[1], qs[7], qs[0], qs[8])
+def _stats(samples: list[float]) -> Stats:
+    if len(samples) == 1:  # quantiles need two points; one sample is its own spread
+        samples = samples * 2
+    qs = statistics.quantiles(samples, n=10, method="inclusive")
+    return Stats(statistics.median(samples), qs[1], qs[7], qs[0], qs[8])
 
 
-def _cuda_sync():
-    import torch
+def cuda_sync() -> None:
+    """torch.cuda.synchronize() when torch is loaded and sees a GPU; otherwise nothing.
 
-    if torch.cuda.is_available():
+    Looks torch up in sys.modules instead of importing it: a process that never imported
+    torch has queued no torch work, and the host timers stay usable without torch."""
+    torch = sys.modules.get("torch")
+    if torch is not None and torch.cuda.is_available():
         torch.cuda.synchronize()
 
 
-def host_us(fn, calls: int = 1000, warmup: int = 50) -> Stats:
-    """Host µs per call of fn() (Python → enqueued), median of `calls` calls."""
-    import torch
+def host_us(fn, calls: int = 1000, warmup: int = 50, sync=cuda_sync,
+            sync_every: int = 200) -> Stats:
+    """Host µs per call of fn() (Python → enqueued), over `calls` calls after `warmup`.
 
+    sync() runs after the warm-up, after every `sync_every` timed calls (so the launch queue
+    never fills up and blocks a launch: 1 for calls that each enqueue a whole forward) and
+    at the end; it is not timed."""
     for _ in range(warmup):
         fn()
-    torch.cuda.synchronize()
+    sync()
     samples = []
     clock = time.perf_counter_ns
     for _ in range(calls):
         t0 = clock()
         fn()
         samples.append((clock() - t0) / 1e3)
-        if len(samples) % 200 == 0:  # keep the queue from filling up and blocking launches
-            torch.cuda.synchronize()
-    torch.cuda.synchronize()
+        if len(samples) % sync_every == 0:
+            sync()
+    sync()
     return _stats(samples)
 
 
 def host_us_interleaved(fns: dict, pairs: dict, calls: int = 2000, block: int = 50,
-                        warmup: int = 50, sync=_cuda_sync) -> tuple[dict, dict]:
+                        warmup: int = 50, sync=cuda_sync) -> tuple[dict, dict]:
     """Host µs per call of each fn in `fns` (name -> callable), measured side by side.
 
     Every round runs one block of `block` calls of each fn (untimed sync and three
     untimed calls before each block; the order rotates every round), each call timed
-    with perf_counter_ns; calls // block rounds in all, GC off meanwhile. So the floor
-    and the op see the same clock, frequency and queue state, and drift between them
-    cancels in the per-round ratio.
+    with perf_counter_ns; calls // block rounds in all (at least 2), GC off meanwhile. So
+    the floor and the op see the same clock, frequency and queue state, and drift between
+    them cancels in the per-round ratio.
 
     Returns (stats, ratios): stats[name].median is the median of the per-round block
     medians, p10..p90 are over all calls; ratios[key] for pairs[key] = (num, den) holds
@@ -222,9 +230,10 @@ def gpu_us_graphs(fns: dict, rounds: int = 3, reps: int = 50, calls_per_graph: i
     return rotated_blocks(timers, rounds, reps)
 
 
-def events_ms(fn, warmup: int = 10, reps: int = 50) -> Stats:
-    """Milliseconds per fn() from CUDA events around each call (end-to-end timing)."""
-    return interleaved_ms({"fn": fn}, warmup, reps)["fn"]
+def time_ms(fn, device: str = "cuda", warmup: int = 10, reps: int = 50) -> Stats:
+    """Milliseconds per fn() over `reps` calls after `warmup`: CUDA events around each call
+    (device "cuda"), perf_counter on the CPU. End-to-end timing of one callable."""
+    return interleaved_ms({"fn": fn}, warmup, reps, device)["fn"]
 
 
 def interleaved_ms(fns: dict, warmup: int = 10, reps: int = 50, device: str = "cuda",
@@ -240,21 +249,24 @@ def interleaved_ms(fns: dict, warmup: int = 10, reps: int = 50, device: str = "c
     (its own weights back in L2 after the other fns ran), as a model served alone runs.
 
     Returns:
-        {name: Stats} (median, p20/p80, p10/p90 over that fn's `reps` calls).
-    """
-    import torch
+        {name: Stats} (median, p20/p80, p10/p90 over that fn's `reps` calls; at least one).
 
+    Raises:
+        ValueError: burst < 1.
+    """
     if burst < 1:
         raise ValueError(f"interleaved_ms: burst must be >= 1, got {burst}")
     names = list(fns)
     gpu = device == "cuda"
+    if gpu:
+        import torch
     for name in names:
         for _ in range(warmup):
             fns[name]()
     if gpu:
         torch.cuda.synchronize()
     samples = {name: [] for name in names}
-    for r in range(max(reps, 2)):
+    for r in range(max(reps, 1)):
         for i in range(len(names)):
             name = names[(r + i) % len(names)]
             for _ in range(burst - 1):

@@ -1,15 +1,18 @@
-"""`python -m ragvit.bench` and benchmarks/ragvit_benchmarks.ipynb on the CPU, tiny mode.
+"""ragvit.bench (timer, pipelines, report, CLI), the scripts in benchmarks/ and the notebook.
 
 The CLI runs in a subprocess as a user would run it (--help, a tiny DeiT-Tiny 64 px sweep
 that must print "all results match", the table and write JSON/CSV; malformed arguments
-must give argparse's usage error, exit 2, not a traceback). The notebook executes top to
-bottom headless through nbclient with RAGVIT_NB_TINY=1, so it cannot rot. Budget: well
-under a minute on two slow cores.
+must give argparse's usage error, exit 2, not a traceback). The benchmark scripts run their
+CPU smoke modes (bench_e2e.py --tiny) and argument checks. The notebook executes top to
+bottom headless with RAGVIT_NB_TINY=1, so it cannot rot. The
+timer's scheduling (rotation, interleaving, bursts) is checked with counting callables on
+the CPU. Budget: about a minute on two slow cores.
 """
 
 from __future__ import annotations
 
 import csv
+import importlib.util
 import json
 import os
 import subprocess
@@ -25,7 +28,7 @@ NOTEBOOK = os.path.join(ROOT, "benchmarks", "ragvit_benchmarks.ipynb")
 
 
 def run_cli(*args, timeout=120, **env):
-    full_env = dict(os.environ, HF_HUB_OFFLINE="1", **env)
+    full_env = dict(os.environ, **env)
     full_env["PYTHONPATH"] = ROOT + os.pathsep + full_env.get("PYTHONPATH", "")
     return subprocess.run([sys.executable, "-m", "ragvit.bench", *args], cwd=ROOT,
                           env=full_env, capture_output=True, text=True, timeout=timeout)
@@ -63,6 +66,23 @@ def test_tiny_cpu_sweep(tmp_path):
                                                                    "ragvit"}
 
 
+def child_env():
+    env = dict(os.environ)
+    env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
+    return env
+
+
+def test_importing_bench_imports_no_torch_and_sets_no_environment():
+    """ragvit.bench and its timer import without torch or timm and leave os.environ as it
+    was, so NumPy-only code (ragvit.demo's attention example) can use the timer."""
+    code = ("import os, sys; before = dict(os.environ); import ragvit.bench, ragvit.bench.timing; "
+            "assert dict(os.environ) == before, set(os.environ) ^ set(before); "
+            "assert 'torch' not in sys.modules and 'timm' not in sys.modules, 'torch imported'")
+    r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=child_env(),
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+
+
 @pytest.mark.parametrize("args, message", [
     (["--batches", "0"], "--batches"),
     (["--keep", "1.5"], "--keep"),
@@ -74,10 +94,10 @@ def test_tiny_cpu_sweep(tmp_path):
     (["--device", "cpu", "--pipelines", "timm_graph"], "GPU only"),
 ], ids=lambda v: v if isinstance(v, str) else "_".join(v))
 def test_malformed_arguments_are_usage_errors(args, message, capsys):
-    from ragvit import bench
+    from ragvit.bench import cli
 
     with pytest.raises(SystemExit) as exc:
-        bench.main(args)
+        cli.main(args)
     assert exc.value.code == 2
     err = capsys.readouterr().err
     assert "usage:" in err and message in err
@@ -92,7 +112,7 @@ def test_malformed_arguments_subprocess():
 
 
 def test_load_results_reads_bench_e2e_json(tmp_path):
-    from ragvit import bench
+    from ragvit.bench import report
 
     path = tmp_path / "e2e.json"
     timing = {"ms": {"median": 2.0, "p20": 1.9, "p80": 2.1}, "images_per_s": 500.0}
@@ -100,17 +120,23 @@ def test_load_results_reads_bench_e2e_json(tmp_path):
         "model": "DeiT-S 224", "policy": "l2_keep50_b4", "batch": 1,
         "check": {"kept_fraction_last_stage": 0.5, "err_ragvit_vs_reference": 1e-3},
         "timing": {"timm_eager": timing, "ragvit": timing}}]}))
-    rows = bench.load_results(str(path))
+    rows = report.load_results(str(path))
     assert [r["pipeline"] for r in rows] == ["timm_eager", "ragvit"]
     assert rows[1]["device"] == "NVIDIA H200" and rows[1]["max_dlogit"] == 1e-3
+    assert rows[1]["dtype"] == "fp16"  # the older record: "gpu", no dtype
+    path.write_text(json.dumps({"env": {"device": "NVIDIA H100", "dtype": "bf16"}, "rows": [{
+        "model": "DeiT-S 224", "policy": "l2_keep50_b4", "batch": 1,
+        "check": {"kept_fraction_last_stage": 0.5}, "timing": {"ragvit": timing}}]}))
+    rows = report.load_results(str(path))
+    assert rows[0]["device"] == "NVIDIA H100" and rows[0]["dtype"] == "bf16"
 
 
 def test_load_result_folders_takes_each_suite_once(tmp_path):
-    """ragvit.bench.load_result_folders: a bench_e2e suite comes from the first file that
+    """report.load_result_folders: a bench_e2e suite comes from the first file that
     has it (a fresh folder listed first wins over the committed results; within a folder a
     one-suite re-run wins over an every-suite run), sweeps always load, other JSON is
     ignored; every file is logged as loaded or skipped."""
-    from ragvit import bench
+    from ragvit.bench import report
 
     timing = {"ms": {"median": 2.0, "p20": 1.9, "p80": 2.1}, "images_per_s": 500.0}
 
@@ -130,7 +156,7 @@ def test_load_result_folders_takes_each_suite_once(tmp_path):
     (committed / "e2e_zz_h200.json").write_text(json.dumps(e2e(["graph"], 100.0)))
     (committed / "attention_h200.json").write_text(json.dumps({"env": {}, "rows": [{}]}))
     lines = []
-    rows = bench.load_result_folders([fresh, committed], log=lines.append)
+    rows = report.load_result_folders([fresh, committed], log=lines.append)
     got = sorted((r["suite"], r["pipeline"], r["images_per_s"]) for r in rows)
     assert got == [("graph", "ragvit", 100.0), ("graph", "timm_eager", 100.0),
                    ("paper", "ragvit", 900.0), ("paper", "timm_eager", 900.0),
@@ -139,7 +165,7 @@ def test_load_result_folders_takes_each_suite_once(tmp_path):
                      f"loaded {committed / 'e2e_zz_h200.json'} suites: graph",
                      f"loaded {committed / 'e2e_h200.json'} suites: policies"]
     lines.clear()
-    rows = bench.load_result_folders([committed, fresh], log=lines.append)
+    rows = report.load_result_folders([committed, fresh], log=lines.append)
     assert lines == [f"loaded {committed / 'e2e_zz_h200.json'} suites: graph",
                      f"loaded {committed / 'e2e_h200.json'} suites: paper, policies",
                      f"skipped {fresh / 'e2e_paper_h200.json'} (its suites came from an "
@@ -156,7 +182,6 @@ def test_notebook_executes_in_tiny_mode(monkeypatch):
         pytest.skip(f"notebook test needs nbclient, nbformat, ipykernel and matplotlib "
                     f"(pip install -r requirements-test.txt): {e}")
     monkeypatch.setenv("RAGVIT_NB_TINY", "1")
-    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     monkeypatch.setenv("PYTHONPATH", ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
     nb = nbformat.read(NOTEBOOK, as_version=4)
     client = nbclient.NotebookClient(nb, timeout=180, kernel_name="python3",
@@ -170,13 +195,21 @@ def test_notebook_executes_in_tiny_mode(monkeypatch):
     assert images >= 3  # throughput/speedup, attention µs, kept fraction vs speedup
 
 
-# ---- benchmarks/bench_e2e.py suites and benchmarks/run_notebook.py (CPU smoke runs) ----
+# ---- the scripts in benchmarks/ (CPU smoke runs and argument checks) ----
 
 BENCH = os.path.join(ROOT, "benchmarks")
 
 
+def load_script(name):
+    """benchmarks/<name>.py as a module, in this process (scripts are not a package)."""
+    spec = importlib.util.spec_from_file_location(name, os.path.join(BENCH, f"{name}.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 def run_script(script, *args, timeout=180):
-    env = dict(os.environ, HF_HUB_OFFLINE="1")
+    env = dict(os.environ)
     env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
     return subprocess.run([sys.executable, os.path.join(BENCH, script), *args], cwd=ROOT,
                           env=env, capture_output=True, text=True, timeout=timeout)
@@ -199,10 +232,19 @@ def test_bench_attention_refuses_counts_below_one(flag):
     assert "Traceback" not in r.stderr
 
 
+@pytest.mark.parametrize("script", ["bench_attention.py", "bench_pack.py", "profile_e2e.py",
+                                    "run_notebook.py"])
+def test_benchmark_scripts_help(script):
+    """Every entry script imports (ragvit.bench, no path tricks) and prints its usage."""
+    r = run_script(script, "--help")
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.startswith("usage:")
+
+
 def test_bench_e2e_tiny_all_suites(tmp_path):
     """Every suite checks then times on the CPU and lands in one .md (a section each) and
-    one .json that ragvit.bench.load_results reads."""
-    from ragvit import bench
+    one .json that ragvit.bench.report.load_results reads."""
+    from ragvit.bench import report
 
     prefix = str(tmp_path / "e2e")
     r = run_script("bench_e2e.py", "--tiny", "--suite", "all", "--batches", "2", "--reps", "2",
@@ -226,15 +268,14 @@ def test_bench_e2e_tiny_all_suites(tmp_path):
     assert len(by_suite["policies"]) == 10 and len(by_suite["graph"]) == 1
     kinds = {row["policy"].split("_")[0] for row in by_suite["policies"]}
     assert kinds == {"l2", "evit", "ats", "tome", "dynvit"}
-    assert len(bench.load_results(prefix + ".json")) == sum(len(r["timing"])
-                                                            for r in data["rows"])
+    assert data["env"]["device"].startswith("CPU") and data["env"]["dtype"] == "fp32"
+    assert len(report.load_results(prefix + ".json")) == sum(len(r["timing"])
+                                                             for r in data["rows"])
 
 
 def test_bench_e2e_budget_skips_rows(tmp_path, capsys):
     """In-process (no second torch import): a spent budget skips rows, still writes."""
-    sys.path.insert(0, BENCH)
-    import bench_e2e
-
+    bench_e2e = load_script("bench_e2e")
     prefix = str(tmp_path / "e2e")
     assert bench_e2e.main(["--tiny", "--suite", "graph", "--batches", "1", "--budget-s",
                            "1e-3", "--out", prefix]) == 0
@@ -244,34 +285,31 @@ def test_bench_e2e_budget_skips_rows(tmp_path, capsys):
 
 
 def test_fa2_cls_attn_matches_ragvit(monkeypatch, gen):
-    """bench_e2e's FA2 baseline for EViT/ATS computes the CLS attention row in torch; with
-    ragvit.attention standing in for FA2 (CPU), both rows agree."""
+    """The FA2 baseline for EViT/ATS (pipelines.fa2_attention_cls) computes the CLS attention
+    row in torch; with ragvit.attention standing in for FA2 (CPU), both rows agree."""
     import torch
 
     import ragvit
-    from ragvit import bench
+    from ragvit.bench import pipelines
 
-    sys.path.insert(0, BENCH)
-    import bench_e2e
-
-    monkeypatch.setattr(bench, "fa2_attention", lambda q, k, v, cu, m=None, *, scale=None:
+    monkeypatch.setattr(pipelines, "fa2_attention", lambda q, k, v, cu, m=None, *, scale=None:
                         ragvit.attention(q, k, v, cu, m, scale=scale))
     lengths = [5, 1, 17, 9]
     cu = torch.tensor([0] + torch.tensor(lengths).cumsum(0).tolist(), dtype=torch.int32)
     qkv = torch.randn(int(cu[-1]), 3, 6, 64, generator=gen)
     q, k, v = qkv[:, 0], qkv[:, 1], qkv[:, 2]
     ours, theirs = torch.empty(len(q)), torch.empty(len(q))
-    out = bench_e2e.fa2_attention_cls(q, k, v, cu, 17, scale=0.125, cls_attn=theirs)
+    out = pipelines.fa2_attention_cls(q, k, v, cu, 17, scale=0.125, cls_attn=theirs)
     expected = ragvit.attention(q, k, v, cu, 17, scale=0.125, cls_attn=ours)
     torch.testing.assert_close(theirs, ours, atol=1e-6, rtol=1e-5)
     torch.testing.assert_close(out, expected)
     with pytest.raises(ValueError, match="no per-key bias"):
-        bench_e2e.fa2_attention_cls(q, k, v, cu, 17, bias=torch.zeros(len(q)))
+        pipelines.fa2_attention_cls(q, k, v, cu, 17, bias=torch.zeros(len(q)))
 
 
 def test_run_notebook_inprocess_saves_pngs(tmp_path):
-    """The GPU machine has no nbclient/ipykernel: the in-process engine must execute the
-    notebook, keep figure outputs in the .ipynb and write the PNGs where told."""
+    """Without nbclient/ipykernel the in-process engine executes the notebook, keeps figure
+    outputs in the .ipynb and writes the PNGs where told."""
     r = run_script("run_notebook.py", "--tiny", "--engine", "inprocess", "--out",
                    str(tmp_path))
     assert r.returncode == 0, r.stdout + r.stderr
@@ -286,10 +324,31 @@ def test_run_notebook_inprocess_saves_pngs(tmp_path):
     assert {"e2e_throughput.png", "kept_vs_speedup.png"} <= pngs
 
 
+def test_host_us_and_time_ms_on_the_cpu():
+    """timing.host_us syncs after the warm-up, every `sync_every` (200) timed calls and at
+    the end, never inside a timed call; time_ms on the CPU with one rep gives that sample as
+    its spread."""
+    from ragvit.bench import timing
+
+    calls, syncs = [], []
+    stats = timing.host_us(lambda: calls.append(1), calls=400, warmup=3,
+                           sync=lambda: syncs.append(len(calls)))
+    assert len(calls) == 403 and syncs == [3, 203, 403, 403]
+    assert 0 < stats.p10 <= stats.median <= stats.p90
+    calls.clear()
+    syncs.clear()
+    timing.host_us(lambda: calls.append(1), calls=3, warmup=0,
+                   sync=lambda: syncs.append(len(calls)), sync_every=1)
+    assert syncs == [0, 1, 2, 3, 3]  # profile_e2e: every forward from an empty queue
+    one = timing.time_ms(lambda: sum(range(1000)), "cpu", warmup=0, reps=1)
+    assert one.median == one.p20 == one.p80 > 0
+    assert timing.cuda_sync() is None  # no GPU here: nothing to wait for
+
+
 def test_interleaved_host_timer_pairs_rounds():
-    """benchmarks/timing.py: every fn is timed in each round and the ratio is per round."""
-    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
-    import timing
+    """timing.host_us_interleaved: every fn is timed in each round and the ratio is per
+    round."""
+    from ragvit.bench import timing
 
     calls = {"fast": 0, "slow": 0}
 
@@ -310,10 +369,9 @@ def test_interleaved_host_timer_pairs_rounds():
 
 
 def test_interleaved_ms_times_every_fn_each_round():
-    """benchmarks/timing.interleaved_ms (bench_e2e's timer): warm-up per fn, then one call of
+    """timing.interleaved_ms (bench_e2e's timer): warm-up per fn, then one call of
     every fn per round in rotating order, so each fn gets `reps` samples."""
-    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
-    import timing
+    from ragvit.bench import timing
 
     order = []
 
@@ -335,8 +393,7 @@ def test_interleaved_ms_times_every_fn_each_round():
 def test_interleaved_ms_burst_times_the_last_of_each_run():
     """interleaved_ms(burst=3): each round calls every fn three times in a row and times
     only the third (the steady state); burst < 1 is refused."""
-    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
-    import timing
+    from ragvit.bench import timing
 
     order = []
 
@@ -362,11 +419,10 @@ def test_interleaved_ms_burst_times_the_last_of_each_run():
 
 
 def test_rotated_blocks_rotate_the_order_and_pool_every_round():
-    """benchmarks/timing.rotated_blocks (bench_attention's GPU comparison): one block per
+    """timing.rotated_blocks (bench_attention's GPU comparison): one block per
     timer per round, the order rotating by one each round, each timer's rounds x reps
     samples pooled; rounds or reps < 1 is refused."""
-    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
-    import timing
+    from ragvit.bench import timing
 
     order = []
 
@@ -391,13 +447,12 @@ def test_rotated_blocks_rotate_the_order_and_pool_every_round():
 @pytest.mark.gpu
 @requires_cuda
 def test_gpu_us_graphs_times_each_capturable_fn():
-    """benchmarks/timing.gpu_us_graphs on the GPU: a fn that sleeps 200x more cycles on the
+    """timing.gpu_us_graphs on the GPU: a fn that sleeps 200x more cycles on the
     device measures several times longer (the short one is mostly launch cost); a fn that
     cannot be captured is left out, not raised."""
     import torch
 
-    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
-    import timing
+    from ragvit.bench import timing
 
     def not_capturable():
         torch.cuda.synchronize()  # illegal while capturing
@@ -409,50 +464,79 @@ def test_gpu_us_graphs_times_each_capturable_fn():
     assert stats["long"].median > 4 * stats["short"].median > 0
 
 
+def test_fa2_attention_for_each_policy():
+    """The FA2 pipelines' attention: with the CLS attention row for EViT and ATS, plain for
+    ThresholdL2 and no policy; ToMe (per-key bias) is reported as unsupported."""
+    from ragvit.bench import pipelines
+    from ragvit.pruning import ATS, EViT, ThresholdL2, ToMe
+
+    assert pipelines.fa2_attention_for(None) is pipelines.fa2_attention
+    assert pipelines.fa2_attention_for(ThresholdL2(0.5)) is pipelines.fa2_attention
+    assert pipelines.fa2_attention_for(EViT(0.7, layers=(3,))) is pipelines.fa2_attention_cls
+    assert pipelines.fa2_attention_for(ATS(108, layers=(3,))) is pipelines.fa2_attention_cls
+    assert "per-key bias" in pipelines.fa2_unsupported(ToMe(8))
+    assert pipelines.fa2_unsupported(EViT(0.7, layers=(3,))) is None
+
+
+def test_environment_record(monkeypatch):
+    """report.environment: one record for every results file (device, driver, CUDA, torch,
+    timm, ragvit and its git SHA, Python), RAGVIT_GIT_SHA first, extra fields appended."""
+    from ragvit.bench import report
+
+    monkeypatch.setenv("RAGVIT_GIT_SHA", "abc1234")
+    env = report.environment("cpu", suites=["paper"])
+    assert list(env) == ["device", "threads", "driver", "cuda", "torch", "timm", "ragvit",
+                         "git_sha", "python", "suites"]
+    assert env["device"].startswith("CPU (") and env["driver"] is None
+    assert env["git_sha"] == "abc1234" and env["suites"] == ["paper"]
+
+
 def test_max_err_is_float64_max_abs_difference(gen):
-    """ragvit.bench.max_err: max |a - b| in float64 (fp16 inputs are not subtracted in fp16;
+    """pipelines.max_err: max |a - b| in float64 (fp16 inputs are not subtracted in fp16;
     one NaN makes it NaN, as a failed check must)."""
     import torch
 
-    from ragvit import bench
+    from ragvit.bench import pipelines
 
     a = torch.randn(3, 5, generator=gen)
     b = a.clone()
     b[1, 2] += 0.25
-    assert bench.max_err(a, b) == pytest.approx(0.25, abs=1e-6)
-    assert bench.max_err(a.half(), a.half()) == 0.0
+    assert pipelines.max_err(a, b) == pytest.approx(0.25, abs=1e-6)
+    assert pipelines.max_err(a.half(), a.half()) == 0.0
     big = torch.tensor([60000.0], dtype=torch.float16)
-    assert bench.max_err(big, -big) == 120000.0  # overflows fp16, not float64
+    assert pipelines.max_err(big, -big) == 120000.0  # overflows fp16, not float64
     b[0, 0] = float("nan")
-    assert torch.isnan(torch.tensor(bench.max_err(a, b)))
+    assert torch.isnan(torch.tensor(pipelines.max_err(a, b)))
 
 
 def test_bench_patched_fused_ops():
-    """ragvit.bench.patched: ragvit keeps patch's default fused_ops (None: the row ops on
+    """pipelines.patched: ragvit keeps patch's default fused_ops (None: the row ops on
     CUDA, timm's modules on the CPU); a replacement attention (the FA2 pipelines) gets
     fused_ops=False, the modules a user writing that pipeline would run."""
     import timm
 
-    from ragvit import bench, timm_patch
+    from ragvit import timm_patch
+    from ragvit.bench import pipelines
 
     model = timm.create_model("deit_tiny_patch16_224", pretrained=False, img_size=64).eval()
-    with bench.patched(model, None):
+    with pipelines.patched(model, None):
         assert vars(model)[timm_patch._STATE_ATTR].fused_ops is None
-    with bench.patched(model, None, attention=lambda *a, **k: None):
+    with pipelines.patched(model, None, attention=lambda *a, **k: None):
         assert vars(model)[timm_patch._STATE_ATTR].fused_ops is False
     assert not timm_patch.is_patched(model)
 
 
 @pytest.mark.parametrize("name", ["deit_tiny_patch16_224", "deit_tiny_distilled_patch16_224"])
 def test_paper_forward_matches_reference(name, gen, seed):
-    """ragvit.bench.paper_forward (the paper's pipeline, issue 6's batch-1 baseline) with
-    ragvit.attention standing in for FA2 (CPU): logits equal the padded-masked reference's,
-    and its returned decisions equal the reference's ThresholdL2 decisions."""
+    """pipelines.paper_forward (the paper's pipeline) with ragvit.attention standing in for
+    FA2 (CPU): logits equal the padded-masked reference's, and its returned decisions equal
+    the reference's ThresholdL2 decisions."""
     import timm
     import torch
 
     import ragvit
-    from ragvit import bench, reference
+    from ragvit import reference
+    from ragvit.bench import pipelines
     from ragvit.pruning import ThresholdL2
 
     with torch.random.fork_rng(devices=[]):
@@ -461,10 +545,10 @@ def test_paper_forward_matches_reference(name, gen, seed):
     x = torch.randn(3, 3, 64, 64, generator=gen)
     policy = ThresholdL2(0.5, layers=(4,))
     with torch.no_grad():
-        got = bench.paper_forward(model, x, policy, attention=ragvit.attention)
+        got = pipelines.paper_forward(model, x, policy, attention=ragvit.attention)
         expected, decided = reference.vit_forward_reference(model, x, policy,
                                                             return_decisions=True)
-        again, own = bench.paper_forward(model, x, policy, attention=ragvit.attention,
+        again, own = pipelines.paper_forward(model, x, policy, attention=ragvit.attention,
                                          return_decisions=True)
     assert got.shape == (3, model.num_classes)
     assert float((got - expected).abs().max()) <= 1e-4
@@ -479,7 +563,7 @@ def test_paper_forward_refuses_other_policies(gen):
     import timm
     import torch
 
-    from ragvit import bench
+    from ragvit.bench import pipelines
     from ragvit.pruning import EViT, ThresholdL2
 
     model = timm.create_model("deit_tiny_patch16_224", pretrained=False, img_size=64).eval()
@@ -488,17 +572,18 @@ def test_paper_forward_refuses_other_policies(gen):
                    EViT(0.7, layers=(3,))):
         with pytest.raises(ValueError, match="the paper's pipeline prunes once with a fixed "
                                              "keep ratio"):
-            bench.paper_forward(model, x, policy)
+            pipelines.paper_forward(model, x, policy)
 
 
 def test_check_reports_not_fails_reference_decision_flips_in_half(monkeypatch, gen):
-    """bench.check: the reference on its own decisions differing from it replaying ragvit's
+    """pipelines.check: the reference on its own decisions differing from it replaying ragvit's
     (an fp16 near-tie flipping a choice; simulated by shifting its logits) fails the row in
     fp32 and is only reported in fp16/bf16."""
     import timm
     import torch
 
-    from ragvit import bench, reference
+    from ragvit import reference
+    from ragvit.bench import pipelines
     from ragvit.pruning import ThresholdL2
 
     model = timm.create_model("deit_tiny_patch16_224", pretrained=False, img_size=64).eval()
@@ -514,29 +599,29 @@ def test_check_reports_not_fails_reference_decision_flips_in_half(monkeypatch, g
     monkeypatch.setattr(reference, "vit_forward_reference", flipped)
     policy = ThresholdL2(0.5, layers=(4,))
     with torch.no_grad():
-        strict = bench.check(model, x, policy, ("reference", "ragvit"), "fp32")
-        half = bench.check(model, x, policy, ("reference", "ragvit"), "fp16")
+        strict = pipelines.check(model, x, policy, ("reference", "ragvit"), "fp32")
+        half = pipelines.check(model, x, policy, ("reference", "ragvit"), "fp16")
     assert strict["err"]["reference"] >= 0.99 and not strict["ok"]
     assert half["err"]["reference"] >= 0.99 and half["ok"]
 
 
 def test_check_judges_baselines_on_their_own_decisions(monkeypatch, gen):
-    """bench.check compares paper_fa2 and fa2_packed with the reference replaying their own
+    """pipelines.check compares paper_fa2 and fa2_packed with the reference replaying their own
     decisions (ragvit.attention standing in for FA2 on the CPU): both run and are within
     fp32 tolerance."""
     import timm
     import torch
 
     import ragvit
-    from ragvit import bench
+    from ragvit.bench import pipelines
     from ragvit.pruning import ThresholdL2
 
-    monkeypatch.setattr(bench, "fa2_attention", lambda q, k, v, cu, m=None, *, scale=None,
+    monkeypatch.setattr(pipelines, "fa2_attention", lambda q, k, v, cu, m=None, *, scale=None,
                         out=None, cls_attn=None: ragvit.attention(q, k, v, cu, m, scale=scale))
     model = timm.create_model("deit_tiny_patch16_224", pretrained=False, img_size=64).eval()
     x = torch.randn(2, 3, 64, 64, generator=gen)
     policy = ThresholdL2(0.5, layers=(4,))
     with torch.no_grad():
-        c = bench.check(model, x, policy, ("paper_fa2", "fa2_packed", "ragvit"), "fp32")
+        c = pipelines.check(model, x, policy, ("paper_fa2", "fa2_packed", "ragvit"), "fp32")
     assert c["ok"] and not c["unavailable"], c
     assert c["err"]["paper_fa2"] <= 1e-4 and c["err"]["fa2_packed"] <= 1e-4
