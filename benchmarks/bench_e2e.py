@@ -2,45 +2,42 @@
 
 ``python benchmarks/bench_e2e.py [--suite paper policies graph | all] [--quick] [--budget-s S]
 [--out PREFIX]`` runs one or more suites in one process and writes one PREFIX.md (a section
-per suite) and one PREFIX.json (env + every row, each tagged with its suite); set
-RAGVIT_GIT_SHA on machines without .git. Models are random-init (the machine is offline;
-speed does not depend on the weights), fp16, random images; the same inputs are checked and
-timed. Correctness first in every suite (max |dlogit| vs the padded-masked reference
-replaying the pipeline's own decisions, top-1 agreement with ragvit.bench.check's near-tie
-rule; "all results match" is printed before any number), then images/s from
-benchmarks/timing.interleaved_ms: a row's pipelines (each patched pipeline on its own copy
-of the model) timed call by call in rotating order, CUDA events around each forward, median
-of >= 50 after >= 10 warm-ups each, so host noise hits every pipeline of a row alike.
+per suite, each ending with its targets, met or missed) and one PREFIX.json (env + every
+row, each tagged with its suite); set RAGVIT_GIT_SHA where the tree has no .git. Models are
+random-init (pretrained=False: nothing is downloaded, and speed does not depend on the
+weights), fp16, random images; the same inputs are checked and timed. Correctness first in
+every suite (max |dlogit| vs the padded-masked reference replaying the pipeline's own
+decisions, top-1 agreement with ragvit.bench.pipelines.check's near-tie rule; "all results
+match" is printed before any number), then images/s from ragvit.bench.timing.interleaved_ms:
+a row's pipelines (each patched pipeline on its own copy of the model) timed call by call in
+rotating order, CUDA events around each forward, median of >= 50 after >= 10 warm-ups each,
+so host noise hits every pipeline of a row alike.
 
 Suites:
   paper     (default) ThresholdL2 keep 50% after block 4 (`l2_keep50_b4`, the paper's) and
             keep 30% at blocks 4/7/10; DeiT-S/B 224 and DeiT-B 384, batch 1/4/16/64/256.
-  policies  issue 7: DeiT-S/B 224, batch 1/16/256, each policy at its paper default and at
-            keep ~50% after block 4 (EViT, ATS, ToMe, DynamicViT with random predictors,
-            ThresholdL2: fixed keep 50% and ragged threshold 1.0); kept-token fractions.
-            Targets: ragvit >= 1.3x reference at batch 256, ragvit >= FA2 packed everywhere.
-  graph     issue 6: DeiT-S/B 224, batch 1/4/16, ThresholdL2 keep 50% after block 4:
-            ragvit_graph (ragvit.bench.make_pipeline) vs ragvit eager, timm unpruned eager
-            and graph, paper_fa2 and fa2_packed. Targets: DeiT-S batch 1 ragvit_graph >= 2500
-            img/s, >= 10x paper_fa2 and above timm_graph; every batch <= 16 >= 1.2x
-            timm_graph.
-Pipelines (ragvit.bench builds them; same process, same inputs):
+  policies  DeiT-S/B 224, batch 1/16/256, each policy at its paper default and at keep ~50%
+            after block 4 (EViT, ATS, ToMe, DynamicViT with random predictors, ThresholdL2:
+            fixed keep 50% and ragged threshold 1.0); kept-token fractions.
+  graph     DeiT-S/B 224, batch 1/4/16, ThresholdL2 keep 50% after block 4: ragvit_graph vs
+            ragvit eager, timm unpruned eager and graph, paper_fa2 and fa2_packed.
+Pipelines (ragvit.bench.pipelines.make_pipeline builds them; same process, same inputs):
   timm_eager / timm_graph  the unpruned timm model, eager / replayed as one CUDA graph
   reference    ragvit.reference.vit_forward_reference: the same pruning on padded tensors,
                key-padding masks, SDPA (what users write without ragvit)
-  paper_fa2    the paper's pipeline (ragvit.bench.paper_forward): timm's blocks, its packer
-               with two host syncs (.item(), nonzero), then torch's modules and FA2 varlen
-               on the packed rows (graph suite; checked against the reference replaying its own
-               decisions)
+  paper_fa2    the paper's pipeline (ragvit.bench.pipelines.paper_forward): timm's blocks, its
+               packer with two host syncs (.item(), nonzero), then torch's modules and FA2
+               varlen on the packed rows (graph suite; checked against the reference replaying
+               its own decisions)
   fa2_packed   ragvit's packed pipeline with torch's FA2 varlen as attention; for EViT/ATS
                plus the head-mean CLS attention row in torch ops (FA2 does not return it);
                n/a for ToMe (FA2 varlen takes no per-key bias for proportional attention)
   ragvit / ragvit_graph    ragvit.patch(model, policy), eager / as a CUDA graph
 
-Run time on the H200 (measured: 60 calls per figure, the graph suite 3x that, plus checks
-and model set-up): paper ~2 min alone (--quick ~1 min), policies ~2.5 min alone, graph
-~1 min, all three in one process ~3.5 min (model set-up shared). --budget-s (default 540)
-caps the process: each suite gets a share of what is left in proportion to those figures
+Run time on an H200 (60 calls per figure, the graph suite 3x that, plus checks and model
+set-up): paper ~2 min alone (--quick ~1 min), policies ~2.5 min alone, graph ~1 min, all
+three in one process ~3.5 min (model set-up shared). --budget-s (default 540) caps the
+process: each suite gets a share of what is left in proportion to those figures
 (SUITE_MINUTES); rows past a suite's share are reported as skipped (budget), never
 half-timed, and the results are still written. --tiny runs every suite on the CPU with
 DeiT-Tiny at 64 px (a smoke test of this script; its numbers are not ragvit's performance).
@@ -395,7 +392,7 @@ def render_paper(rows) -> list[str]:
             targets["b256"].append((ours >= 1.4 * ips["timm_eager"], what,
                                     ours / ips["timm_eager"]))
         targets["check"].append((bool(c.get("ok")), what, c.get("top1_agree", math.nan)))
-    lines += ["", "Targets (issue 5):",
+    lines += ["", "Targets:",
               _target_line("batch 1-16: ragvit >= 1.3x FA2 packed", targets["fa2_13"]),
               _target_line("batch 64, 256: ragvit >= FA2 packed", targets["fa2_1"]),
               _target_line("DeiT-B 224, keep 50% after block 4, batch 256: ragvit >= 1.4x timm "
@@ -435,7 +432,7 @@ def render_policies(rows) -> list[str]:
             ref_target.append((ours / ips["reference"] >= 1.3, what, ours / ips["reference"]))
         if ours and ips["fa2_packed"]:
             fa2_target.append((ours >= ips["fa2_packed"], what, ours / ips["fa2_packed"]))
-    lines += ["", "Targets (issue 7):", _target_line("ragvit >= 1.3x reference at batch 256",
+    lines += ["", "Targets:", _target_line("ragvit >= 1.3x reference at batch 256",
                                                      ref_target),
               _target_line("ragvit >= FA2 packed (every row where FA2 runs)", fa2_target)]
     return lines
@@ -474,7 +471,7 @@ def render_graph(rows) -> list[str]:
                                           g / ips["paper_fa2"]))
             if ips["timm_graph"]:
                 targets["s1_timm"].append((g > ips["timm_graph"], what, g / ips["timm_graph"]))
-    lines += ["", "Targets (issue 6):",
+    lines += ["", "Targets:",
               _target_line("DeiT-S batch 1: ragvit graph >= 2500 img/s", targets["s1_2500"],
                            unit=" img/s"),
               _target_line("DeiT-S batch 1: ragvit graph >= 10x the paper's pipeline (paper_fa2)",

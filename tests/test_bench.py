@@ -256,7 +256,7 @@ def test_bench_e2e_tiny_all_suites(tmp_path):
             or f"{suite} | DeiT" in r.stdout
     with open(prefix + ".md") as f:
         md = f.read()
-    assert md.count("## Suite") == 3 and "Targets (issue 7)" in md and "Targets (issue 6)" in md
+    assert md.count("## Suite") == 3 and md.count("\nTargets:\n") == 3
     with open(prefix + ".json") as f:
         data = json.load(f)
     assert [s for s in ("paper", "policies", "graph")] == data["env"]["suites"]
