@@ -4,12 +4,13 @@ Grid: DeiT-S (H=6) and DeiT-B (H=12), head_dim 64, fp16; S in {1, 4, 32, 256} im
 mean keep in {1.0, 0.5, 0.2} of 196 patches + CLS with per-image lengths jittered ±20%
 (named distributions `deit224_keepXX`, seeded); plus 577-token images (`deit384_full`).
 q/k/v are views of one (T, 3, H, D) qkv buffer, as a ViT block produces them.
-Correctness is checked first against a float64 per-sequence reference; then host time
-(Python → enqueued, median of --calls calls) and GPU time (CUDA-graph replay) are measured
-for ragvit and every baseline in the same process, with the empty-kernel launch floor.
-On the GPU the contenders of a grid point are timed in sequential blocks (each alone,
-warmed up on its own graph), 3 rounds with the order rotating (timing.gpu_us_graphs), so
-no contender is always the one measured right after the previous grid point's load.
+Correctness is checked first against ragvit.reference.attention_reference (float64, one
+sequence at a time); then host time (Python → enqueued, median of --calls calls) and GPU
+time (CUDA-graph replay) are measured for ragvit and every baseline in the same process,
+with the empty-kernel launch floor. On the GPU the contenders of a grid point are timed in
+sequential blocks (each alone, warmed up on its own graph), 3 rounds with the order rotating
+(ragvit.bench.timing.gpu_us_graphs), so no contender is always the one measured right after
+the previous grid point's load.
 ragvit and the floor are timed interleaved (alternating blocks, many rounds) and called
 with the same Python call shape (a method loading six attributes, one module global, a
 METH_FASTCALL call with five positional arguments, plus out= for the out= path), so the
@@ -19,6 +20,12 @@ seconds at a time (the H200 host's do), and CPU-bound work (Python, torch, the a
 slows more than a launch does, so with few rounds one transient stall could move a row's
 median.
 ``python benchmarks/bench_attention.py [--quick] [--out PREFIX]`` writes PREFIX.md/.json.
+``--rows MODEL:DIST:S ... [--tag NAME]`` compares builds instead: it checks and times only
+those rows, ragvit (out= given) before and after padded SDPA without a mask, and prints one
+line a row with the ratio of the faster ragvit figure to SDPA's. SDPA is the anchor that
+makes runs of different builds comparable: run it once per build (scripts/build_variant.sh),
+each build's package first on PYTHONPATH, alternating builds over rounds. DIST is a named
+distribution or allN (every length N).
 """
 
 from __future__ import annotations
@@ -32,6 +39,7 @@ import torch.nn.functional as F
 
 import ragvit
 from ragvit.bench import report, sweep, timing
+from ragvit.reference import attention_reference
 
 HEAD_DIM = 64
 MODELS = {"DeiT-S": 6, "DeiT-B": 12}
@@ -51,16 +59,6 @@ def lengths_for(dist: str, num_seqs: int, seed: int) -> np.ndarray:
         return np.full(num_seqs, 197, dtype=np.int32)
     jitter = rng.uniform(-0.2, 0.2, num_seqs)
     return np.clip(np.round(mean * (1 + jitter)), 1, 197).astype(np.int32)
-
-
-def reference_fp64(q, k, v, cu, scale):
-    out = torch.empty(q.shape, dtype=torch.float64, device=q.device)
-    for s in range(cu.numel() - 1):
-        a, b = int(cu[s]), int(cu[s + 1])
-        qs, ks, vs = (t[a:b].double().transpose(0, 1) for t in (q, k, v))
-        p = torch.softmax(scale * qs @ ks.transpose(1, 2), dim=-1)
-        out[a:b] = (p @ vs).transpose(0, 1)
-    return out
 
 
 class Case:
@@ -195,7 +193,7 @@ def check_case(case: Case) -> dict:
         "mean_len": float(case.lengths.mean()),
         "flops": case.flops,
     }
-    ref = reference_fp64(case.q, case.k, case.v, case.cu, case.scale)
+    ref = attention_reference(case.q, case.k, case.v, case.cu, case.scale)  # float64, CPU
     errors, available = {}, {}
     try:
         case.nested_setup()
@@ -207,7 +205,7 @@ def check_case(case: Case) -> dict:
         try:
             out = packed_result(case, name)
             torch.cuda.synchronize()
-            errors[name] = float((out.double() - ref).abs().max())
+            errors[name] = float((out.double().cpu() - ref).abs().max())
             available[name] = "ok"
         except Exception as exc:  # noqa: BLE001
             available[name] = f"unavailable: {type(exc).__name__}: {str(exc)[:80]}"
@@ -307,6 +305,32 @@ def render(rows, env) -> str:
     return "\n".join(lines) + "\n"
 
 
+def parse_row(text: str):
+    """(model, dist, num_seqs, lengths) of a --rows entry MODEL:DIST:S; ValueError if bad."""
+    try:
+        model, dist, num_seqs = text.split(":")
+        num_seqs = int(num_seqs)
+        fixed = int(dist[3:]) if dist.startswith("all") else 0
+        if model not in MODELS or num_seqs < 1 or (dist.startswith("all") and fixed < 1):
+            raise ValueError
+        lengths = (np.full(num_seqs, fixed, dtype=np.int32) if fixed
+                   else lengths_for(dist, num_seqs, 0))  # an unknown distribution raises
+    except (ValueError, IndexError):
+        raise ValueError(f"bad row {text!r}: want MODEL:DIST:S, MODEL one of {list(MODELS)}, "
+                         "DIST a distribution (deit224_keepXX, deit384_full) or allN") from None
+    return model, dist, num_seqs, lengths
+
+
+def time_row_ab(case: Case, tag: str, reps: int, flusher) -> None:
+    """One --rows line: GPU µs of ragvit, padded SDPA (no mask), ragvit again, and the ratio
+    of the faster ragvit figure to SDPA's."""
+    ours = [timing.gpu_us_graph(case.ragvit_out, flusher=flusher, reps=reps).median]
+    sdpa = timing.gpu_us_graph(case.sdpa, flusher=flusher, reps=reps).median
+    ours.append(timing.gpu_us_graph(case.ragvit_out, flusher=flusher, reps=reps).median)
+    print(f"{tag:8s} {case.model} {case.dist:16s} S={case.num_seqs:3d} ragvit {ours[0]:7.1f} "
+          f"{ours[1]:7.1f} sdpa {sdpa:7.1f} ratio {min(ours) / sdpa:.3f}", flush=True)
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="a few grid points, fewer calls")
@@ -320,13 +344,29 @@ def main(argv=None):
     parser.add_argument("--rounds", type=int, default=3,
                         help="rotating rounds of GPU blocks (one block per contender each)")
     parser.add_argument("--out", default=None, help="write PREFIX.md and PREFIX.json")
+    parser.add_argument("--rows", nargs="+", metavar="MODEL:DIST:S",
+                        help="compare builds: check, then time only these rows against "
+                             "unmasked padded SDPA (DIST: a distribution or allN)")
+    parser.add_argument("--tag", default="ragvit", help="--rows: this build's label")
     args = parser.parse_args(argv)
     if min(args.reps, args.rounds, args.block, args.calls, args.ratio_calls) < 1:
         parser.error("--reps, --rounds, --block, --calls and --ratio-calls must be >= 1, got "
                      f"{args.reps}, {args.rounds}, {args.block}, {args.calls} and "
                      f"{args.ratio_calls}")
+    try:
+        rows_ab = [parse_row(text) for text in args.rows or ()]
+    except ValueError as e:
+        parser.error(str(e))
     if not (torch.cuda.is_available() and ragvit.cuda_available()):
         parser.error("needs a CUDA device and a CUDA build of ragvit")
+    flusher = timing.L2Flusher()
+    if rows_ab:
+        cases = [Case(model, dist, num_seqs, lengths=lengths)
+                 for model, dist, num_seqs, lengths in rows_ab]
+        _, bad = sweep.check_then_time(
+            cases, check_case, lambda case, row: time_row_ab(case, args.tag, args.reps, flusher),
+            lambda row: row["ragvit_ok"])
+        return 1 if bad else 0
     grid = [
         (m, d, s)
         for m in MODELS
@@ -343,7 +383,6 @@ def main(argv=None):
         args.calls = min(args.calls, 500)
         args.ratio_calls = min(args.ratio_calls, 500)
         args.block = min(args.block, 25)
-    flusher = timing.L2Flusher()
     cases = [Case(*g) for g in grid]
     rows, bad = sweep.check_then_time(
         cases, check_case, lambda case, row: time_case(case, row, args, flusher),

@@ -241,6 +241,16 @@ def test_benchmark_scripts_help(script):
     assert r.stdout.startswith("usage:")
 
 
+@pytest.mark.parametrize("row", ["DeiT-X:deit224_keep50:4", "DeiT-S:nokeep:4", "DeiT-S:all0:4",
+                                 "DeiT-S:deit224_keep50:0", "DeiT-S:deit224_keep50"])
+def test_bench_attention_refuses_bad_rows(row):
+    """--rows entries are checked before any CUDA check: a bad one is a usage error."""
+    r = run_script("bench_attention.py", "--rows", row)
+    assert r.returncode == 2, r.stderr
+    assert f"bad row {row!r}: want MODEL:DIST:S" in r.stderr
+    assert "Traceback" not in r.stderr
+
+
 def test_bench_e2e_tiny_all_suites(tmp_path):
     """Every suite checks then times on the CPU and lands in one .md (a section each) and
     one .json that ragvit.bench.report.load_results reads."""
