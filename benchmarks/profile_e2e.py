@@ -4,15 +4,16 @@
 [--fused-ops auto|on|off]`` runs ThresholdL2 keep `keep` after block 4 (the paper's setting;
 --keep 1 for no policy) in fp16 under torch.profiler after warm-ups, and prints one row per
 kernel name: calls per forward, total and mean µs, share of the forward's kernel time; then the
-kernel count and sum, and the host time of one eager forward (median of 20, perf_counter).
+kernel count and sum, and the host time of one eager forward (ragvit.bench.timing.host_us:
+median of 20, each forward starting from an empty queue).
 """
 
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
 from collections import defaultdict
+
+from ragvit.bench import timing
 
 
 def main(argv=None) -> None:
@@ -38,15 +39,7 @@ def main(argv=None) -> None:
     fused = {"auto": None, "on": True, "off": False}[args.fused_ops]
     ragvit.patch(model, policy, fused_ops=fused)
     with torch.inference_mode():
-        for _ in range(10):
-            model(x)
-        torch.cuda.synchronize()
-        host = []
-        for _ in range(20):
-            t0 = time.perf_counter()
-            model(x)
-            host.append(time.perf_counter() - t0)
-            torch.cuda.synchronize()
+        host = timing.host_us(lambda: model(x), calls=20, warmup=10, sync_every=1)
         with profile(activities=[ProfilerActivity.CUDA]) as prof:
             for _ in range(args.reps):
                 model(x)
@@ -64,7 +57,7 @@ def main(argv=None) -> None:
         print(f"{n / args.reps:6.1f} {us / args.reps:9.1f} {us / n:8.2f} "
               f"{us / args.reps / total:6.1%}  {name[:110]}")
     print(f"kernels per forward {count:.0f}, kernel time {total:.1f} us, host time per eager "
-          f"forward {statistics.median(host) * 1e6:.0f} us (median of 20)")
+          f"forward {host.median:.0f} us (median of 20)")
 
 
 if __name__ == "__main__":

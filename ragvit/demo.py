@@ -7,18 +7,20 @@ reference (max |dlogit|, top-1 agreement), and prints the speed table for the de
 there is: on a GPU fp16 at batch 1/16/64 for every pipeline of ``ragvit.bench``; on the
 CPU a small fp32 run at batch 1 and 2. ``python -m ragvit.demo --attention [--batch B]``
 runs the op-level example instead: ``ragvit.attention`` on DeiT-S geometry after 50%
-pruning against a float64 per-sequence reference, with the host time per call.
+pruning against a float64 per-sequence reference, with the host time per call
+(ragvit.bench.timing.host_us). That example needs only NumPy: its reference is NumPy
+float64 (ragvit.reference needs torch) and the timer imports no torch.
 """
 
 from __future__ import annotations
 
 import argparse
-import os
 import time
 
 import numpy as np
 
 import ragvit
+from ragvit.bench import timing
 
 
 def reference(q, k, v, cu_seqlens, scale):
@@ -31,16 +33,6 @@ def reference(q, k, v, cu_seqlens, scale):
         p = np.exp(logits - logits.max(-1, keepdims=True))
         out[a:b] = ((p / p.sum(-1, keepdims=True)) @ vs).transpose(1, 0, 2)
     return out
-
-
-def host_us_per_call(fn, calls):
-    """Median host time of one call over `calls` back-to-back calls, in µs."""
-    samples = []
-    for _ in range(calls):
-        t0 = time.perf_counter_ns()
-        fn()
-        samples.append(time.perf_counter_ns() - t0)
-    return float(np.median(samples)) / 1e3
 
 
 def make_runner(q, k, v, cu, lengths):
@@ -81,7 +73,7 @@ def attention_demo(batch: int, seed: int) -> int:
     ref = reference(q, k, v, cu, scale)
     err = float(np.abs(result - ref).max())
     calls = 20 if device == "cpu (NumPy)" else 2000
-    us = host_us_per_call(run, calls)
+    us = timing.host_us(run, calls, warmup=0).median  # run() above was the warm-up
     fetch(run())
     print(f"ragvit {ragvit.__version__} on {device}")
     print(f"batch {batch}, {total} tokens (lengths {lengths.min()}..{lengths.max()}), "
@@ -130,7 +122,7 @@ def model_demo(seed: int, device: str) -> int:
     print(bench.render_table(result))
     if not gpu:
         print("CPU figures show that the pipelines run and agree; ragvit's kernels are for the "
-              "GPU (README: measured H200 figures; scripts/gpu_check.sh to run there).")
+              "GPU (README: measured H200 figures; scripts/gpu_check.sh on a GPU machine).")
     print(f"done in {time.perf_counter() - t0:.1f} s. More: python -m ragvit.bench --help")
     return 1 if result["failed"] else 0
 
@@ -149,7 +141,6 @@ def main(argv=None):
         parser.error("--batch must be >= 1")
     if args.attention:
         return attention_demo(args.batch, args.seed)
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
     return model_demo(args.seed, args.device)
 
 

@@ -83,6 +83,19 @@ def test_importing_bench_imports_no_torch_and_sets_no_environment():
     assert r.returncode == 0, r.stderr
 
 
+def test_demo_attention_runs_without_torch():
+    """`python -m ragvit.demo --attention` with torch unimportable: NumPy arrays, the NumPy
+    float64 reference and ragvit.bench.timing.host_us."""
+    code = ("import runpy, sys; sys.modules['torch'] = None; "
+            "sys.argv = ['ragvit.demo', '--attention', '--batch', '2']; "
+            "runpy.run_module('ragvit.demo', run_name='__main__')")
+    r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=child_env(),
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "cpu (NumPy)" in r.stdout and "(ok)" in r.stdout
+    assert "host time per call" in r.stdout
+
+
 @pytest.mark.parametrize("args, message", [
     (["--batches", "0"], "--batches"),
     (["--keep", "1.5"], "--keep"),
