@@ -4,13 +4,17 @@
 writes DIR/ragvit_benchmarks.ipynb (executed, outputs included) and the notebook's PNGs into
 DIR (RAGVIT_NB_FIGS); --results are the folders the notebook loads results JSONs from
 (RAGVIT_NB_RESULTS, default benchmarks/results), --sweep makes it also run its own sweep on
-this machine (RAGVIT_NB_SWEEP=1; on the H200 about two minutes), --tiny its CPU tiny mode.
+this machine (RAGVIT_NB_SWEEP=1; on an H200 about two minutes), --tiny its CPU tiny mode.
+The notebook prints paths relative to the repository, so the saved outputs name no folder
+of the machine that ran it.
 
-Engine: nbclient with an ipykernel, as tests/test_bench_cli.py runs it, when both import;
-otherwise (the GPU machine's image has neither) an in-process runner: each code cell is
-exec'd in one namespace, its stdout/stderr become stream outputs, every open matplotlib
-figure a PNG display output, and the value of a trailing expression an execute_result, so
-the saved notebook reads like a kernel's. The notebook is written with json (nbformat v4).
+Engine: nbclient with an ipykernel, as tests/test_bench.py runs it, when both import;
+otherwise (e.g. a GPU host without Jupyter) an in-process runner: each code cell is exec'd
+in one namespace, its stdout/stderr become stream outputs, every open matplotlib figure a
+PNG display output (72 dpi: the full-size PNGs are the files in DIR), and the value of a
+trailing expression an execute_result, so the saved notebook reads like a kernel's; ragvit
+must be importable (installed, or the repository on PYTHONPATH, as for every script here).
+The notebook is written with json (nbformat v4).
 """
 
 from __future__ import annotations
@@ -22,7 +26,6 @@ import contextlib
 import io
 import json
 import os
-import sys
 import time
 import traceback
 
@@ -45,7 +48,6 @@ def run_inprocess(nb: dict, cwd: str) -> None:
     namespace = {"__name__": "__main__"}
     old = os.getcwd()
     os.chdir(cwd)
-    sys.path.insert(0, cwd)
     try:
         count = 0
         for cell in nb["cells"]:
@@ -91,7 +93,6 @@ def run_inprocess(nb: dict, cwd: str) -> None:
                 raise RuntimeError(f"cell {count} failed:\n{''.join(tb)}") from failure
     finally:
         os.chdir(old)
-        sys.path.remove(cwd)
 
 
 def run_nbclient(path: str, timeout: int):
@@ -127,7 +128,7 @@ def main(argv=None) -> int:
     out = os.path.abspath(args.out)
     os.makedirs(out, exist_ok=True)
     root = os.path.dirname(HERE)
-    os.environ.update(HF_HUB_OFFLINE="1", RAGVIT_NB_FIGS=out,
+    os.environ.update(RAGVIT_NB_FIGS=out,
                       RAGVIT_NB_SWEEP="1" if args.sweep else "0",
                       RAGVIT_NB_TINY="1" if args.tiny else "0",
                       PYTHONPATH=root + os.pathsep + os.environ.get("PYTHONPATH", ""))
@@ -144,8 +145,6 @@ def main(argv=None) -> int:
 
         nbformat.write(nb, os.path.join(out, "ragvit_benchmarks.ipynb"))
     else:
-        if root not in sys.path:
-            sys.path.insert(0, root)
         with open(NOTEBOOK) as f:
             nb = json.load(f)
         try:
@@ -156,7 +155,7 @@ def main(argv=None) -> int:
                 f.write("\n")
     pngs = sorted(f for f in os.listdir(out) if f.endswith(".png"))
     print(f"executed with {engine} in {time.monotonic() - t0:.0f} s; wrote "
-          f"{os.path.join(out, 'ragvit_benchmarks.ipynb')} and {len(pngs)} PNGs: "
+          f"{os.path.join(args.out, 'ragvit_benchmarks.ipynb')} and {len(pngs)} PNGs: "
           f"{', '.join(pngs)}")
     return 0
 

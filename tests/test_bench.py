@@ -4,7 +4,7 @@ The CLI runs in a subprocess as a user would run it (--help, a tiny DeiT-Tiny 64
 that must print "all results match", the table and write JSON/CSV; malformed arguments
 must give argparse's usage error, exit 2, not a traceback). The benchmark scripts run their
 CPU smoke modes (bench_e2e.py --tiny) and argument checks. The notebook executes top to
-bottom headless with RAGVIT_NB_TINY=1, so it cannot rot. The
+bottom headless with RAGVIT_NB_TINY=1, so it cannot rot, and prints no absolute path. The
 timer's scheduling (rotation, interleaving, bursts) is checked with counting callables on
 the CPU. Budget: about a minute on two slow cores.
 """
@@ -15,6 +15,7 @@ import csv
 import importlib.util
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -206,6 +207,14 @@ def test_notebook_executes_in_tiny_mode(monkeypatch):
                  for o in c.outputs)
     assert "tiny mode" in text and "ran 2 configurations" in text
     assert images >= 3  # throughput/speedup, attention µs, kept fraction vs speedup
+    assert_no_absolute_paths(text)
+
+
+def assert_no_absolute_paths(text):
+    """No path of this machine in a notebook's outputs (the repository, $HOME, a venv)."""
+    for root in {ROOT, os.path.expanduser("~"), sys.prefix, os.path.realpath(ROOT)}:
+        assert root not in text, f"{root} in the notebook's outputs"
+    assert not re.search(r"(^|[\s'\"(])/(root|home|opt|usr|tmp|work)/", text), text
 
 
 # ---- the scripts in benchmarks/ (CPU smoke runs and argument checks) ----
@@ -332,7 +341,8 @@ def test_fa2_cls_attn_matches_ragvit(monkeypatch, gen):
 
 def test_run_notebook_inprocess_saves_pngs(tmp_path):
     """Without nbclient/ipykernel the in-process engine executes the notebook, keeps figure
-    outputs in the .ipynb and writes the PNGs where told."""
+    outputs in the .ipynb and writes the PNGs where told; no output names an absolute path
+    (the PNG folder is outside the repository here)."""
     r = run_script("run_notebook.py", "--tiny", "--engine", "inprocess", "--out",
                    str(tmp_path))
     assert r.returncode == 0, r.stdout + r.stderr
@@ -343,6 +353,8 @@ def test_run_notebook_inprocess_saves_pngs(tmp_path):
     images = sum("image/png" in o.get("data", {}) for c in nb["cells"]
                  if c["cell_type"] == "code" for o in c["outputs"])
     assert "tiny mode" in text and "ran 2 configurations" in text and images >= 3
+    assert_no_absolute_paths(text)
+    assert str(tmp_path) not in text and f"saved …/{tmp_path.name}/e2e_throughput.png" in text
     pngs = {p.name for p in tmp_path.glob("*.png")}
     assert {"e2e_throughput.png", "kept_vs_speedup.png"} <= pngs
 
