@@ -1,16 +1,15 @@
 #!/usr/bin/env bash
-# A/B timing of two or more builds of ragvit in one device call: benchmarks/bench_e2e.py
-# runs with each build's package first on PYTHONPATH, in turn (A B C A B C ...: drift lands
-# on all), then a table of every row's ragvit figures per build and each build over the
-# first (medians over the runs).
+# A/B timing of two or more builds of ragvit on one GPU: benchmarks/bench_e2e.py runs with
+# each build's package first on PYTHONPATH, in turn (A B C A B C ...: drift lands on all),
+# then a table of every row's ragvit figures per build and each build over the first
+# (medians over the runs). For attention alone: bench_attention.py --rows, once per build.
 # Usage: scripts/gpu_ab.sh DIR_A DIR_B [DIR_C ...] [ROUNDS] [-- bench_e2e.py args]
 #   default args: --suite graph --models "DeiT-S 224" "DeiT-B 224" --batches 1 4; ROUNDS 2
-# DIR_X/ragvit comes from scripts/build_variant.sh; carry the ab/ folder to the device.
-# Logs and JSON go to $OUT/ab (or ./gpu_logs/ab); AB_TAG names a subfolder (several
-# comparisons in one call).
+# DIR_X/ragvit comes from scripts/build_variant.sh. Logs and JSON go to $OUT/ab (default
+# ./gpu_logs/ab); AB_TAG names a subfolder (several comparisons in one folder).
 set -uo pipefail
 cd "$(dirname "$0")/.."
-[ $# -ge 2 ] || { sed -n 2,10p "$0"; exit 2; }
+[ $# -ge 2 ] || { sed -n 2,9p "$0"; exit 2; }
 dirs=()
 rounds=2
 while [ $# -ge 1 ] && [ "$1" != "--" ]; do
