@@ -6,7 +6,8 @@ must give argparse's usage error, exit 2, not a traceback). The benchmark script
 CPU smoke modes (bench_e2e.py --tiny) and argument checks. The notebook executes top to
 bottom headless with RAGVIT_NB_TINY=1, so it cannot rot, and prints no absolute path. The
 timer's scheduling (rotation, interleaving, bursts) is checked with counting callables on
-the CPU. Budget: about a minute on two slow cores.
+the CPU. Budget: about four minutes on two slow cores, most of it in the subprocesses that
+import torch and the notebook and bench_e2e.py runs.
 """
 
 from __future__ import annotations
@@ -265,12 +266,13 @@ def test_benchmark_scripts_help(script):
 
 @pytest.mark.parametrize("row", ["DeiT-X:deit224_keep50:4", "DeiT-S:nokeep:4", "DeiT-S:all0:4",
                                  "DeiT-S:deit224_keep50:0", "DeiT-S:deit224_keep50"])
-def test_bench_attention_refuses_bad_rows(row):
+def test_bench_attention_refuses_bad_rows(row, capsys):
     """--rows entries are checked before any CUDA check: a bad one is a usage error."""
-    r = run_script("bench_attention.py", "--rows", row)
-    assert r.returncode == 2, r.stderr
-    assert f"bad row {row!r}: want MODEL:DIST:S" in r.stderr
-    assert "Traceback" not in r.stderr
+    bench_attention = load_script("bench_attention")
+    with pytest.raises(SystemExit) as exc:
+        bench_attention.main(["--rows", row])
+    assert exc.value.code == 2
+    assert f"bad row {row!r}: want MODEL:DIST:S" in capsys.readouterr().err
 
 
 def test_bench_e2e_tiny_all_suites(tmp_path):
