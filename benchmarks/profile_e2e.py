@@ -1,7 +1,7 @@
 """Where a patched forward's GPU time goes: the CUDA kernels of one forward, grouped by name.
 
 ``python benchmarks/profile_e2e.py [--model deit_small_patch16_224] [--batch 1] [--keep 0.5]
-[--fused-ops auto|on|off]`` runs ThresholdL2 keep `keep` after block 4 (the paper's setting;
+[--row-ops auto|on|off]`` runs ThresholdL2 keep `keep` after block 4 (the paper's setting;
 --keep 1 for no policy) in fp16 under torch.profiler after warm-ups, and prints one row per
 kernel name: calls per forward, total and mean µs, share of the forward's kernel time; then the
 kernel count and sum, and the host time of one eager forward (ragvit.bench.timing.host_us:
@@ -21,7 +21,7 @@ def main(argv=None) -> None:
     p.add_argument("--model", default="deit_small_patch16_224")
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--keep", type=float, default=0.5)
-    p.add_argument("--fused-ops", choices=("auto", "on", "off"), default="auto")
+    p.add_argument("--row-ops", choices=("auto", "on", "off"), default="auto")
     p.add_argument("--reps", type=int, default=5, help="profiled forwards (figures are per one)")
     args = p.parse_args(argv)
 
@@ -36,8 +36,8 @@ def main(argv=None) -> None:
     size = model.patch_embed.img_size[0]
     x = torch.randn(args.batch, 3, size, size, device="cuda", dtype=torch.float16)
     policy = None if args.keep >= 1 else ThresholdL2(args.keep, layers=(4,))
-    fused = {"auto": None, "on": True, "off": False}[args.fused_ops]
-    ragvit.patch(model, policy, fused_ops=fused)
+    row_ops = {"auto": None, "on": True, "off": False}[args.row_ops]
+    ragvit.patch(model, policy, row_ops=row_ops)
     with torch.inference_mode():
         host = timing.host_us(lambda: model(x), calls=20, warmup=10, sync_every=1)
         with profile(activities=[ProfilerActivity.CUDA]) as prof:
@@ -51,7 +51,7 @@ def main(argv=None) -> None:
             per_name[ev.name][1] += ev.device_time
     total = sum(v[1] for v in per_name.values()) / args.reps
     count = sum(v[0] for v in per_name.values()) / args.reps
-    print(f"{args.model} batch {args.batch} keep {args.keep} fused_ops={args.fused_ops}")
+    print(f"{args.model} batch {args.batch} keep {args.keep} row_ops={args.row_ops}")
     print(f"{'calls':>6} {'total us':>9} {'mean us':>8} {'share':>6}  kernel")
     for name, (n, us) in sorted(per_name.items(), key=lambda kv: -kv[1][1]):
         print(f"{n / args.reps:6.1f} {us / args.reps:9.1f} {us / n:8.2f} "

@@ -21,7 +21,7 @@ import subprocess
 import sys
 
 import pytest
-from conftest import requires_cuda
+from support.devices import requires_cuda
 
 pytest.importorskip("timm")
 
@@ -546,10 +546,10 @@ def test_max_err_is_float64_max_abs_difference(gen):
     assert torch.isnan(torch.tensor(pipelines.max_err(a, b)))
 
 
-def test_bench_patched_fused_ops():
-    """pipelines.patched: ragvit keeps patch's default fused_ops (None: the row ops on
+def test_bench_patched_row_ops():
+    """pipelines.patched: ragvit keeps patch's default row_ops (None: the row ops on
     CUDA, timm's modules on the CPU); a replacement attention (the FA2 pipelines) gets
-    fused_ops=False, the modules a user writing that pipeline would run."""
+    row_ops=False, the modules a user writing that pipeline would run."""
     import timm
 
     from ragvit import timm_patch
@@ -557,9 +557,9 @@ def test_bench_patched_fused_ops():
 
     model = timm.create_model("deit_tiny_patch16_224", pretrained=False, img_size=64).eval()
     with pipelines.patched(model, None):
-        assert vars(model)[timm_patch._STATE_ATTR].fused_ops is None
+        assert vars(model)[timm_patch._STATE_ATTR].row_ops is None
     with pipelines.patched(model, None, attention=lambda *a, **k: None):
-        assert vars(model)[timm_patch._STATE_ATTR].fused_ops is False
+        assert vars(model)[timm_patch._STATE_ATTR].row_ops is False
     assert not timm_patch.is_patched(model)
 
 

@@ -175,30 +175,30 @@ def test_fixed_flags():
     assert ATS().needs_value_norm and ATS().needs_cls_attn and EViT().needs_cls_attn
 
 
-# ---- the fused row ops (fused_ops=True: ragvit.layer_norm / linear / gelu on the CPU) ----
+# ---- the row ops (row_ops=True: ragvit.layer_norm / linear / gelu on the CPU) ----
 
-FUSED_POLICIES = {
+ROW_OPS_POLICIES = {
     "evit_fuse": lambda: EViT(0.7, layers=(3, 6, 9)),  # mid-block, cls_attn, fused token
     "ats_3stage": lambda: ATS((30, 24, 16), layers=(2, 5, 8)),  # value norms, ragged
     "tome_three_stages": lambda: ToMe((4, 3, 2), layers=(1, 5, 8)),  # keys, log(size) bias
 }
 
 
-@pytest.mark.parametrize("policy_name", list(FUSED_POLICIES))
-def test_fused_ops_policies_match_reference(policy_name, gen, seed):
+@pytest.mark.parametrize("policy_name", list(ROW_OPS_POLICIES))
+def test_row_ops_policies_match_reference(policy_name, gen, seed):
     """Every policy hook (cls_attn, value norms, keys, bias, fusion, mid-block pruning) on
-    the fused path: fused_ops=True equals timm's modules (fused_ops=False) and the padded
+    the row ops: row_ops=True equals timm's modules (row_ops=False) and the padded
     reference replaying the same decisions, fp32 on the CPU, within 1e-4."""
     name, img_size, kwargs = MODELS["deit_tiny"]
     model = make_model(name, gen, img_size, **kwargs)
     x = images(gen, 2, img_size)
     got = {}
     with torch.no_grad():
-        for fused_ops in (False, True):
-            patch(model, FUSED_POLICIES[policy_name](), fused_ops=fused_ops)
-            got[fused_ops] = timm_patch.forward_with_decisions(model, x)
+        for row_ops in (False, True):
+            patch(model, ROW_OPS_POLICIES[policy_name](), row_ops=row_ops)
+            got[row_ops] = timm_patch.forward_with_decisions(model, x)
             unpatch(model)
-        replayed = reference.vit_forward_reference(model, x, FUSED_POLICIES[policy_name](),
+        replayed = reference.vit_forward_reference(model, x, ROW_OPS_POLICIES[policy_name](),
                                                    decisions=got[True][1])
     for ours, theirs in zip(got[True][1], got[False][1], strict=True):
         assert torch.equal(ours, theirs), "fused and unfused made different decisions" + \
@@ -665,7 +665,7 @@ def test_gpu_fp16_matches_reference(name, policy_name, batch, gen, seed):
 # on the H200, DeiT-S/B batch 1/32); ToMe merges at every block and one flipped near-tie
 # match changes every later merge of that image (0.873 over all points at DeiT-B batch 1),
 # so only its first point is compared. The logits are compared with the decisions replayed.
-# ATS 0.8: with the fused row ops (residual added before rounding) ragvit's fp16 scores
+# ATS 0.8: with the row ops (residual added before rounding) ragvit's fp16 scores
 # differ from the reference's by an ulp where they used to match, and ATS's quantile
 # sampling turns that into different picks (0.848 measured, DeiT-B batch 1, H200).
 # DynamicViT 0.95: its keep scores are fp16 log-probabilities from fp16 linears, full of

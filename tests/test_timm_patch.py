@@ -95,7 +95,7 @@ REF_CASES = [
 ]
 
 
-# ---- fused row ops (ragvit.layer_norm / linear / gelu instead of torch modules) ----
+# ---- row ops (ragvit.layer_norm / linear / gelu instead of torch modules) ----
 
 FUSED_CASES = [
     pytest.param("deit_tiny_patch16_224", "fixed50_b4", id="deit_tiny-fixed50_b4"),
@@ -106,17 +106,17 @@ FUSED_CASES = [
 
 
 @pytest.mark.parametrize("name,policy_name", FUSED_CASES)
-def test_fused_ops_match_torch_modules(name, policy_name, gen, seed):
-    """fused_ops=True on the CPU (the C backend's row ops) equals torch's modules and the
+def test_row_ops_match_torch_modules(name, policy_name, gen, seed):
+    """row_ops=True on the CPU (the C backend's row ops) equals torch's modules and the
     padded reference replaying the same decisions, fp32, within 1e-4."""
     model = make_model(name, gen, 64)
     x = images(gen, 2, 64)
     policy = None if policy_name == "none" else POLICIES[policy_name]()
     with torch.inference_mode():
-        patch(model, policy, fused_ops=False)
+        patch(model, policy, row_ops=False)
         expected = model(x)
         unpatch(model)
-        patch(model, policy, fused_ops=True)
+        patch(model, policy, row_ops=True)
         got, decided = timm_patch.forward_with_decisions(model, x)
         replayed = reference.vit_forward_reference(model, x, policy,
                                                    decisions=decided if policy else None)
@@ -124,7 +124,7 @@ def test_fused_ops_match_torch_modules(name, policy_name, gen, seed):
     assert max_diff(got, replayed) <= CPU_ATOL, seed_note(seed)
 
 
-def test_fused_patch_embedding_any_memory_format(gen, seed):
+def test_gemm_patch_embedding_any_memory_format(gen, seed):
     """The patch embedding as one GEMM over the patches equals timm's conv, for contiguous
     and channels_last images (im2col is a reshape of whatever layout comes in)."""
     model = make_model("deit_tiny_patch16_224", gen, 64)
@@ -135,9 +135,9 @@ def test_fused_patch_embedding_any_memory_format(gen, seed):
             got = timm_patch._embed_patches(model.patch_embed, img, True)
             assert got.shape == expected.shape
             assert max_diff(got, expected) <= CPU_ATOL, seed_note(seed)
-    assert timm_patch._can_fuse_embed(model)
+    assert timm_patch._embed_is_gemm(model)
     model.patch_embed.proj.padding = (1, 1)  # not a plain stride-p conv any more
-    assert not timm_patch._can_fuse_embed(model)
+    assert not timm_patch._embed_is_gemm(model)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16],
@@ -169,31 +169,44 @@ def test_patch_rows_are_the_permuted_patches(dtype, layout, gen, seed):
     ("vit_tiny_patch16_224", {"reg_tokens": 2}),  # class and register tokens
     ("vit_tiny_patch16_224", {"reg_tokens": 2, "no_embed_class": True}),
 ], ids=["deit", "deit3", "registers", "registers_no_embed_class"])
-def test_fused_pos_embed_equals_timm(name, kwargs, dtype, gen, seed):
+def test_direct_pos_embed_equals_timm(name, kwargs, dtype, gen, seed):
     """_pos_embed (prefix and patch rows written by two adds into one buffer) equals timm's
-    cat + add bit for bit; subclasses with their own _pos_embed are not fused."""
+    cat + add bit for bit; subclasses with their own _pos_embed keep timm's."""
     model = make_model(name, gen, 64, **kwargs).to(dtype)
     tokens = torch.randn(3, 16, model.embed_dim, generator=gen).to(dtype)
-    assert timm_patch._can_fuse_pos_embed(model)
+    assert timm_patch._can_pos_embed(model)
     with torch.inference_mode():
         assert torch.equal(timm_patch._pos_embed(model, tokens), model._pos_embed(tokens)), \
             seed_note(seed)
     distilled = make_model("deit_tiny_distilled_patch16_224", gen, 64)
-    assert not timm_patch._can_fuse_pos_embed(distilled)
+    assert not timm_patch._can_pos_embed(distilled)
 
 
-def test_fused_ops_need_fusable_blocks(gen):
+def test_row_ops_need_timm_blocks(gen):
     model = make_model("deit_tiny_patch16_224", gen, 64)
     model.blocks[3].mlp.act = torch.nn.GELU(approximate="tanh")
-    with pytest.raises(ValueError, match="fused_ops=True needs every block to be timm's Block"):
-        patch(model, fused_ops=True)
+    with pytest.raises(ValueError, match="row_ops=True needs every block to be timm's Block"):
+        patch(model, row_ops=True)
     assert not is_patched(model)
     x = images(gen, 1, 64)
     with torch.inference_mode():
         expected = model(x)
-        patch(model, fused_ops=None)  # the default falls back to torch's modules
-        assert not vars(model)[timm_patch._STATE_ATTR].fused_ops
+        patch(model, row_ops=None)  # the default falls back to torch's modules
+        assert not vars(model)[timm_patch._STATE_ATTR].row_ops
         assert max_diff(model(x), expected) <= CPU_ATOL
+
+
+def test_fused_ops_is_the_deprecated_name_of_row_ops(gen):
+    """fused_ops= still works as row_ops= with a DeprecationWarning; both at once is an error
+    that leaves the model unpatched."""
+    model = make_model("deit_tiny_patch16_224", gen, 64)
+    with pytest.raises(TypeError, match="pass row_ops only"):
+        patch(model, row_ops=True, fused_ops=True)
+    assert not is_patched(model)
+    with pytest.warns(DeprecationWarning, match="fused_ops is now called row_ops"):
+        patch(model, fused_ops=False)
+    assert vars(model)[timm_patch._STATE_ATTR].row_ops is False
+    unpatch(model)
 
 
 @pytest.mark.parametrize("name,img_size,kwargs,policy_name", REF_CASES)
@@ -504,7 +517,7 @@ def test_gpu_matches_reference(name, img_size, policy_name, dtype, batch, gen, s
     err_ours, err_ref = max_diff(got, exact), max_diff(expected, exact)
     note = f" err vs {dtype} ref {err}, vs fp32 ref {err_ours} (ref's own {err_ref})"
     # GPU_ATOL, or, where the same-dtype reference itself strays further from fp32
-    # (DeiT-B at batch 64: 0.004-0.005; the fused path adds residuals before rounding and
+    # (DeiT-B at batch 64: 0.004-0.005; the row ops add residuals before rounding and
     # sits closer to fp32), at most twice that reference's own error.
     assert err <= max(GPU_ATOL[dtype], 2 * err_ref), note + seed_note(seed)
     assert err_ours <= 2 * err_ref + ERROR_FLOOR[dtype], note + seed_note(seed)
@@ -516,25 +529,25 @@ def test_gpu_matches_reference(name, img_size, policy_name, dtype, batch, gen, s
 @requires_cuda
 @pytest.mark.parametrize("name", ["deit_small_patch16_224", "deit3_small_patch16_224"])
 @pytest.mark.parametrize("policy_name", ["none", "fixed50_b4"])
-def test_gpu_fused_ops_match_torch_modules(name, policy_name, gen, seed):
-    """The default CUDA path (fused row ops, cuBLASLt, the patch embedding as a GEMM) vs
-    torch's modules (fused_ops=False), both fp16: each against an fp32 reference replaying
-    its own decisions, err(fused) <= 2 * err(torch modules) + floor."""
+def test_gpu_row_ops_match_torch_modules(name, policy_name, gen, seed):
+    """The default CUDA path (the row ops, cuBLASLt, the patch embedding as a GEMM) vs
+    torch's modules (row_ops=False), both fp16: each against an fp32 reference replaying
+    its own decisions, err(row ops) <= 2 * err(torch modules) + floor."""
     model = make_model(name, gen, 224, dtype=torch.float16, device="cuda")
     model32 = copy.deepcopy(model).float()
     x = images(gen, 8, 224, dtype=torch.float16, device="cuda")
     policy = None if policy_name == "none" else POLICIES[policy_name]()
     errs = {}
     with torch.inference_mode():
-        for fused_ops in (False, None):
-            patch(model, policy, fused_ops=fused_ops)
-            assert vars(model)[timm_patch._STATE_ATTR].fused_ops is fused_ops
+        for row_ops in (False, None):
+            patch(model, policy, row_ops=row_ops)
+            assert vars(model)[timm_patch._STATE_ATTR].row_ops is row_ops
             got, decided = timm_patch.forward_with_decisions(model, x)
             unpatch(model)
             exact = reference.vit_forward_reference(model32, x.float(), policy,
                                                     decisions=decided if policy else None)
-            errs[fused_ops] = max_diff(got, exact)
-    note = f" err vs fp32: fused {errs[None]}, torch modules {errs[False]}"
+            errs[row_ops] = max_diff(got, exact)
+    note = f" err vs fp32: row ops {errs[None]}, torch modules {errs[False]}"
     assert errs[None] <= 2 * errs[False] + ERROR_FLOOR[torch.float16], note + seed_note(seed)
 
 

@@ -202,12 +202,12 @@ def paper_forward(model, x, policy, attention=None, *, return_decisions: bool = 
 def patched(model, policy, attention=None):
     """ragvit.patch for the duration of a with block. With a replacement attention (the
     FA2 pipelines) the blocks keep torch's LayerNorm / Linear / GELU modules, as a user
-    writing that pipeline would (fused_ops=False); ragvit itself runs with patch's default
+    writing that pipeline would (row_ops=False); ragvit itself runs with patch's default
     (ragvit's row ops on CUDA, torch's modules on the CPU)."""
     from .. import timm_patch
 
     timm_patch.patch(model, policy, attention=attention,
-                     fused_ops=None if attention is None else False)
+                     row_ops=None if attention is None else False)
     try:
         yield model
     finally:
