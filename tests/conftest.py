@@ -12,15 +12,9 @@ import hashlib
 import pytest
 import torch
 
-# test_bench_cli.py imports requires_cuda from here; its home is support.devices.
-from support.devices import requires_cuda  # noqa: F401
-
 
 def pytest_configure(config):
-    config.addinivalue_line("markers", "gpu: needs a CUDA GPU and a CUDA build of ragvit")
-    config.addinivalue_line(
-        "markers", "sanitizer: small GPU cases meant to run under compute-sanitizer (-m sanitizer)"
-    )
+    # The markers (gpu, sanitizer) are declared in pyproject.toml.
     # fp32 matmuls (SDPA and torch baselines, references on the GPU) must not silently use
     # TF32: support.tolerances' fp32 row assumes full fp32.
     torch.backends.cuda.matmul.allow_tf32 = False
