@@ -14,7 +14,7 @@
 #   test        pytest; TEST_ARGS="-m gpu" runs the CUDA cases only, TEST_PATHS picks files
 #   sanitize    memcheck, and racecheck on ragvit's kernels, over the sanitizer-marked cases
 #               (memcheck: memcheck alone)
-#   selftest    builds dev/test_attention.cu for the archs and runs it (selfbench: --bench)
+#   selftest    builds dev/test_attention.cu (dev/README.md) for one arch and runs it (selfbench: --bench)
 #   packbench   benchmarks/bench_pack.py -> DIR/pack_<tag>
 #   e2e         benchmarks/bench_e2e.py --quick; e2e_all: every suite in one process
 #               (DIR/e2e_<tag>); e2e_paper, e2e_policies, e2e_graph: one suite each
@@ -61,15 +61,14 @@ run() {  # run NAME CMD...: log to $OUT/NAME.log, record pass/FAIL and the last 
     result[$name]+=" $((SECONDS - t0))s | $(grep -v '^\s*$' "$OUT/$name.log" | tail -1 | cut -c1-110)"
 }
 has() { [[ " ${steps[*]} " == *" $1 "* ]]; }
-selftest_gencode() {  # nvcc flags for $archs: sm_90a with the wgmma path for "90"
-    local arch
-    for arch in ${archs//;/ }; do
-        if [ "$arch" = 90 ]; then
-            echo "-DRAGVIT_HAS_SM90A -gencode=arch=compute_90a,code=sm_90a"
-        else
-            echo "-gencode=arch=compute_$arch,code=sm_$arch"
-        fi
-    done
+selftest_flags() {  # nvcc flags and sources for one arch of $archs (dev/README.md's commands)
+    local arch=${archs%%;*}
+    [[ ";$archs;" == *";90;"* ]] && arch=90
+    if [ "$arch" = 90 ]; then  # sm_90a with the wgmma path
+        echo "-DRAGVIT_HAS_SM90A -gencode=arch=compute_90a,code=sm_90a csrc/kernels/attention_wgmma.cu"
+    else
+        echo "-gencode=arch=compute_$arch,code=sm_$arch"
+    fi
 }
 
 echo "gpu_check.sh: archs $archs, tag $tag, steps ${steps[*]}, logs in $OUT"
@@ -102,9 +101,11 @@ if has sanitize; then
     done
 fi
 if has selftest || has selfbench; then
-    # $(selftest_gencode) unquoted: one word per flag
-    run selftest_build nvcc -std=c++17 -O3 -DRAGVIT_WITH_CUDA $(selftest_gencode) -Icsrc \
-        -Icsrc/include -Icsrc/kernels dev/test_attention.cu -o dev/test_attention.bin -lpthread
+    # $(selftest_flags) unquoted: one word per flag
+    run selftest_build nvcc -std=c++17 -O3 --expt-relaxed-constexpr -DRAGVIT_WITH_CUDA \
+        -Icsrc/include -Icsrc/kernels $(selftest_flags) dev/test_attention.cu \
+        csrc/kernels/attention.cu csrc/kernels/attention_fma.cu csrc/kernels/attention_mma.cu \
+        -o dev/test_attention.bin
 fi
 if has selftest; then
     run selftest timeout "${SELFTEST_TIMEOUT:-240}" ./dev/test_attention.bin
