@@ -1,8 +1,9 @@
 """Build ragvit._C: nvcc (CUDA_HOME, CUDA_PATH, PATH or the nvidia-cuda-nvcc wheel) compiles
-csrc/kernels/*.cu, then one Extension links them with the C sources of csrc/core, csrc/cpu and
-csrc/python. Environment: RAGVIT_CUDA_ARCHS
-("80;90": SASS targets, "90" as sm_90a, PTX of the last), RAGVIT_WERROR=1, RAGVIT_NO_CUDA=1 (CPU
-only), RAGVIT_CUBLAS_HOME (cuBLASLt; else the CUDA root or a wheel; none: linear on the CPU)."""
+csrc/kernels/*.cu (the sm_90a-only files for sm_90a alone), then one Extension links them with
+the C sources of csrc/core, csrc/cpu and csrc/python; only PyInit__C is exported. Environment:
+RAGVIT_CUDA_ARCHS ("80;90": SASS targets, "90" as sm_90a, PTX of the last), RAGVIT_WERROR=1,
+RAGVIT_NO_CUDA=1 (CPU only), RAGVIT_CUBLAS_HOME (cuBLASLt; else the CUDA root or a wheel; none:
+linear on the CPU)."""
 import glob
 import os
 import shutil
@@ -47,7 +48,7 @@ def nvcc_command(cuda):
     """nvcc and the flags every kernel file shares: RAGVIT_HAS_SM90A when the SM90A_ONLY files
     are built (the attention dispatcher calls them only then) and cuBLASLt's flags."""
     cmd = [join(cuda, "bin", "nvcc"), "-std=c++17", "-O3", "-DRAGVIT_WITH_CUDA", "-Xcompiler",
-           "-fPIC," + ",".join(WARN), "-I" + join(ROOT, "csrc", "include"),
+           ",".join(["-fPIC", "-fvisibility=hidden", *WARN]), "-I" + join(ROOT, "csrc", "include"),
            "-I" + join(ROOT, "csrc"), "--expt-relaxed-constexpr",
            "--threads", "0"]
     cmd += ["-DRAGVIT_HAS_SM90A"] if "90" in ARCHS else []
@@ -81,6 +82,7 @@ class BuildExt(build_ext):
                 nvcc + arch_flags(s) + ["-c", s, "-o", o])
             list(pool.map(run, sources, objects))
         ext.extra_objects += objects
+        ext.depends += objects  # fresh kernel objects relink the module (a CPU-only .so goes)
         ext.define_macros.append(("RAGVIT_WITH_CUDA", "1"))
         libdirs = [join(cuda, "lib64"), join(cuda, "lib")]
         ext.library_dirs += [d for d in libdirs if os.path.isdir(d)]
@@ -95,5 +97,6 @@ setup(ext_modules=[Extension("ragvit._C", sources=SOURCES,
                              include_dirs=[join(ROOT, "csrc", "include"), join(ROOT, "csrc"),
                                            numpy.get_include()],
                              depends=sorted(glob.glob("csrc/*/*.h") + glob.glob("csrc/kernels/*")),
-                             extra_compile_args=["-std=c11", "-O3", *WARN])],
+                             extra_compile_args=["-std=c11", "-O3", "-fvisibility=hidden",
+                                                 *WARN])],
       cmdclass={"build_ext": BuildExt})
