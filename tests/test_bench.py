@@ -517,14 +517,16 @@ def test_fa2_attention_for_each_policy():
 
 def test_environment_record(monkeypatch):
     """report.environment: one record for every results file (device, driver, CUDA, torch,
-    timm, ragvit and its git SHA, Python), RAGVIT_GIT_SHA first, extra fields appended."""
+    timm, ragvit and its git SHA, Python, the host-speed probe), RAGVIT_GIT_SHA first, extra
+    fields appended."""
     from ragvit.bench import report
 
     monkeypatch.setenv("RAGVIT_GIT_SHA", "abc1234")
     env = report.environment("cpu", suites=["paper"])
     assert list(env) == ["device", "threads", "driver", "cuda", "torch", "timm", "ragvit",
-                         "git_sha", "python", "suites"]
+                         "git_sha", "python", "host_probe_us", "suites"]
     assert env["device"].startswith("CPU (") and env["driver"] is None
+    assert env["host_probe_us"] > 0
     assert env["git_sha"] == "abc1234" and env["suites"] == ["paper"]
 
 

@@ -2,10 +2,11 @@
 
 Every results file carries environment(): the device (GPU name, or the CPU), driver, CUDA,
 torch, timm, Python, the ragvit version and git SHA, so figures compare across commits and
-machines. `python -m ragvit.bench` writes PREFIX.json (config, env, rows) and PREFIX.csv
-(flat_rows); the scripts in benchmarks/ write PREFIX.md (their table) and PREFIX.json (env,
-rows) through `publish`. load_results / load_result_folders read both kinds back (the
-notebook's input), including the older record that names the device "gpu".
+machines, and a host-speed probe, so a run on a slowed host shows. `python -m ragvit.bench`
+writes PREFIX.json (config, env, rows) and PREFIX.csv (flat_rows); the scripts in
+benchmarks/ write PREFIX.md (their table) and PREFIX.json (env, rows) through `publish`.
+load_results / load_result_folders read both kinds back (the notebook's input), including
+the older record that names the device "gpu".
 """
 
 from __future__ import annotations
@@ -19,14 +20,37 @@ import subprocess
 import sys
 
 __all__ = [
-    "environment", "flat_rows", "load_result_folders", "load_results", "publish",
+    "environment", "flat_rows", "host_probe_us", "load_result_folders", "load_results", "publish",
     "render_table", "write_report", "write_results",
 ]
 
 
+def host_probe_us(reps: int = 21) -> float:
+    """The host-speed probe every record carries: median µs of a fixed pure-Python workload
+    (a 20000-step integer loop). The benchmark host's CPU speed varies between runs, and
+    host-bound figures follow it: compare a run's probe with the others' before trusting
+    its absolute figures (ratios timed in one process are unaffected)."""
+    import statistics
+    import time
+
+    def work():
+        total = 0
+        for i in range(20000):
+            total += i ^ (i >> 3)
+        return total
+
+    samples = []
+    for _ in range(reps):
+        t0 = time.perf_counter_ns()
+        work()
+        samples.append((time.perf_counter_ns() - t0) / 1e3)
+    return round(statistics.median(samples), 1)
+
+
 def environment(device: str | None = None, **extra) -> dict:
     """The record of this run: device, torch threads, driver, CUDA, torch, timm, ragvit
-    version and git SHA, Python, plus `extra` (a script's own settings).
+    version and git SHA, Python, the host-speed probe (host_probe_us), plus `extra` (a
+    script's own settings).
 
     Args:
         device: "cuda" or "cpu", where the run's work ran; None: "cuda" when torch sees a
@@ -67,6 +91,7 @@ def environment(device: str | None = None, **extra) -> dict:
         "git_sha": os.environ.get("RAGVIT_GIT_SHA")
         or sh(["git", "-C", here, "rev-parse", "--short", "HEAD"]),
         "python": sys.version.split()[0],
+        "host_probe_us": host_probe_us(),
         **extra,
     }
 
