@@ -16,6 +16,7 @@
 #               (memcheck: memcheck alone)
 #   selftest    builds dev/test_attention.cu (dev/README.md) for one arch and runs it (selfbench: --bench)
 #   packbench   benchmarks/bench_pack.py -> DIR/pack_<tag>
+#   interop     benchmarks/bench_interop.py -> DIR/interop_<tag>
 #   e2e         benchmarks/bench_e2e.py --quick; e2e_all: every suite in one process
 #               (DIR/e2e_<tag>); e2e_paper, e2e_policies, e2e_graph: one suite each
 #               (DIR/e2e_<suite>_<tag>, about 2 / 2.5 / 1 min on an H200)
@@ -35,7 +36,7 @@ while [ $# -ge 1 ]; do
         --out) out=$2; shift 2 ;;
         --archs) archs=$2; shift 2 ;;
         --tag) tag=$2; shift 2 ;;
-        -h | --help) sed -n 2,27p "$0"; exit 0 ;;
+        -h | --help) sed -n 2,28p "$0"; exit 0 ;;
         -*) echo "gpu_check.sh: unknown option $1" >&2; exit 2 ;;
         *) steps+=("$1"); shift ;;
     esac
@@ -115,6 +116,9 @@ if has selfbench; then
 fi
 if has packbench; then
     run bench_pack timeout 150 python3 benchmarks/bench_pack.py --out "$OUT/pack_$tag"
+fi
+if has interop; then
+    run bench_interop timeout 120 python3 benchmarks/bench_interop.py --out "$OUT/interop_$tag"
 fi
 if has e2e; then
     run bench_e2e timeout "${E2E_TIMEOUT:-300}" python3 benchmarks/bench_e2e.py --quick \

@@ -255,8 +255,8 @@ def test_bench_attention_refuses_counts_below_one(flag):
     assert "Traceback" not in r.stderr
 
 
-@pytest.mark.parametrize("script", ["bench_attention.py", "bench_pack.py", "profile_e2e.py",
-                                    "run_notebook.py"])
+@pytest.mark.parametrize("script", ["bench_attention.py", "bench_pack.py", "bench_interop.py",
+                                    "profile_e2e.py", "run_notebook.py"])
 def test_benchmark_scripts_help(script):
     """Every entry script imports (ragvit.bench, no path tricks) and prints its usage."""
     r = run_script(script, "--help")
