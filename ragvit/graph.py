@@ -292,6 +292,7 @@ class GraphedModel:
                         outputs, kind = _flatten(self.model(static_x))
                 except Exception as e:
                     torch.cuda.set_stream(caller)  # graph's __exit__ may not have restored it
+                    rearm_generators()
                     raise RuntimeError(f"{_CAPTURE_FAILED}: {type(e).__name__}: {e}") from e
             caller.wait_stream(side)
             entry = _Graph(graph, static_x, outputs, kind, keepalive, dev)
@@ -304,6 +305,17 @@ class GraphedModel:
 _CAPTURE_FAILED = ("ragvit.cuda_graph: capturing the forward failed (something in it "
                    "synchronizes with the host or is not capturable, e.g. a policy calling "
                    ".item() or nonzero)")
+
+
+def rearm_generators() -> None:
+    """Leaves torch's CUDA random generators usable after a failed capture.
+
+    A capture that fails never runs the generators' capture epilogue, so they stay in capture
+    mode and the next torch.randn on the device raises ("Offset increment outside graph
+    capture"). One empty capture runs their prologue and epilogue again."""
+    torch.cuda.synchronize()
+    with torch.cuda.graph(torch.cuda.CUDAGraph()):
+        pass
 
 
 def _check_sync_free(fn, stream) -> None:

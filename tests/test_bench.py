@@ -486,7 +486,7 @@ def test_rotated_blocks_rotate_the_order_and_pool_every_round():
 def test_gpu_us_graphs_times_each_capturable_fn():
     """timing.gpu_us_graphs on the GPU: a fn that sleeps 200x more cycles on the
     device measures several times longer (the short one is mostly launch cost); a fn that
-    cannot be captured is left out, not raised."""
+    cannot be captured is left out, not raised, and leaves torch's CUDA generator usable."""
     import torch
 
     from ragvit.bench import timing
@@ -499,6 +499,7 @@ def test_gpu_us_graphs_times_each_capturable_fn():
          "bad": not_capturable}, rounds=2, reps=5, calls_per_graph=2, warmup_s=0.01)
     assert set(stats) == {"short", "long"}
     assert stats["long"].median > 4 * stats["short"].median > 0
+    assert torch.randn(8, device="cuda").isfinite().all()  # not left in capture mode
 
 
 def test_fa2_attention_for_each_policy():

@@ -149,7 +149,8 @@ class GraphTimer:
     waited for (so the warm-up is that much GPU time, not however many replays the host can
     queue in it: seconds of backlog behind a slow fn), then times `reps` replays with CUDA
     events (L2 flushed before each by `flusher`, if given) and returns the GPU µs per fn()
-    of each replay. Capture errors (a non-capturable fn) propagate from the constructor."""
+    of each replay. Capture errors (a non-capturable fn) propagate from the constructor,
+    torch's CUDA generators left usable (ragvit.graph.rearm_generators)."""
 
     def __init__(self, fn, calls_per_graph: int = 20, warmup_s: float = 0.05,
                  flusher: L2Flusher | None = None):
@@ -163,9 +164,17 @@ class GraphTimer:
         torch.cuda.current_stream().wait_stream(stream)
         torch.cuda.synchronize()
         self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph):
-            for _ in range(calls_per_graph):
-                fn()
+        caller = torch.cuda.current_stream()
+        try:
+            with torch.cuda.graph(self.graph):
+                for _ in range(calls_per_graph):
+                    fn()
+        except Exception:
+            from ..graph import rearm_generators
+
+            torch.cuda.set_stream(caller)  # the graph's __exit__ may not have restored it
+            rearm_generators()  # torch's generators stay usable after a failed capture
+            raise
         self.calls_per_graph, self.warmup_s, self.flusher = calls_per_graph, warmup_s, flusher
 
     def __call__(self, reps: int) -> list[float]:
@@ -219,14 +228,12 @@ def gpu_us_graphs(fns: dict, rounds: int = 3, reps: int = 50, calls_per_graph: i
     rounds of sequential blocks (rotated_blocks): within a block a fn runs alone, warmed up
     for `warmup_s` on its own graph, as gpu_us_graph times it. A fn whose capture fails is
     left out of the result (the caller reports it as not timed)."""
-    import torch
-
     timers = {}
     for name, fn in fns.items():
         try:
             timers[name] = GraphTimer(fn, calls_per_graph, warmup_s, flusher)
         except Exception:  # noqa: BLE001  (not capturable, e.g. NestedTensor)
-            torch.cuda.synchronize()
+            continue
     return rotated_blocks(timers, rounds, reps)
 
 
