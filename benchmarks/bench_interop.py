@@ -55,8 +55,9 @@ def render(rows: list, env: dict) -> str:
         "# Host cost of the tensor hand-off",
         "",
         f"{env['device']}, driver {env['driver']}, torch {env['torch']}, Python "
-        f"{env['python']}, tree {env['git_sha']}, host probe {env['host_probe_us']} µs. Host µs "
-        "per call, Python -> returned: median (p20-p80) of the calls, each call timed alone.",
+        f"{env['python']}, tree {env['git_sha']}, host probe {env['host_probe_start_us']} / "
+        f"{env['host_probe_us']} µs (start / end). Host µs per call, Python -> returned: median "
+        "(p20-p80) of the calls, each call timed alone.",
         "",
         "| call | µs (p20-p80) |",
         "| --- | --- |",

@@ -525,9 +525,9 @@ def test_environment_record(monkeypatch):
     monkeypatch.setenv("RAGVIT_GIT_SHA", "abc1234")
     env = report.environment("cpu", suites=["paper"])
     assert list(env) == ["device", "threads", "driver", "cuda", "torch", "timm", "ragvit",
-                         "git_sha", "python", "host_probe_us", "suites"]
+                         "git_sha", "python", "host_probe_start_us", "host_probe_us", "suites"]
     assert env["device"].startswith("CPU (") and env["driver"] is None
-    assert env["host_probe_us"] > 0
+    assert env["host_probe_start_us"] > 0 and env["host_probe_us"] > 0
     assert env["git_sha"] == "abc1234" and env["suites"] == ["paper"]
 
 

@@ -47,10 +47,15 @@ def host_probe_us(reps: int = 21) -> float:
     return round(statistics.median(samples), 1)
 
 
+# The probe when this module is first imported, the start of a benchmark script's run;
+# environment() probes again when the record is written, at its end.
+HOST_PROBE_AT_IMPORT_US = host_probe_us()
+
+
 def environment(device: str | None = None, **extra) -> dict:
     """The record of this run: device, torch threads, driver, CUDA, torch, timm, ragvit
-    version and git SHA, Python, the host-speed probe (host_probe_us), plus `extra` (a
-    script's own settings).
+    version and git SHA, Python, the host-speed probe at the run's start and end
+    (host_probe_start_us, host_probe_us), plus `extra` (a script's own settings).
 
     Args:
         device: "cuda" or "cpu", where the run's work ran; None: "cuda" when torch sees a
@@ -91,6 +96,7 @@ def environment(device: str | None = None, **extra) -> dict:
         "git_sha": os.environ.get("RAGVIT_GIT_SHA")
         or sh(["git", "-C", here, "rev-parse", "--short", "HEAD"]),
         "python": sys.version.split()[0],
+        "host_probe_start_us": HOST_PROBE_AT_IMPORT_US,
         "host_probe_us": host_probe_us(),
         **extra,
     }
