@@ -95,8 +95,10 @@ def attention_reference(
     cu_seqlens: Any,
     scale: float | None = None,
     bias: Any = None,
+    *,
+    device: Any = "cpu",
 ) -> torch.Tensor:
-    """Per-sequence softmax attention in float64 on the CPU.
+    """Per-sequence softmax attention in float64 (on the CPU unless `device` says otherwise).
 
     Args:
         q, k, v: (T, H, D) arrays of any float dtype and any strides (torch
@@ -106,17 +108,20 @@ def attention_reference(
         scale: softmax scale; default 1/sqrt(D).
         bias: optional (T,) per-key additive logit bias: logits[i, j] =
             scale * q_i . k_j + bias[j] for keys j of i's sequence.
+        device: where the float64 math runs (the same math anywhere; a GPU is faster on
+            large batches and leaves the host's CPUs alone, e.g. in a benchmark's check).
 
     Returns:
-        (T, H, D) float64 CPU tensor; rows covered by no sequence are NaN.
+        (T, H, D) float64 tensor on `device`; rows covered by no sequence are NaN.
     """
-    q, k, v = (_as_tensor(t).detach().to("cpu", torch.float64) for t in (q, k, v))
+    q, k, v = (_as_tensor(t).detach().to(device, torch.float64) for t in (q, k, v))
     _check_qkv(q, k, v)
     b = _bias64(bias, q.shape[0])
+    b = b.to(device) if b is not None else None
     total_tokens, _, head_dim = q.shape
     if scale is None:
         scale = 1.0 / math.sqrt(head_dim)
-    out = torch.full(q.shape, math.nan, dtype=torch.float64)
+    out = torch.full(q.shape, math.nan, dtype=torch.float64, device=q.device)
     for start, end in _bounds(cu_seqlens, total_tokens):
         if end == start:
             continue
