@@ -6,7 +6,8 @@ DIR (RAGVIT_NB_FIGS); --results are the folders the notebook loads results JSONs
 (RAGVIT_NB_RESULTS, default benchmarks/results), --sweep makes it also run its own sweep on
 this machine (RAGVIT_NB_SWEEP=1; on an H200 about two minutes), --tiny its CPU tiny mode.
 The notebook prints paths relative to the repository, so the saved outputs name no folder
-of the machine that ran it.
+of the machine that ran it; --text-only drops the figures' inline images from the saved
+notebook (the PNG files hold them), as the repository's copy keeps them.
 
 Engine: nbclient with an ipykernel, as tests/test_bench.py runs it, when both import;
 otherwise (e.g. a GPU host without Jupyter) an in-process runner: each code cell is exec'd
@@ -95,6 +96,16 @@ def run_inprocess(nb: dict, cwd: str) -> None:
         os.chdir(old)
 
 
+def drop_images(nb) -> None:
+    """Removes the inline images of every output (their text/plain stays)."""
+    for cell in nb["cells"]:
+        for output in cell.get("outputs", []):
+            data = output.get("data")
+            if data:
+                for key in [k for k in data if k.startswith("image/")]:
+                    del data[key]
+
+
 def run_nbclient(path: str, timeout: int):
     import nbclient
     import nbformat
@@ -124,6 +135,8 @@ def main(argv=None) -> int:
     p.add_argument("--tiny", action="store_true", help="CPU tiny mode")
     p.add_argument("--engine", choices=("auto", "nbclient", "inprocess"), default="auto")
     p.add_argument("--timeout", type=int, default=600, help="nbclient: seconds per cell")
+    p.add_argument("--text-only", action="store_true",
+                   help="save the notebook without its inline images (the PNGs hold them)")
     args = p.parse_args(argv)
     out = os.path.abspath(args.out)
     os.makedirs(out, exist_ok=True)
@@ -143,6 +156,8 @@ def main(argv=None) -> int:
         nb = run_nbclient(NOTEBOOK, args.timeout)
         import nbformat
 
+        if args.text_only:
+            drop_images(nb)
         nbformat.write(nb, os.path.join(out, "ragvit_benchmarks.ipynb"))
     else:
         with open(NOTEBOOK) as f:
@@ -150,6 +165,8 @@ def main(argv=None) -> int:
         try:
             run_inprocess(nb, HERE)
         finally:
+            if args.text_only:
+                drop_images(nb)
             with open(os.path.join(out, "ragvit_benchmarks.ipynb"), "w") as f:
                 json.dump(nb, f, indent=1, ensure_ascii=False)
                 f.write("\n")

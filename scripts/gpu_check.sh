@@ -137,7 +137,7 @@ for suite in paper policies graph; do
     fi
 done
 if has notebook; then
-    run notebook timeout "${NB_TIMEOUT:-240}" python3 benchmarks/run_notebook.py \
+    run notebook timeout "${NB_TIMEOUT:-240}" python3 benchmarks/run_notebook.py --text-only \
         --out "$OUT/notebook" --results "$OUT" benchmarks/results \
         $([ "${NB_SWEEP:-1}" = 1 ] && echo --sweep)
 fi

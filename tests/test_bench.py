@@ -361,6 +361,21 @@ def test_run_notebook_inprocess_saves_pngs(tmp_path):
     assert {"e2e_throughput.png", "kept_vs_speedup.png"} <= pngs
 
 
+def test_run_notebook_text_only_drops_the_inline_images(tmp_path):
+    """--text-only saves the executed notebook without inline images (the PNG files keep
+    them), its text outputs intact: the copy the repository keeps stays small."""
+    r = run_script("run_notebook.py", "--tiny", "--engine", "inprocess", "--text-only",
+                   "--out", str(tmp_path))
+    assert r.returncode == 0, r.stdout + r.stderr
+    with open(tmp_path / "ragvit_benchmarks.ipynb") as f:
+        nb = json.load(f)
+    outputs = [o for c in nb["cells"] if c["cell_type"] == "code" for o in c["outputs"]]
+    assert not any(k.startswith("image/") for o in outputs for k in o.get("data", {}))
+    assert "ran 2 configurations" in "".join("".join(o.get("text", "")) for o in outputs)
+    assert {"e2e_throughput.png", "kept_vs_speedup.png"} <= {p.name for p in
+                                                             tmp_path.glob("*.png")}
+
+
 def test_host_us_and_time_ms_on_the_cpu():
     """timing.host_us syncs after the warm-up, every `sync_every` (200) timed calls and at
     the end, never inside a timed call; time_ms on the CPU with one rep gives that sample as
