@@ -63,7 +63,7 @@ class _PatchState:
     dense_until_pruning: bool | None = None
     row_ops: bool | None = None  # None: on CUDA; True: on any device; False: never
     gemm_embed: bool = False  # the patch embedding is a plain strided conv (_embed_is_gemm)
-    direct_pos_embed: bool = False  # timm's own _pos_embed, static size (_can_pos_embed)
+    direct_pos_embed: bool = False  # timm's own _pos_embed, static size (_pos_embed_is_direct)
     cu_cache: dict = field(default_factory=dict)
 
 
@@ -192,7 +192,7 @@ def _patch_rows(x: torch.Tensor, ph: int, pw: int) -> torch.Tensor:
     return x.reshape(B, C, h, ph, w, pw).permute(0, 2, 4, 1, 3, 5).reshape(-1, C * ph * pw)
 
 
-def _can_pos_embed(model) -> bool:
+def _pos_embed_is_direct(model) -> bool:
     """Whether model._pos_embed is VisionTransformer's own with a learned pos_embed of
     static size (not a subclass's, e.g. the distilled DeiT's, not dynamic_img_size)."""
     from timm.models.vision_transformer import VisionTransformer
@@ -275,7 +275,10 @@ def patch(model, policy: PruningPolicy | None = None, *, capacity: bool = False,
         UnsupportedModelError (a ValueError): a feature the packed path cannot run
             (the message names it: qk_norm, gated attention, attention-pool head,
             dynamic_img_size, no class token, ...).
-        ValueError: the model is already patched, or the policy's layers do not fit.
+        ValueError: the model is already patched, the policy's layers do not fit, or
+            row_ops=True on blocks the row ops cannot run.
+        TypeError: row_ops is not None, True or False, or both row_ops and fused_ops are
+            given.
     """
     if is_patched(model):
         raise ValueError("ragvit.patch: model is already patched; call ragvit.unpatch(model) "
@@ -292,6 +295,9 @@ def patch(model, policy: PruningPolicy | None = None, *, capacity: bool = False,
         warnings.warn("ragvit.patch: fused_ops is now called row_ops", DeprecationWarning,
                       stacklevel=2)
         row_ops = fused_ops
+    if row_ops is not None and not isinstance(row_ops, bool):
+        raise TypeError(f"ragvit.patch: row_ops must be None, True or False, got "
+                        f"{type(row_ops).__name__}")
     allows_row_ops = row_ops is not False and _blocks_allow_row_ops(model)
     if row_ops and not allows_row_ops:
         raise ValueError("ragvit.patch: row_ops=True needs every block to be timm's Block "
@@ -312,7 +318,7 @@ def patch(model, policy: PruningPolicy | None = None, *, capacity: bool = False,
         # None (on CUDA) stays None where the blocks allow the row ops, else off
         row_ops=(None if row_ops is None else True) if allows_row_ops else False,
         gemm_embed=_embed_is_gemm(model),
-        direct_pos_embed=_can_pos_embed(model),
+        direct_pos_embed=_pos_embed_is_direct(model),
     )
 
     def forward(x: torch.Tensor) -> torch.Tensor:

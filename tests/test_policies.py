@@ -11,15 +11,12 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import math
-import os
 import warnings
 
 import pytest
 import torch
 from support.devices import requires_cuda
 from support.inputs import seed_note
-
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 timm = pytest.importorskip("timm")
 
@@ -201,8 +198,8 @@ def test_row_ops_policies_match_reference(policy_name, gen, seed):
         replayed = reference.vit_forward_reference(model, x, ROW_OPS_POLICIES[policy_name](),
                                                    decisions=got[True][1])
     for ours, theirs in zip(got[True][1], got[False][1], strict=True):
-        assert torch.equal(ours, theirs), "fused and unfused made different decisions" + \
-            seed_note(seed)
+        assert torch.equal(ours, theirs), (
+            "the row ops and timm's modules made different decisions" + seed_note(seed))
     assert max_diff(got[True][0], got[False][0]) <= CPU_ATOL, seed_note(seed)
     assert max_diff(got[True][0], replayed) <= CPU_ATOL, seed_note(seed)
 

@@ -9,15 +9,12 @@ small img_size, one torch thread; GPU tests run fp16/bf16 DeiT-T/S/B 224 and B 3
 from __future__ import annotations
 
 import copy
-import os
 
 import pytest
 import torch
 from support.devices import requires_cuda
 from support.inputs import seed_note
 from support.tolerances import ERROR_FLOOR
-
-os.environ.setdefault("HF_HUB_OFFLINE", "1")  # belt and braces: nothing here downloads
 
 timm = pytest.importorskip("timm")
 
@@ -97,7 +94,7 @@ REF_CASES = [
 
 # ---- row ops (ragvit.layer_norm / linear / gelu instead of torch modules) ----
 
-FUSED_CASES = [
+ROW_OPS_CASES = [
     pytest.param("deit_tiny_patch16_224", "fixed50_b4", id="deit_tiny-fixed50_b4"),
     pytest.param("deit_tiny_patch16_224", "none", id="deit_tiny-lossless"),
     pytest.param("deit3_small_patch16_224", "fixed50_b4", id="deit3_small-layerscale"),
@@ -105,7 +102,7 @@ FUSED_CASES = [
 ]
 
 
-@pytest.mark.parametrize("name,policy_name", FUSED_CASES)
+@pytest.mark.parametrize("name,policy_name", ROW_OPS_CASES)
 def test_row_ops_match_torch_modules(name, policy_name, gen, seed):
     """row_ops=True on the CPU (the C backend's row ops) equals torch's modules and the
     padded reference replaying the same decisions, fp32, within 1e-4."""
@@ -174,12 +171,12 @@ def test_direct_pos_embed_equals_timm(name, kwargs, dtype, gen, seed):
     cat + add bit for bit; subclasses with their own _pos_embed keep timm's."""
     model = make_model(name, gen, 64, **kwargs).to(dtype)
     tokens = torch.randn(3, 16, model.embed_dim, generator=gen).to(dtype)
-    assert timm_patch._can_pos_embed(model)
+    assert timm_patch._pos_embed_is_direct(model)
     with torch.inference_mode():
         assert torch.equal(timm_patch._pos_embed(model, tokens), model._pos_embed(tokens)), \
             seed_note(seed)
     distilled = make_model("deit_tiny_distilled_patch16_224", gen, 64)
-    assert not timm_patch._can_pos_embed(distilled)
+    assert not timm_patch._pos_embed_is_direct(distilled)
 
 
 def test_row_ops_need_timm_blocks(gen):
@@ -197,12 +194,16 @@ def test_row_ops_need_timm_blocks(gen):
 
 
 def test_fused_ops_is_the_deprecated_name_of_row_ops(gen):
-    """fused_ops= still works as row_ops= with a DeprecationWarning; both at once is an error
-    that leaves the model unpatched."""
+    """fused_ops= still works as row_ops= with a DeprecationWarning; both at once, or a value
+    other than None/True/False, is an error that leaves the model unpatched."""
     model = make_model("deit_tiny_patch16_224", gen, 64)
     with pytest.raises(TypeError, match="pass row_ops only"):
         patch(model, row_ops=True, fused_ops=True)
     assert not is_patched(model)
+    for value in (0, "off"):  # truthy or falsy, neither is a choice
+        with pytest.raises(TypeError, match="row_ops must be None, True or False, got"):
+            patch(model, row_ops=value)
+        assert not is_patched(model)
     with pytest.warns(DeprecationWarning, match="fused_ops is now called row_ops"):
         patch(model, fused_ops=False)
     assert vars(model)[timm_patch._STATE_ATTR].row_ops is False
