@@ -223,7 +223,7 @@ def linear(
     out: Array | None = None,
     stream: Any = None,
 ) -> Array:
-    """nn.Linear on packed rows with an optional fused residual add.
+    """nn.Linear on packed rows, with an optional residual added in the GEMM epilogue.
 
     Args:
         x: (M, K) float16, bfloat16 or float32, unit column stride, any row stride.

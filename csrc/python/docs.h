@@ -216,7 +216,7 @@ PyDoc_STRVAR(repack_into_doc,
 PyDoc_STRVAR(linear_doc,
              "linear(x, weight, bias=None, *, residual=None, out=None, stream=None) -> out\n"
              "\n"
-             "nn.Linear on packed rows with an optional fused residual add:\n"
+             "nn.Linear on packed rows, with an optional residual added in the GEMM epilogue:\n"
              "out = x @ weight.T + bias + residual, accumulated in float32 and rounded once.\n"
              "\n"
              "Args:\n"
