@@ -350,6 +350,7 @@ def main(argv=None):
                              "unmasked padded SDPA (DIST: a distribution or allN)")
     parser.add_argument("--tag", default="ragvit", help="--rows: this build's label")
     args = parser.parse_args(argv)
+    report.start_run()  # the host-speed probe at the run's start
     if min(args.reps, args.rounds, args.block, args.calls, args.ratio_calls) < 1:
         parser.error("--reps, --rounds, --block, --calls and --ratio-calls must be >= 1, got "
                      f"{args.reps}, {args.rounds}, {args.block}, {args.calls} and "

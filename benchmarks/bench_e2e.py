@@ -535,6 +535,7 @@ def main(argv=None):
                         help="CPU smoke test: DeiT-Tiny at 64 px, fp32, batch 1 and 2")
     parser.add_argument("--out", default=None, help="write PREFIX.md and PREFIX.json")
     args = parser.parse_args(argv)
+    report.start_run()  # the host-speed probe at the run's start
     suites = list(SUITES) if "all" in args.suite else list(dict.fromkeys(args.suite))
     args.warmup = args.warmup if args.warmup is not None else (1 if args.tiny else 10)
     args.reps = args.reps if args.reps is not None else (3 if args.tiny else 50)

@@ -79,6 +79,9 @@ def main(argv=None) -> int:
     p.add_argument("--calls", type=int, default=2000, help="timed calls per figure")
     p.add_argument("--out", help="write PREFIX.md and PREFIX.json")
     args = p.parse_args(argv)
+    if args.calls < 1:
+        p.error(f"--calls must be >= 1, got {args.calls}")
+    report.start_run()  # the host-speed probe at the run's start
     if not (torch.cuda.is_available() and ragvit.cuda_available()):
         p.error("needs a CUDA GPU and a CUDA build of ragvit")
     device = torch.cuda.current_device()

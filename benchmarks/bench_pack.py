@@ -255,6 +255,7 @@ def main(argv=None):
     parser.add_argument("--reps", type=int, default=50, help="graph replays per GPU figure")
     parser.add_argument("--out", default=None, help="write PREFIX.md and PREFIX.json")
     args = parser.parse_args(argv)
+    report.start_run()  # the host-speed probe at the run's start
     if not (torch.cuda.is_available() and ragvit.cuda_available()):
         parser.error("needs a CUDA device and a CUDA build of ragvit")
     grid = [(d, b, c) for d in ("keep50", "keep70") for b in (1, 256) for c in (384, 768)]

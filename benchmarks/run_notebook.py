@@ -13,8 +13,8 @@ Engine: nbclient with an ipykernel, as tests/test_bench.py runs it, when both im
 otherwise (e.g. a GPU host without Jupyter) an in-process runner: each code cell is exec'd
 in one namespace, its stdout/stderr become stream outputs, every open matplotlib figure a
 PNG display output (72 dpi: the full-size PNGs are the files in DIR), and the value of a
-trailing expression an execute_result, so the saved notebook reads like a kernel's; ragvit
-must be importable (installed, or the repository on PYTHONPATH, as for every script here).
+trailing expression an execute_result, so the saved notebook reads like a kernel's. Both
+engines find ragvit in the repository (an in-place build) or installed.
 The notebook is written with json (nbformat v4).
 """
 
@@ -27,6 +27,7 @@ import contextlib
 import io
 import json
 import os
+import sys
 import time
 import traceback
 
@@ -160,6 +161,8 @@ def main(argv=None) -> int:
             drop_images(nb)
         nbformat.write(nb, os.path.join(out, "ragvit_benchmarks.ipynb"))
     else:
+        if root not in sys.path:  # the in-place build, as the kernel gets it from PYTHONPATH
+            sys.path.insert(0, root)
         with open(NOTEBOOK) as f:
             nb = json.load(f)
         try:

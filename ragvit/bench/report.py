@@ -21,7 +21,7 @@ import sys
 
 __all__ = [
     "environment", "flat_rows", "host_probe_us", "load_result_folders", "load_results", "publish",
-    "render_table", "write_report", "write_results",
+    "render_table", "start_run", "write_report", "write_results",
 ]
 
 
@@ -47,15 +47,22 @@ def host_probe_us(reps: int = 21) -> float:
     return round(statistics.median(samples), 1)
 
 
-# The probe when this module is first imported, the start of a benchmark script's run;
-# environment() probes again when the record is written, at its end.
-HOST_PROBE_AT_IMPORT_US = host_probe_us()
+_run_start_probe_us: float | None = None
+
+
+def start_run() -> float:
+    """Takes the host-speed probe at the start of a benchmark run (every entry point calls
+    it first); environment() records it next to its own probe, taken at the end."""
+    global _run_start_probe_us
+    _run_start_probe_us = host_probe_us()
+    return _run_start_probe_us
 
 
 def environment(device: str | None = None, **extra) -> dict:
     """The record of this run: device, torch threads, driver, CUDA, torch, timm, ragvit
-    version and git SHA, Python, the host-speed probe at the run's start and end
-    (host_probe_start_us, host_probe_us), plus `extra` (a script's own settings).
+    version and git SHA, Python, the host-speed probe at the run's start (start_run; None
+    when it was not called) and now (host_probe_start_us, host_probe_us), plus `extra` (a
+    script's own settings).
 
     Args:
         device: "cuda" or "cpu", where the run's work ran; None: "cuda" when torch sees a
@@ -96,7 +103,7 @@ def environment(device: str | None = None, **extra) -> dict:
         "git_sha": os.environ.get("RAGVIT_GIT_SHA")
         or sh(["git", "-C", here, "rev-parse", "--short", "HEAD"]),
         "python": sys.version.split()[0],
-        "host_probe_start_us": HOST_PROBE_AT_IMPORT_US,
+        "host_probe_start_us": _run_start_probe_us,
         "host_probe_us": host_probe_us(),
         **extra,
     }

@@ -24,7 +24,7 @@ from .pipelines import (
     make_policy,
     torch_dtype,
 )
-from .report import environment
+from .report import environment, start_run
 from .timing import time_ms
 
 __all__ = ["CONFIGS", "BenchConfig", "ConfigError", "check_then_time", "run"]
@@ -128,6 +128,7 @@ def run(config: BenchConfig | None = None, *, progress: bool = True, log=print) 
     """
     import torch
 
+    start_run()  # the host-speed probe at the run's start
     c = (config or BenchConfig()).resolve()
     if c.threads:
         torch.set_num_threads(c.threads)
