@@ -21,8 +21,6 @@ from support.devices import requires_cuda
 from support.inputs import seed_note
 from support.tolerances import TOL
 
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-
 timm = pytest.importorskip("timm")
 
 from support.models import CPU_ATOL, images, make_model  # noqa: E402
