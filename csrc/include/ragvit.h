@@ -94,7 +94,8 @@ typedef struct {
 #define RAGVIT_ERROR_BAD_INDEX 8u       /* scatter index outside [0, N) */
 #define RAGVIT_ERROR_SHORT_SEQ 16u      /* gather_prefix: a sequence shorter than k */
 
-/* Op families for ragvit_device_info.pdl_ops (sm_90+; RAGVIT_PDL overrides, see README). */
+/* Op families for ragvit_device_info.pdl_ops (sm_90+; RAGVIT_PDL overrides, see
+ * docs/architecture.md). */
 #define RAGVIT_PDL_ATTENTION 1u
 #define RAGVIT_PDL_LAYER_NORM 2u
 #define RAGVIT_PDL_GELU 4u

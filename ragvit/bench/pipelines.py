@@ -44,7 +44,7 @@ UNPRUNED = ("timm_eager", "timm_graph")
 DTYPES = ("fp32", "fp16", "bf16")
 # max |dlogit| allowed against the reference (fp16: a patched DeiT on the GPU).
 TOLERANCE = {"fp32": 1e-4, "fp16": 4e-3, "bf16": 3e-2}
-# The additive floor of check()'s fp32-relative rule (tests/conftest.py ERROR_FLOOR).
+# The additive floor of check()'s fp32-relative rule (tests/support/tolerances.py ERROR_FLOOR).
 EXACT_FLOOR = {"fp32": 1e-5, "fp16": 1e-3, "bf16": 8e-3}
 
 

@@ -2,8 +2,7 @@
 
 Every op test lists its "cuda" parameters whatever the machine: without torch CUDA and a
 CUDA build of ragvit they are skipped, not left out, so a CPU run collects the same nodes
-as a GPU run. Importable without a built ragvit (conftest imports it; then nothing runs on
-CUDA).
+as a GPU run. Importable without a built ragvit (then nothing runs on CUDA).
 """
 
 from __future__ import annotations
