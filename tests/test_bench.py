@@ -256,12 +256,37 @@ def test_bench_attention_refuses_counts_below_one(flag):
 
 
 @pytest.mark.parametrize("script", ["bench_attention.py", "bench_pack.py", "bench_interop.py",
-                                    "profile_e2e.py", "run_notebook.py"])
+                                    "bench_host_ab.py", "profile_e2e.py", "run_notebook.py"])
 def test_benchmark_scripts_help(script):
     """Every entry script imports (ragvit.bench, no path tricks) and prints its usage."""
     r = run_script(script, "--help")
     assert r.returncode == 0, r.stderr
     assert r.stdout.startswith("usage:")
+
+
+def test_bench_host_ab_against_its_own_build(tmp_path):
+    """The A/B host timer loads a second copy of the extension beside ragvit._C; timed
+    against itself, every call's ratio is a number near 1 and the record names both trees."""
+    import ragvit
+
+    r = run_script("bench_host_ab.py", "--base", ragvit._C.__file__, "--base-tree", "same",
+                   "--calls", "100", "--out", str(tmp_path / "ab"))
+    assert r.returncode == 0, r.stderr
+    assert "all results match" in r.stdout
+    record = json.loads((tmp_path / "ab.json").read_text())
+    assert record["env"]["base"] == "same"
+    assert {row["call"] for row in record["rows"]} >= {"attention_out", "attention_alloc",
+                                                       "layer_norm_out"}
+    for row in record["rows"]:
+        assert 0.2 < row["ratio"] < 5, row
+
+
+def test_bench_host_ab_refuses_a_file_that_is_no_module(tmp_path):
+    bogus = tmp_path / "_C.txt"
+    bogus.write_text("not a module")
+    r = run_script("bench_host_ab.py", "--base", str(bogus), "--calls", "10")
+    assert r.returncode != 0
+    assert "not an extension module" in r.stderr + r.stdout
 
 
 @pytest.mark.parametrize("row", ["DeiT-X:deit224_keep50:4", "DeiT-S:nokeep:4", "DeiT-S:all0:4",
