@@ -44,8 +44,15 @@ _HEAD_DIMS = (32, 64, 80, 96, 128)
 DENSE_SDPA_MIN_TOKENS = 4096
 
 
-class UnsupportedModelError(ValueError):
-    """A model feature ragvit.patch cannot run on packed tokens; the message names it."""
+class UnsupportedModelError(ValueError, TypeError):
+    """A model ragvit.patch cannot run on packed tokens; the message names why.
+
+    Raised both for a model that is no timm VisionTransformer and for a VisionTransformer
+    with a feature the packed path cannot run, so one ``except UnsupportedModelError``
+    catches every "this model cannot be patched". It subclasses ValueError (what the
+    feature refusals always were) and TypeError (what a non-ViT model always was), so
+    callers catching either keep working.
+    """
 
 
 @dataclass
@@ -84,7 +91,7 @@ def _check_supported(model) -> None:
         VisionTransformerDistilled = None
 
     if not isinstance(model, torch.nn.Module) or not isinstance(model, VisionTransformer):
-        raise TypeError(
+        raise UnsupportedModelError(
             f"ragvit.patch: model must be a timm VisionTransformer, got {type(model).__name__}")
     if type(model) not in (VisionTransformer, VisionTransformerDistilled):
         raise _refuse(f"model class {type(model).__name__}",
@@ -271,10 +278,11 @@ def patch(model, policy: PruningPolicy | None = None, *, capacity: bool = False,
         model itself. Call it under torch.no_grad() or torch.inference_mode(), in eval.
 
     Raises:
-        TypeError: model is not a timm VisionTransformer, or policy is not a PruningPolicy.
-        UnsupportedModelError (a ValueError): a feature the packed path cannot run
-            (the message names it: qk_norm, gated attention, attention-pool head,
-            dynamic_img_size, no class token, ...).
+        UnsupportedModelError (a ValueError and a TypeError): the model cannot be
+            patched: it is not a timm VisionTransformer, or it has a feature the packed
+            path cannot run (the message names it: qk_norm, gated attention,
+            attention-pool head, dynamic_img_size, no class token, ...).
+        TypeError: policy is not a PruningPolicy.
         ValueError: the model is already patched, the policy's layers do not fit, or
             row_ops=True on blocks the row ops cannot run.
         TypeError: row_ops is not None, True or False, or both row_ops and fused_ops are

@@ -388,8 +388,30 @@ def test_unsupported_models_refused(kwargs, feature):
         pytest.skip(f"timm cannot build it: {exc}")
     with pytest.raises(timm_patch.UnsupportedModelError, match=feature) as info:
         patch(model)
-    assert isinstance(info.value, ValueError)
+    assert isinstance(info.value, ValueError) and isinstance(info.value, TypeError)
     assert str(info.value).startswith("ragvit.patch: ")
+    assert not is_patched(model)
+
+
+@pytest.mark.parametrize("make, message", [
+    (lambda: torch.nn.Linear(2, 2), "timm VisionTransformer, got Linear"),
+    (lambda: timm.create_model("resnet10t", pretrained=False, num_classes=4),
+     "timm VisionTransformer, got ResNet"),
+    (lambda: _tiny_vit(qk_norm=True), "qk_norm is not supported"),
+], ids=["linear", "resnet", "vit_qk_norm"])
+def test_every_unpatchable_model_raises_one_type(make, message):
+    """A non-ViT model and a ViT with an unsupported feature raise the same
+    ragvit.UnsupportedModelError, which `except TypeError` (the non-ViT error callers
+    caught before) and `except ValueError` (the feature error) both still catch."""
+    import ragvit
+
+    model = make()
+    with pytest.raises(ragvit.UnsupportedModelError, match=message):
+        ragvit.patch(model)
+    with pytest.raises(TypeError, match=message):
+        ragvit.patch(model)
+    with pytest.raises(ValueError, match=message):
+        ragvit.patch(model)
     assert not is_patched(model)
 
 
