@@ -107,6 +107,10 @@ def test_demo_attention_runs_without_torch():
     (["--reps", "x"], "--reps"),
     (["--model", "not_a_model"], "unknown timm model"),
     (["--device", "cpu", "--pipelines", "timm_graph"], "GPU only"),
+    (["--model", "resnet18"], "resnet18 is not a ViT/DeiT; ragvit.bench runs timm "
+     "VisionTransformer and VisionTransformerDistilled models: the aliases deit_t, deit_s"),
+    (["--model", "vit_base_patch16_siglip_224"], "a model without a class token is not "
+     "supported"),
 ], ids=lambda v: v if isinstance(v, str) else "_".join(v))
 def test_malformed_arguments_are_usage_errors(args, message, capsys):
     from ragvit.bench import cli
@@ -116,6 +120,37 @@ def test_malformed_arguments_are_usage_errors(args, message, capsys):
     assert exc.value.code == 2
     err = capsys.readouterr().err
     assert "usage:" in err and message in err
+
+
+def test_device_cuda_without_a_gpu_is_a_usage_error(monkeypatch, capsys):
+    import torch
+
+    from ragvit.bench import cli
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(SystemExit) as exc:
+        cli.main(["--device", "cuda"])
+    assert exc.value.code == 2
+    assert "error: --device cuda: torch finds no CUDA GPU" in capsys.readouterr().err
+
+
+def test_run_refuses_a_non_vit_model_before_loading_it():
+    from ragvit import bench
+
+    with pytest.raises(bench.ConfigError, match="resnet18 is not a ViT/DeiT"):
+        bench.run(bench.BenchConfig(model="resnet18", device="cpu"), progress=False)
+
+
+def test_without_torch_names_the_bench_extra():
+    """A wheel has no requirements-test.txt: the message names ragvit's [bench] extra."""
+    code = ("import runpy, sys; sys.modules['torch'] = None; sys.argv = ['ragvit.bench']; "
+            "runpy.run_module('ragvit.bench', run_name='__main__')")
+    r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=child_env(),
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2, r.stdout + r.stderr
+    assert "Traceback" not in r.stderr
+    assert "needs torch and timm: pip install 'ragvit[bench]'" in r.stderr
+    assert "requirements-test.txt" not in r.stderr
 
 
 def test_malformed_arguments_subprocess():

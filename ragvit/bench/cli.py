@@ -4,8 +4,10 @@
 named configuration (ragvit.bench.sweep.CONFIGS; flags override its fields), prints every
 pipeline's max |dlogit| against the padded-masked reference and "all results match" before
 any number, then the table of images/s; ``--out PREFIX`` writes PREFIX.json and PREFIX.csv.
-Bad flags and configurations a model cannot run are argparse usage errors (exit 2); a
-failed correctness check exits 1. Models are random-init (pretrained=False): nothing is
+Bad flags, models that are not a timm ViT/DeiT ragvit.patch accepts, --device cuda
+without a GPU or CUDA build, a missing torch/timm (the ``ragvit[bench]`` extra) and
+configurations a model cannot run are argparse usage errors (exit 2); a failed
+correctness check exits 1. Models are random-init (pretrained=False): nothing is
 downloaded, and speed does not depend on the weights.
 """
 
@@ -15,9 +17,9 @@ import argparse
 import dataclasses
 import math
 
-from .pipelines import DTYPES, GPU_ONLY, MODELS, PIPELINES
+from .pipelines import DTYPES, GPU_ONLY, MODELS, PIPELINES, model_problem
 from .report import render_table, write_results
-from .sweep import CONFIGS, BenchConfig, ConfigError, run
+from .sweep import CONFIGS, BenchConfig, ConfigError, cuda_problem, run
 
 __all__ = ["config_from_args", "main", "parser"]
 
@@ -93,18 +95,15 @@ def config_from_args(args, p: argparse.ArgumentParser) -> BenchConfig:
         import timm
         import torch
     except ImportError as e:
-        p.error(f"needs torch and timm (pip install -r requirements-test.txt): {e}")
+        p.error(f"needs torch and timm: pip install 'ragvit[bench]' ({e})")
     name = MODELS.get(c.model, c.model)
     if not timm.is_model(name):
         p.error(f"--model: unknown timm model or alias {c.model!r} "
                 f"(aliases: {', '.join(MODELS)})")
-    if c.device == "cuda" and not torch.cuda.is_available():
-        p.error("--device cuda: no CUDA device visible to torch")
-    if c.device == "cuda":
-        from .. import ops
-
-        if not ops.cuda_available():
-            p.error("--device cuda: this ragvit build has no CUDA kernels")
+    if problem := model_problem(name, c.img_size):
+        p.error(f"--model: {problem}")
+    if c.device == "cuda" and (problem := cuda_problem()):
+        p.error(f"--device cuda: {problem}")
     if c.pipelines and (c.device == "cpu" or not torch.cuda.is_available()):
         gpu_only = [n for n in c.pipelines if n in GPU_ONLY]
         if gpu_only:

@@ -16,7 +16,8 @@ import math
 __all__ = [
     "DTYPES", "EXACT_FLOOR", "GPU_ONLY", "MODELS", "PIPELINES", "TOLERANCE", "UNPRUNED",
     "check", "fa2_attention", "fa2_attention_cls", "fa2_attention_for", "fa2_unsupported",
-    "graphed", "load_model", "make_pipeline", "make_policy", "max_err", "own_decisions_err",
+    "graphed", "load_model", "make_pipeline", "make_policy", "max_err", "model_problem",
+    "own_decisions_err",
     "paper_forward", "patched", "timm_forward", "torch_dtype",
 ]
 
@@ -56,6 +57,36 @@ def make_policy(keep: float | None = 0.5, threshold: float | None = None,
     if threshold is not None:
         return ThresholdL2(threshold=threshold, layers=tuple(layers))
     return ThresholdL2(keep, layers=tuple(layers))
+
+
+def model_problem(name: str, img_size: int | None = None) -> str | None:
+    """Why ragvit.bench cannot run timm model `name` (one line), or None when it can.
+
+    The model must be a timm VisionTransformer or VisionTransformerDistilled (the
+    vision_transformer and deit modules) that ragvit.patch accepts; the second check
+    builds the model on torch's meta device, so it costs neither memory nor init time.
+    """
+    import timm
+    import torch
+    from timm.models import is_model_in_modules
+
+    from ..timm_patch import UnsupportedModelError, _check_supported
+
+    if not timm.is_model(name):
+        return f"unknown timm model {name!r}"
+    if not is_model_in_modules(name, ("vision_transformer", "deit")):
+        return (f"{name} is not a ViT/DeiT; ragvit.bench runs timm VisionTransformer and "
+                f"VisionTransformerDistilled models: the aliases {', '.join(MODELS)} or a name "
+                "from timm.list_models(module=['vision_transformer', 'deit']), e.g. "
+                "vit_small_patch16_224, deit_small_distilled_patch16_224")
+    try:
+        with torch.device("meta"):
+            model = timm.create_model(name, pretrained=False,
+                                      **({"img_size": img_size} if img_size else {}))
+        _check_supported(model)
+    except UnsupportedModelError as e:
+        return f"{name}: {e}"
+    return None
 
 
 def load_model(name: str, img_size: int, dtype: str = "fp32", device: str = "cpu",

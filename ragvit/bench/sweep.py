@@ -22,12 +22,34 @@ from .pipelines import (
     load_model,
     make_pipeline,
     make_policy,
+    model_problem,
     torch_dtype,
 )
 from .report import environment, start_run
 from .timing import time_ms
 
-__all__ = ["CONFIGS", "BenchConfig", "ConfigError", "check_then_time", "run"]
+__all__ = ["CONFIGS", "BenchConfig", "ConfigError", "check_then_time", "cuda_problem", "run"]
+
+
+def cuda_problem() -> str | None:
+    """Why CUDA cannot run ragvit's pipelines here (one line), or None when it can.
+
+    Needs torch to see a GPU (a driver and a device) and ragvit to be built with its
+    kernels and to see a device; the first missing piece is named.
+    """
+    import torch
+
+    from .. import ops
+
+    if not torch.cuda.is_available():
+        return ("torch finds no CUDA GPU (no NVIDIA driver or no visible device); "
+                "use --device cpu or auto")
+    if not ops.cuda_is_compiled():
+        return ("this ragvit build has no CUDA kernels (built without nvcc or with "
+                "RAGVIT_NO_CUDA=1); rebuild it where the CUDA toolkit is installed")
+    if not ops.cuda_available():
+        return "ragvit's kernels find no usable CUDA device (driver older than the build?)"
+    return None
 
 
 @dataclass
@@ -134,6 +156,8 @@ def run(config: BenchConfig | None = None, *, progress: bool = True, log=print) 
         torch.set_num_threads(c.threads)
     if c.device == "cuda":
         torch.backends.cuda.matmul.allow_tf32 = False
+    if problem := model_problem(c.model, c.img_size):
+        raise ConfigError(problem)
     model = load_model(c.model, c.img_size, c.dtype, c.device, c.seed)
     try:
         policy = make_policy(c.keep, c.threshold, c.layers)
