@@ -10,6 +10,9 @@ runs the op-level example instead: ``ragvit.attention`` on DeiT-S geometry after
 pruning against a float64 per-sequence reference, with the host time per call
 (ragvit.bench.timing.host_us). That example needs only NumPy: its reference is NumPy
 float64 (ragvit.reference needs torch) and the timer imports no torch.
+``--device cpu|cuda`` picks the device for either (default: the best there is). What the
+machine lacks for a run (a CUDA GPU or driver, ragvit's CUDA kernels, torch and timm for
+the model demo) is an argparse usage error, exit 2, with one line naming it.
 """
 
 from __future__ import annotations
@@ -35,13 +38,15 @@ def reference(q, k, v, cu_seqlens, scale):
     return out
 
 
-def make_runner(q, k, v, cu, lengths):
-    """(device name, run() -> out, fetch(out) -> float32 NumPy) on the best device."""
+def make_runner(q, k, v, cu, lengths, device="auto"):
+    """(device name, run() -> out, fetch(out) -> float32 NumPy) on `device` ("auto": the
+    best there is; "cuda" was checked by main)."""
     try:
         import torch
     except ImportError:
         torch = None
-    if torch is not None and torch.cuda.is_available() and ragvit.cuda_available():
+    if device == "cuda" or (device == "auto" and torch is not None
+                            and torch.cuda.is_available() and ragvit.cuda_available()):
         tq, tk, tv = (torch.from_numpy(np.ascontiguousarray(t)).cuda() for t in (q, k, v))
         tcu, out = torch.from_numpy(cu).cuda(), torch.empty_like(tq)
         max_seqlen = int(lengths.max())
@@ -57,7 +62,7 @@ def make_runner(q, k, v, cu, lengths):
             lambda o: o.astype(np.float32))
 
 
-def attention_demo(batch: int, seed: int) -> int:
+def attention_demo(batch: int, seed: int, device: str = "auto") -> int:
     """The op-level example: ragged attention vs a float64 reference, host µs per call."""
     rng = np.random.default_rng(seed)
     heads, head_dim = 6, 64  # DeiT-S
@@ -68,7 +73,7 @@ def attention_demo(batch: int, seed: int) -> int:
     q, k, v = qkv[:, 0], qkv[:, 1], qkv[:, 2]
     scale = head_dim**-0.5
 
-    device, run, fetch = make_runner(q, k, v, cu, lengths)
+    device, run, fetch = make_runner(q, k, v, cu, lengths, device)
     result = fetch(run())
     ref = reference(q, k, v, cu, scale)
     err = float(np.abs(result - ref).max())
@@ -85,13 +90,8 @@ def attention_demo(batch: int, seed: int) -> int:
 
 def model_demo(seed: int, device: str) -> int:
     """Patch a DeiT-S with the default policy, verify against the reference, time it."""
-    try:
-        import timm  # noqa: F401
-        import torch
-    except ImportError as e:
-        print(f"the model demo needs torch and timm ({e}); run `make demo`, which installs "
-              "requirements-test.txt, or `python -m ragvit.demo --attention`")
-        return 1
+    import torch
+
     from . import bench
 
     gpu = device == "cuda" or (device == "auto" and torch.cuda.is_available()
@@ -139,9 +139,29 @@ def main(argv=None):
     args = parser.parse_args(argv)
     if args.batch < 1:
         parser.error("--batch must be >= 1")
+    if not args.attention:
+        try:
+            import timm  # noqa: F401
+            import torch  # noqa: F401
+        except ImportError as e:
+            parser.error(f"the model demo needs torch and timm: pip install 'ragvit[bench]' "
+                         f"(or run the NumPy-only `python -m ragvit.demo --attention`): {e}")
+    if args.device == "cuda" and (problem := cuda_problem()):
+        parser.error(f"--device cuda: {problem}")
     if args.attention:
-        return attention_demo(args.batch, args.seed)
+        return attention_demo(args.batch, args.seed, args.device)
     return model_demo(args.seed, args.device)
+
+
+def cuda_problem() -> str | None:
+    """Why --device cuda cannot run here (one line), or None when it can."""
+    try:
+        import torch  # noqa: F401
+    except ImportError:
+        return "the CUDA path needs torch: pip install 'ragvit[bench]'"
+    from .bench.sweep import cuda_problem as bench_cuda_problem
+
+    return bench_cuda_problem()
 
 
 if __name__ == "__main__":
