@@ -46,9 +46,12 @@ def test_help():
 
 def test_tiny_cpu_sweep(tmp_path):
     prefix = str(tmp_path / "tiny")
-    r = run_cli("--config", "tiny", "--batches", "1", "2", "--reps", "2", "--no-progress",
-                "--out", prefix)
+    r = run_cli("--config", "tiny", "--batches", "1", "2", "--reps", "2", "--out", prefix)
     assert r.returncode == 0, r.stdout + r.stderr
+    # stderr is a pipe, not a terminal: progress comes as plain lines, no bar redraws
+    assert "\r" not in r.stderr and "\r" not in r.stdout
+    assert "ragvit.bench [1/8] check BS 1" in r.stderr.splitlines(), r.stderr
+    assert "ragvit.bench [8/8] ragvit BS 2" in r.stderr.splitlines(), r.stderr
     out = r.stdout
     assert "all results match" in out
     assert out.index("max |dlogit|") < out.index("all results match") < out.index("img/s")
@@ -151,6 +154,49 @@ def test_without_torch_names_the_bench_extra():
     assert "Traceback" not in r.stderr
     assert "needs torch and timm: pip install 'ragvit[bench]'" in r.stderr
     assert "requirements-test.txt" not in r.stderr
+
+
+class _Stream:
+    """A text stream that says whether it is a terminal."""
+
+    def __init__(self, tty: bool):
+        self.tty, self.text = tty, []
+
+    def isatty(self):
+        return self.tty
+
+    def write(self, s):
+        self.text.append(s)
+
+    def flush(self):
+        pass
+
+
+def test_progress_is_plain_lines_when_not_a_terminal():
+    from ragvit.bench import sweep
+
+    stream = _Stream(tty=False)
+    bar = sweep._progress(2, True, file=stream)
+    for step in ("check BS 1", "ragvit BS 1"):
+        bar.set_postfix_str(step)
+        bar.update()
+    bar.close()
+    text = "".join(stream.text)
+    assert "\r" not in text
+    assert text == "ragvit.bench [1/2] check BS 1\nragvit.bench [2/2] ragvit BS 1\n"
+    quiet = _Stream(tty=False)
+    bar = sweep._progress(2, False, file=quiet)
+    bar.set_postfix_str("check BS 1")
+    assert quiet.text == []
+
+
+def test_progress_is_a_bar_on_a_terminal():
+    tqdm = pytest.importorskip("tqdm")
+    from ragvit.bench import sweep
+
+    bar = sweep._progress(2, True, file=_Stream(tty=True))
+    assert isinstance(bar, tqdm.tqdm)
+    bar.close()
 
 
 def test_malformed_arguments_subprocess():

@@ -72,7 +72,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--threads", type=_positive_int, help="torch CPU threads")
     p.add_argument("--seed", type=int)
     p.add_argument("--out", help="write OUT.json and OUT.csv")
-    p.add_argument("--no-progress", action="store_true", help="no tqdm bar")
+    p.add_argument("--no-progress", action="store_true",
+                   help="no progress on stderr (a tqdm bar on a terminal, else plain lines)")
     return p
 
 

@@ -112,27 +112,39 @@ class ConfigError(ValueError):
     """A configuration that cannot run on its model (e.g. pruning layers past the depth)."""
 
 
-def _progress(total: int, enabled: bool):
-    """A tqdm bar on stderr, or a stand-in with update/close when tqdm is missing."""
-    if enabled:
+def _progress(total: int, enabled: bool, file=None):
+    """Progress over `total` steps on `file` (default sys.stderr): a tqdm bar on a terminal;
+    one plain line per step where the stream is not a terminal (a log, CI, a pipe), which
+    a bar's carriage-return redraws would fill with fragments; nothing when not enabled.
+    The result has update(), set_postfix_str() (names the step starting) and close()."""
+    file = file if file is not None else sys.stderr
+    is_tty = getattr(file, "isatty", lambda: False)()
+    if enabled and is_tty:
         try:
             from tqdm import tqdm
 
-            return tqdm(total=total, desc="ragvit.bench", file=sys.stderr, leave=False)
+            return tqdm(total=total, desc="ragvit.bench", file=file, leave=False)
         except ImportError:
             pass
+    return _ProgressLines(total, file if enabled else None)
 
-    class _Quiet:
-        def update(self, n=1):
-            pass
 
-        def set_postfix_str(self, s):
-            pass
+class _ProgressLines:
+    """The plain-line stand-in for the tqdm bar (see _progress); file None: silent."""
 
-        def close(self):
-            pass
+    def __init__(self, total: int, file):
+        self.total, self.done, self.file = total, 0, file
 
-    return _Quiet()
+    def update(self, n=1):
+        self.done += n
+
+    def set_postfix_str(self, s):
+        if self.file is not None:
+            print(f"ragvit.bench [{self.done + 1}/{self.total}] {s}", file=self.file,
+                  flush=True)
+
+    def close(self):
+        pass
 
 
 def run(config: BenchConfig | None = None, *, progress: bool = True, log=print) -> dict:
@@ -140,7 +152,8 @@ def run(config: BenchConfig | None = None, *, progress: bool = True, log=print) 
 
     Args:
         config: what to run (None: the paper's configuration on the best device).
-        progress: show a tqdm bar over the sweep (silently off without tqdm).
+        progress: show progress on stderr: a tqdm bar on a terminal, plain lines
+            otherwise (and without tqdm).
         log: where progress lines go (print, or a no-op).
 
     Returns:
