@@ -181,7 +181,8 @@ def load_results(path: str) -> list[dict]:
 
 def load_result_folders(folders, log=print) -> list[dict]:
     """load_results of every *.json in `folders` (in order), each row tagged with "suite":
-    "sweep" for `write_results` files, else its bench_e2e suite. A bench_e2e suite comes
+    "sweep" for `write_results` files, else its bench_e2e suite, and "source": the file's
+    name (what a plot names as its data's origin, next to the row's device). A bench_e2e suite comes
     from the first file that has it, so a fresh run's folder listed before the committed
     results wins and no suite is counted twice. Within a folder, files holding fewer suites
     come first (then by name): a one-suite re-run (gpu_check.sh's e2e_<suite>_<gpu>)
@@ -198,7 +199,8 @@ def load_result_folders(folders, log=print) -> list[dict]:
         files.sort(key=lambda file: len(set(file[2])))  # stable: by name within a count
         for path, head, suites in files:
             if "config" in head:
-                rows += [dict(r, suite="sweep") for r in load_results(path)]
+                rows += [dict(r, suite="sweep", source=os.path.basename(path))
+                         for r in load_results(path)]
                 log(f"loaded {path}")
                 continue
             if not (head.get("rows") and any("timing" in r for r in head["rows"])):
@@ -208,7 +210,8 @@ def load_result_folders(folders, log=print) -> list[dict]:
             if not new:
                 log(f"skipped {path} (its suites came from an earlier file)")
                 continue
-            rows += [dict(r, suite=s) for r, s in zip(flat, suites, strict=True) if s in new]
+            rows += [dict(r, suite=s, source=os.path.basename(path))
+                     for r, s in zip(flat, suites, strict=True) if s in new]
             seen |= new
             log(f"loaded {path} suites: {', '.join(sorted(new))}")
     return rows

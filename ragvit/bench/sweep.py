@@ -42,8 +42,7 @@ def cuda_problem() -> str | None:
     from .. import ops
 
     if not torch.cuda.is_available():
-        return ("torch finds no CUDA GPU (no NVIDIA driver or no visible device); "
-                "use --device cpu or auto")
+        return "torch finds no CUDA GPU (no NVIDIA driver or no visible device)"
     if not ops.cuda_is_compiled():
         return ("this ragvit build has no CUDA kernels (built without nvcc or with "
                 "RAGVIT_NO_CUDA=1); rebuild it where the CUDA toolkit is installed")
