@@ -1,10 +1,13 @@
 """Executes benchmarks/ragvit_benchmarks.ipynb headless and saves it with its outputs.
 
-``python benchmarks/run_notebook.py --out DIR [--results DIR ...] [--sweep] [--tiny]``
-writes DIR/ragvit_benchmarks.ipynb (executed, outputs included) and the notebook's PNGs into
-DIR (RAGVIT_NB_FIGS); --results are the folders the notebook loads results JSONs from
-(RAGVIT_NB_RESULTS, default benchmarks/results), --sweep makes it also run its own sweep on
-this machine (RAGVIT_NB_SWEEP=1; on an H200 about two minutes), --tiny its CPU tiny mode.
+``python benchmarks/run_notebook.py`` renders it into build/notebook/ (the executed
+notebook and its PNGs): in full mode on a machine with a CUDA GPU ragvit can use, in tiny
+mode (a seconds-long CPU sweep, RAGVIT_NB_TINY=1) on one without; ``--tiny`` / ``--full``
+force a mode, and RAGVIT_NB_TINY=1 in the environment is the same as --tiny. ``--out DIR``
+writes elsewhere (RAGVIT_NB_FIGS: the PNGs go next to the notebook); tiny mode refuses
+benchmarks/results, whose figures are measured ones. --results are the folders the notebook
+loads results JSONs from (RAGVIT_NB_RESULTS, default benchmarks/results), --sweep makes it
+also run its own sweep on this machine (RAGVIT_NB_SWEEP=1; on an H200 about two minutes).
 The notebook prints paths relative to the repository, so the saved outputs name no folder
 of the machine that ran it; --text-only drops the figures' inline images from the saved
 notebook (the PNG files hold them), as the repository's copy keeps them.
@@ -32,7 +35,23 @@ import time
 import traceback
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
 NOTEBOOK = os.path.join(HERE, "ragvit_benchmarks.ipynb")
+DEFAULT_OUT = os.path.join("build", "notebook")  # relative to the repository root
+RESULTS = os.path.join(HERE, "results")
+
+
+def gpu_problem() -> str | None:
+    """Why full mode has no GPU here (None: torch sees one and ragvit has its kernels)."""
+    if ROOT not in sys.path:  # the in-place build
+        sys.path.insert(0, ROOT)
+    try:
+        import torch  # noqa: F401 - cuda_problem needs it
+
+        from ragvit.bench.sweep import cuda_problem
+    except ImportError as e:
+        return f"torch or ragvit does not import ({e})"
+    return cuda_problem()
 
 
 def _lines(text: str) -> list[str]:
@@ -130,21 +149,37 @@ def has_nbclient() -> bool:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--out", required=True, help="folder for the executed notebook and PNGs")
+    p.add_argument("--out", help=f"folder for the executed notebook and PNGs (default: "
+                   f"{DEFAULT_OUT} in the repository)")
     p.add_argument("--results", nargs="+", help="results folders the notebook loads")
     p.add_argument("--sweep", action="store_true", help="also run the notebook's own sweep")
-    p.add_argument("--tiny", action="store_true", help="CPU tiny mode")
+    mode = p.add_mutually_exclusive_group()
+    mode.add_argument("--tiny", action="store_true",
+                      help="CPU tiny mode (default without a GPU, or with RAGVIT_NB_TINY=1)")
+    mode.add_argument("--full", action="store_true",
+                      help="full mode (default with a GPU); on a CPU it plots stored results")
     p.add_argument("--engine", choices=("auto", "nbclient", "inprocess"), default="auto")
     p.add_argument("--timeout", type=int, default=600, help="nbclient: seconds per cell")
     p.add_argument("--text-only", action="store_true",
                    help="save the notebook without its inline images (the PNGs hold them)")
     args = p.parse_args(argv)
-    out = os.path.abspath(args.out)
+    if args.tiny or args.full:
+        tiny, why = args.tiny, "--tiny" if args.tiny else "--full"
+    elif os.environ.get("RAGVIT_NB_TINY") == "1":
+        tiny, why = True, "RAGVIT_NB_TINY=1"
+    else:
+        problem = gpu_problem()
+        tiny, why = problem is not None, f"no GPU: {problem}" if problem else "a GPU"
+    out = os.path.abspath(args.out or os.path.join(ROOT, DEFAULT_OUT))
+    if tiny and (os.path.realpath(out) + os.sep).startswith(os.path.realpath(RESULTS) + os.sep):
+        p.error("--out: tiny mode writes no figures into benchmarks/results (its numbers are "
+                "a CPU smoke run); pass --full to re-plot the stored results there")
+    print(f"{'tiny' if tiny else 'full'} mode ({why})", flush=True)
     os.makedirs(out, exist_ok=True)
-    root = os.path.dirname(HERE)
+    root = ROOT
     os.environ.update(RAGVIT_NB_FIGS=out,
                       RAGVIT_NB_SWEEP="1" if args.sweep else "0",
-                      RAGVIT_NB_TINY="1" if args.tiny else "0",
+                      RAGVIT_NB_TINY="1" if tiny else "0",
                       PYTHONPATH=root + os.pathsep + os.environ.get("PYTHONPATH", ""))
     if args.results:
         os.environ["RAGVIT_NB_RESULTS"] = os.pathsep.join(os.path.abspath(r)
@@ -174,8 +209,9 @@ def main(argv=None) -> int:
                 json.dump(nb, f, indent=1, ensure_ascii=False)
                 f.write("\n")
     pngs = sorted(f for f in os.listdir(out) if f.endswith(".png"))
+    shown = args.out or DEFAULT_OUT
     print(f"executed with {engine} in {time.monotonic() - t0:.0f} s; wrote "
-          f"{os.path.join(args.out, 'ragvit_benchmarks.ipynb')} and {len(pngs)} PNGs: "
+          f"{os.path.join(shown, 'ragvit_benchmarks.ipynb')} and {len(pngs)} PNGs: "
           f"{', '.join(pngs)}")
     return 0
 

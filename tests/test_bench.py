@@ -4,7 +4,8 @@ The CLI runs in a subprocess as a user would run it (--help, a tiny DeiT-Tiny 64
 that must print "all results match", the table and write JSON/CSV; malformed arguments
 must give argparse's usage error, exit 2, not a traceback). The benchmark scripts run their
 CPU smoke modes (bench_e2e.py --tiny) and argument checks. The notebook executes top to
-bottom headless with RAGVIT_NB_TINY=1, so it cannot rot, and prints no absolute path. The
+bottom headless with RAGVIT_NB_TINY=1, so it cannot rot, prints no absolute path, saves
+its figures into a scratch folder (never benchmarks/results) and names each one's data. The
 timer's scheduling (rotation, interleaving, bursts) is checked with counting callables on
 the CPU. Budget: about four minutes on two slow cores, most of it in the subprocesses that
 import torch and the notebook and bench_e2e.py runs.
@@ -21,7 +22,7 @@ import subprocess
 import sys
 
 import pytest
-from support.devices import requires_cuda
+from support.devices import CUDA_OK, requires_cuda
 
 pytest.importorskip("timm")
 
@@ -257,6 +258,9 @@ def test_load_result_folders_takes_each_suite_once(tmp_path):
     assert got == [("graph", "ragvit", 100.0), ("graph", "timm_eager", 100.0),
                    ("paper", "ragvit", 900.0), ("paper", "timm_eager", 900.0),
                    ("policies", "ragvit", 500.0), ("policies", "timm_eager", 500.0)]
+    assert {(r["suite"], r["source"]) for r in rows} == {
+        ("graph", "e2e_zz_h200.json"), ("paper", "e2e_paper_h200.json"),
+        ("policies", "e2e_h200.json")}
     assert lines == [f"loaded {fresh / 'e2e_paper_h200.json'} suites: paper",
                      f"loaded {committed / 'e2e_zz_h200.json'} suites: graph",
                      f"loaded {committed / 'e2e_h200.json'} suites: policies"]
@@ -290,6 +294,11 @@ def test_notebook_executes_in_tiny_mode(monkeypatch):
     assert "tiny mode" in text and "ran 2 configurations" in text
     assert images >= 3  # throughput/speedup, attention µs, kept fraction vs speedup
     assert_no_absolute_paths(text)
+    # tiny mode saves its figures into a scratch folder, each naming its data's source
+    assert "saved build/notebook/e2e_throughput.png | data: this run, CPU" in text
+    assert ("saved build/notebook/attention_us.png | data: stored "
+            "benchmarks/results/attention_h200.json, NVIDIA H200 (not this run)") in text
+    assert "saved build/notebook/kept_vs_speedup.png | data: this run, CPU" in text
 
 
 def assert_no_absolute_paths(text):
@@ -312,8 +321,8 @@ def load_script(name):
     return module
 
 
-def run_script(script, *args, timeout=180):
-    env = dict(os.environ)
+def run_script(script, *args, timeout=180, **extra_env):
+    env = dict(os.environ, **extra_env)
     env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
     return subprocess.run([sys.executable, os.path.join(BENCH, script), *args], cwd=ROOT,
                           env=env, capture_output=True, text=True, timeout=timeout)
@@ -471,9 +480,10 @@ def test_run_notebook_inprocess_saves_pngs(tmp_path):
 def test_run_notebook_text_only_drops_the_inline_images(tmp_path):
     """--text-only saves the executed notebook without inline images (the PNG files keep
     them), its text outputs intact: the copy the repository keeps stays small."""
-    r = run_script("run_notebook.py", "--tiny", "--engine", "inprocess", "--text-only",
-                   "--out", str(tmp_path))
+    r = run_script("run_notebook.py", "--engine", "inprocess", "--text-only",
+                   "--out", str(tmp_path), RAGVIT_NB_TINY="1")
     assert r.returncode == 0, r.stdout + r.stderr
+    assert r.stdout.startswith("tiny mode (RAGVIT_NB_TINY=1)"), r.stdout
     with open(tmp_path / "ragvit_benchmarks.ipynb") as f:
         nb = json.load(f)
     outputs = [o for c in nb["cells"] if c["cell_type"] == "code" for o in c["outputs"]]
@@ -481,6 +491,19 @@ def test_run_notebook_text_only_drops_the_inline_images(tmp_path):
     assert "ran 2 configurations" in "".join("".join(o.get("text", "")) for o in outputs)
     assert {"e2e_throughput.png", "kept_vs_speedup.png"} <= {p.name for p in
                                                              tmp_path.glob("*.png")}
+
+
+@pytest.mark.parametrize("args", [["--tiny"], []], ids=["tiny", "auto"])
+def test_run_notebook_tiny_never_writes_into_results(args):
+    """Tiny mode's CPU smoke figures never replace the measured ones in benchmarks/results
+    (without a flag a machine without a GPU renders in tiny mode)."""
+    if not args and CUDA_OK:
+        pytest.skip("without a flag a GPU machine renders in full mode")
+    r = run_script("run_notebook.py", *args, "--out", os.path.join("benchmarks", "results"),
+                   timeout=120)
+    assert r.returncode == 2, r.stdout + r.stderr
+    assert "tiny mode writes no figures into benchmarks/results" in r.stderr
+    assert "Traceback" not in r.stderr
 
 
 def test_host_us_and_time_ms_on_the_cpu():
