@@ -3,7 +3,9 @@ csrc/kernels/*.cu (the sm_90a-only files for sm_90a alone), then one Extension l
 the C sources of csrc/core, csrc/cpu and csrc/python; only PyInit__C is exported. Environment:
 RAGVIT_CUDA_ARCHS ("80;90": SASS targets, "90" as sm_90a, PTX of the last), RAGVIT_WERROR=1,
 RAGVIT_NO_CUDA=1 (CPU only), RAGVIT_CUBLAS_HOME (cuBLASLt; else the CUDA root or a wheel; none:
-linear on the CPU)."""
+linear on the CPU), RAGVIT_SANITIZE ("address,undefined": the C sources built with those
+-fsanitize checks, -O1 -g, aborting on the first report; the kernels are not instrumented; the
+runtime must be preloaded into Python: scripts/sanitize_cpu.sh)."""
 import glob
 import os
 import shutil
@@ -21,6 +23,11 @@ PYTHON = f"python{sys.version_info[0]}.{sys.version_info[1]}"
 SITE = [*sys.path, join(sys.prefix, "lib", PYTHON, "site-packages")]
 WHEELS = [w for p in SITE for w in sorted(glob.glob(join(p, "nvidia", "cu*")))]
 NVCC = shutil.which("nvcc")
+SANITIZE = env("RAGVIT_SANITIZE", "").replace(" ", "")
+# -O1 keeps the stacks of a report readable; UB aborts like an ASan error instead of printing
+# and going on, so a test run cannot pass over one.
+SANITIZE_FLAGS = [f"-fsanitize={SANITIZE}", "-fno-omit-frame-pointer", "-O1", "-g",
+                  "-fno-sanitize-recover=all"] if SANITIZE else []
 
 
 def first_root(roots, *files):
@@ -65,6 +72,11 @@ def nvcc_command(cuda):
 
 class BuildExt(build_ext):
     def build_extensions(self):
+        if SANITIZE and "clang" in os.path.basename(self.compiler.compiler_so[0]):
+            # clang links its ASan runtime statically by default, which a module loaded into
+            # an uninstrumented Python cannot use: link the shared one (the one preloaded)
+            for ext in self.extensions:
+                ext.extra_link_args.append("-shared-libsan")
         home = NVCC and os.path.dirname(os.path.dirname(os.path.realpath(NVCC)))
         roots = [env("CUDA_HOME"), env("CUDA_PATH"), home, *WHEELS, "/usr/local/cuda"]
         is_wanted = env("RAGVIT_NO_CUDA") != "1"
@@ -98,5 +110,6 @@ setup(ext_modules=[Extension("ragvit._C", sources=SOURCES,
                                            numpy.get_include()],
                              depends=sorted(glob.glob("csrc/*/*.h") + glob.glob("csrc/kernels/*")),
                              extra_compile_args=["-std=c11", "-O3", "-fvisibility=hidden",
-                                                 *WARN])],
+                                                 *WARN, *SANITIZE_FLAGS],
+                             extra_link_args=SANITIZE_FLAGS)],
       cmdclass={"build_ext": BuildExt})
