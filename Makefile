@@ -1,10 +1,12 @@
 # make demo: install ragvit and run the main job (GPU when present, else CPU).
 # make test: install the test requirements, build, run the whole pytest suite.
 # make lint: the style checks alone (ruff, clang-format; the pre-commit hooks run the same).
+# make sanitize: the suite against an ASan+UBSan CPU-only build in build/sanitize
+#   (scripts/sanitize_cpu.sh; SANITIZE_ARGS: pytest arguments, default the whole suite).
 PYTHON ?= python3
 PIP := $(PYTHON) -m pip
 
-.PHONY: demo test lint install build test-deps gpu-check clean
+.PHONY: demo test lint sanitize install build test-deps gpu-check clean
 
 demo: test-deps install
 	HF_HUB_OFFLINE=1 $(PYTHON) -m ragvit.demo
@@ -24,6 +26,9 @@ test: test-deps build
 
 lint: test-deps
 	$(PYTHON) -m pytest -q tests/test_style.py
+
+sanitize: test-deps
+	PYTHON=$(PYTHON) bash scripts/sanitize_cpu.sh $(SANITIZE_ARGS)
 
 gpu-check:
 	bash scripts/gpu_check.sh
