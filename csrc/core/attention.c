@@ -49,6 +49,7 @@ static ragvit_status attention_check(const ragvit_tensor *out, const ragvit_tens
     RAGVIT_TRY(tensor_check_same_dtype(op, "out", out, "q", q));
     RAGVIT_TRY(tensor_check_last_contiguous(op, "out", out));
     RAGVIT_TRY(tensor_check_writable(op, "out", out));
+    RAGVIT_TRY(tensor_check_no_self_overlap(op, "out", out));
     RAGVIT_TRY(tensor_check_cu_seqlens(op, cu_seqlens));
     if (cu_seqlens->strides[0] != 1 && cu_seqlens->shape[0] > 1) {
         return ragvit_fail(RAGVIT_STATUS_INVALID_SHAPE,
@@ -60,6 +61,7 @@ static ragvit_status attention_check(const ragvit_tensor *out, const ragvit_tens
         RAGVIT_TRY(tensor_check_shape(op, "cls_attn", cls_attn, 1, shape));
         RAGVIT_TRY(tensor_check_dtype(op, "cls_attn", cls_attn, RAGVIT_DTYPE_F32));
         RAGVIT_TRY(tensor_check_writable(op, "cls_attn", cls_attn));
+        RAGVIT_TRY(tensor_check_no_self_overlap(op, "cls_attn", cls_attn));
     }
     if (bias->is_present) {
         const int64_t shape[1] = {q->shape[0]};

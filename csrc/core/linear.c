@@ -39,6 +39,7 @@ ragvit_status ragvit_linear(ragvit_context *ctx, const ragvit_tensor *out, const
     RAGVIT_TRY(linear_check_matrix(op, "weight", weight, w_shape));
     RAGVIT_TRY(linear_check_matrix(op, "out", out, out_shape));
     RAGVIT_TRY(tensor_check_writable(op, "out", out));
+    RAGVIT_TRY(tensor_check_no_self_overlap(op, "out", out));
     for (int i = 1; i < 5; i++) {
         if (all[i]->is_present) RAGVIT_TRY(tensor_check_same_dtype(op, names[i], all[i], "x", x));
     }

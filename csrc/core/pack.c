@@ -25,7 +25,9 @@ static ragvit_status pack_check_cu_seqlens(const char *op, const ragvit_tensor *
     const int64_t shape[1] = {batch + 1};
     RAGVIT_TRY(tensor_check_dtype(op, "cu_seqlens", cu_seqlens, RAGVIT_DTYPE_I32));
     RAGVIT_TRY(tensor_check_shape(op, "cu_seqlens", cu_seqlens, 1, shape));
-    return is_output ? tensor_check_writable(op, "cu_seqlens", cu_seqlens) : RAGVIT_STATUS_OK;
+    if (!is_output) return RAGVIT_STATUS_OK;
+    RAGVIT_TRY(tensor_check_writable(op, "cu_seqlens", cu_seqlens));
+    return tensor_check_no_self_overlap(op, "cu_seqlens", cu_seqlens);
 }
 
 /* The count part of a from keep (B, N) and cu_seqlens (B+1,), both validated. */
@@ -63,11 +65,13 @@ static ragvit_status pack_check_outputs(const char *op, const char *x_name,
     RAGVIT_TRY(tensor_check_same_dtype(op, "out", out, x_name, x));
     RAGVIT_TRY(tensor_check_last_contiguous(op, "out", out));
     RAGVIT_TRY(tensor_check_writable(op, "out", out));
+    RAGVIT_TRY(tensor_check_no_self_overlap(op, "out", out));
     if (indices_out->is_present) {
         const int64_t indices_shape[1] = {out->shape[0]};
         RAGVIT_TRY(tensor_check_shape(op, indices_name, indices_out, 1, indices_shape));
         RAGVIT_TRY(tensor_check_dtype(op, indices_name, indices_out, RAGVIT_DTYPE_I32));
         RAGVIT_TRY(tensor_check_writable(op, indices_name, indices_out));
+        RAGVIT_TRY(tensor_check_no_self_overlap(op, indices_name, indices_out));
     }
     const char *const names[] = {x_name, "keep", "cu_seqlens"};
     const ragvit_tensor *const ins[] = {x, keep, cu_seqlens};
@@ -97,6 +101,7 @@ static ragvit_status pack_check_count_output(const char *op, const char *x_name,
                                              const ragvit_tensor *indices_out,
                                              const ragvit_tensor *x, const ragvit_tensor *keep) {
     RAGVIT_TRY(tensor_check_writable(op, cu_name, cu_seqlens_out));
+    RAGVIT_TRY(tensor_check_no_self_overlap(op, cu_name, cu_seqlens_out));
     RAGVIT_TRY(tensor_check_no_alias(op, cu_name, cu_seqlens_out, x_name, x));
     RAGVIT_TRY(tensor_check_no_alias(op, cu_name, cu_seqlens_out, "keep", keep));
     RAGVIT_TRY(tensor_check_no_alias(op, "out", out, cu_name, cu_seqlens_out));
@@ -357,6 +362,7 @@ static ragvit_status unpack_run(const char *op, ragvit_context *ctx, const ragvi
     RAGVIT_TRY(tensor_check_same_dtype(op, "out", out, "packed", packed));
     RAGVIT_TRY(tensor_check_last_contiguous(op, "out", out));
     RAGVIT_TRY(tensor_check_writable(op, "out", out));
+    RAGVIT_TRY(tensor_check_no_self_overlap(op, "out", out));
     if (indices->is_present) {
         const int64_t indices_shape[1] = {packed->shape[0]};
         RAGVIT_TRY(tensor_check_shape(op, "indices", indices, 1, indices_shape));

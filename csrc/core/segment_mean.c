@@ -26,6 +26,7 @@ ragvit_status ragvit_segment_mean(ragvit_context *ctx, const ragvit_tensor *out,
     RAGVIT_TRY(tensor_check_same_dtype(op, "out", out, "packed", packed));
     RAGVIT_TRY(tensor_check_last_contiguous(op, "out", out));
     RAGVIT_TRY(tensor_check_writable(op, "out", out));
+    RAGVIT_TRY(tensor_check_no_self_overlap(op, "out", out));
     RAGVIT_TRY(tensor_check_devices(op, names, all, 3, &device_type, &device_id));
     for (int i = 0; i < 2; i++) RAGVIT_TRY(tensor_check_no_alias(op, "out", out, names[i], all[i]));
     if (device_type == RAGVIT_DEVICE_CPU) {

@@ -1,7 +1,7 @@
 /* tensor.c — pure-C checks on ragvit_tensor views: rank, shape, element
- * strides, dtype, device agreement, writability, aliasing, and the contents of
- * host-side cu_seqlens. Messages follow "<op>: <arg> must be <rule>, got
- * <actual>" so every front end reports the same words. Decision: the alias
+ * strides, dtype, device agreement, writability, aliasing (between tensors and of
+ * an output with itself), and the contents of host-side cu_seqlens. Messages follow "<op>: <arg>
+ * must be <rule>, got <actual>" so every front end reports the same words. Decision: the alias
  * check compares byte extents, which may refuse exotic interleaved views that
  * do not truly overlap; refusing is safe, silently racing is not. */
 #include <inttypes.h>
@@ -81,6 +81,38 @@ ragvit_status tensor_fail_writable(const char *op, const char *name, const ragvi
     (void)t;
     return ragvit_fail(RAGVIT_STATUS_READ_ONLY, "%s: %s must be writable, got a read-only array",
                        op, name);
+}
+
+ragvit_status tensor_check_no_self_overlap_sorted(const char *op, const char *name,
+                                                  const ragvit_tensor *t) {
+    int64_t stride[RAGVIT_MAX_DIMS], extent[RAGVIT_MAX_DIMS];
+    int32_t n = 0;
+    for (int32_t i = 0; i < t->ndim; i++) {
+        if (t->shape[i] == 0) return RAGVIT_STATUS_OK; /* no element at all */
+        if (t->shape[i] == 1) continue;
+        const int64_t s = t->strides[i] < 0 ? -t->strides[i] : t->strides[i];
+        int32_t j = n++; /* insertion sort by |stride|: at most RAGVIT_MAX_DIMS dims */
+        for (; j > 0 && stride[j - 1] > s; j--) {
+            stride[j] = stride[j - 1];
+            extent[j] = extent[j - 1];
+        }
+        stride[j] = s;
+        extent[j] = t->shape[i];
+    }
+    int64_t span = 1, reach;
+    int32_t i = 0;
+    for (; i < n && stride[i] >= span; i++) { /* past INT64_MAX: no larger stride fits */
+        if (__builtin_mul_overflow(stride[i], extent[i] - 1, &reach) ||
+            __builtin_add_overflow(span, reach, &span)) {
+            span = INT64_MAX;
+        }
+    }
+    if (i == n) return RAGVIT_STATUS_OK;
+    char shape[128], strides[128];
+    return ragvit_fail(RAGVIT_STATUS_INVALID_SHAPE,
+                       "%s: %s must not overlap itself, got shape %s with strides %s", op, name,
+                       format_shape(shape, sizeof shape, t->ndim, t->shape),
+                       format_shape(strides, sizeof strides, t->ndim, t->strides));
 }
 
 /* [lo, hi) byte range touched by t; empty when any extent is 0. */
@@ -220,6 +252,7 @@ ragvit_status tensor_check_rows(const char *op, const ragvit_tensor *out, const 
     RAGVIT_TRY(tensor_check_same_dtype(op, "out", out, "x", x));
     RAGVIT_TRY(tensor_check_last_contiguous(op, "out", out));
     RAGVIT_TRY(tensor_check_writable(op, "out", out));
+    RAGVIT_TRY(tensor_check_no_self_overlap(op, "out", out));
     for (int i = 0; i < param_count; i++) {
         names[1 + i] = param_names[i];
         all[1 + i] = params[i];

@@ -32,6 +32,8 @@ ragvit_status tensor_fail_same_dtype(const char *op, const char *name, const rag
                                      const char *ref_name, const ragvit_tensor *ref);
 ragvit_status tensor_fail_last_contiguous(const char *op, const char *name, const ragvit_tensor *t);
 ragvit_status tensor_fail_writable(const char *op, const char *name, const ragvit_tensor *t);
+ragvit_status tensor_check_no_self_overlap_sorted(const char *op, const char *name,
+                                                  const ragvit_tensor *t);
 /* out must share no byte with any present ins[i] on its device (named names[i]);
  * conservative: compares byte extents, out's computed once. */
 ragvit_status tensor_check_no_alias_any(const char *op, const char *name, const ragvit_tensor *out,
@@ -79,6 +81,26 @@ static inline ragvit_status tensor_check_last_contiguous(const char *op, const c
 static inline ragvit_status tensor_check_writable(const char *op, const char *name,
                                                   const ragvit_tensor *t) {
     return !t->is_read_only ? RAGVIT_STATUS_OK : tensor_fail_writable(op, name, t);
+}
+
+/* An output must not reach one element through two indices (an expand()ed or
+ * broadcast view: a zero stride on an extent > 1). Inline: each dim's stride is at
+ * least the span of the dims after it (row-major, padded rows, column slices);
+ * any other layout goes to tensor_check_no_self_overlap_sorted, which orders the
+ * dims by |stride| first. Conservative: an interleaving that never truly overlaps
+ * may be refused. */
+static inline ragvit_status tensor_check_no_self_overlap(const char *op, const char *name,
+                                                         const ragvit_tensor *t) {
+    int64_t span = 1, reach; /* span: elements spanned by the dims after i */
+    for (int32_t i = t->ndim - 1; i >= 0; i--) {
+        if (t->shape[i] <= 1) continue;
+        if (t->strides[i] < span ||
+            __builtin_mul_overflow(t->strides[i], t->shape[i] - 1, &reach) ||
+            __builtin_add_overflow(span, reach, &span)) {
+            return tensor_check_no_self_overlap_sorted(op, name, t);
+        }
+    }
+    return RAGVIT_STATUS_OK;
 }
 
 /* out must not share a byte with in (conservative: compares byte extents). */

@@ -54,6 +54,7 @@ ragvit_status ragvit_topk_index(ragvit_context *ctx, const ragvit_tensor *out,
                            "k = %" PRId64 "), got row stride %" PRId64,
                            op, width, out->strides[0]);
     }
+    RAGVIT_TRY(tensor_check_no_self_overlap(op, "out", out));
     RAGVIT_TRY(tensor_check_devices(op, names, all, 2, &device_type, &device_id));
     RAGVIT_TRY(tensor_check_no_alias(op, "out", out, "scores", scores));
     ragvit_topk_index_args a = {
