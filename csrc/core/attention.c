@@ -6,6 +6,7 @@
  * here (cheap); device contents are never read (that would sync): the kernels stay
  * in bounds on their own, non-finite bias values propagate, and the debug switch
  * reads the kernels' error flag back. */
+#include <float.h>
 #include <inttypes.h>
 #include <math.h>
 
@@ -13,6 +14,17 @@
 #include "core/tensor.h"
 
 static const char *const op = "attention";
+
+/* The kernels scale logits by scale * log2(e) in float32 and flush subnormals to
+ * zero: scale must be a normal float32 whose product with log2(e) is finite. */
+#define ATTENTION_MAX_SCALE (FLT_MAX / 1.4426950408889634f)
+
+static ragvit_status attention_fail_scale(double scale) {
+    return ragvit_fail(RAGVIT_STATUS_INVALID_VALUE,
+                       "%s: scale must be finite and > 0 in float32 (in [%g, %g], the kernels' "
+                       "dtype), got %g",
+                       op, (double)FLT_MIN, (double)ATTENTION_MAX_SCALE, scale);
+}
 
 static int is_supported_head_dim(int64_t d) {
     return d == 32 || d == 64 || d == 80 || d == 96 || d == 128;
@@ -107,11 +119,9 @@ ragvit_status ragvit_attention(ragvit_context *ctx, const ragvit_tensor *out,
         return ragvit_fail(RAGVIT_STATUS_INVALID_VALUE,
                            "%s: max_seqlen must be in [0, 2**31), got %" PRId64, op, max_seqlen);
     }
-    double scale = scale_or_null ? *scale_or_null : 1.0 / sqrt((double)q->shape[2]);
-    if (!(scale > 0.0) || isinf(scale)) {
-        return ragvit_fail(RAGVIT_STATUS_INVALID_VALUE, "%s: scale must be finite and > 0, got %g",
-                           op, scale);
-    }
+    const double scale_in = scale_or_null ? *scale_or_null : 1.0 / sqrt((double)q->shape[2]);
+    const float scale = (float)scale_in;
+    if (!(scale >= FLT_MIN && scale <= ATTENTION_MAX_SCALE)) return attention_fail_scale(scale_in);
     if (device_type == RAGVIT_DEVICE_CPU) {
         int64_t longest = 0;
         RAGVIT_TRY(tensor_check_cu_seqlens_host(
@@ -144,7 +154,7 @@ ragvit_status ragvit_attention(ragvit_context *ctx, const ragvit_tensor *out,
         .num_heads = (int32_t)q->shape[1],
         .head_dim = (int32_t)q->shape[2],
         .max_seqlen = (int32_t)max_seqlen,
-        .scale = (float)scale,
+        .scale = scale,
         .dtype = q->dtype,
         .bias = bias->is_present ? (const float *)bias->data : NULL,
         .bias_stride = bias->is_present ? bias->strides[0] : 0,

@@ -5,6 +5,7 @@
  * (same strides), any other overlap is refused. Decision: a single row's stride
  * is passed as C: an extent-1 dim may have any stride, and the kernel's 16-byte
  * path needs row strides that are 16-byte multiples. */
+#include <float.h>
 #include <math.h>
 
 #include "core/dispatch.h"
@@ -21,6 +22,12 @@ ragvit_status ragvit_layer_norm(ragvit_context *ctx, const ragvit_tensor *out,
     if (!(isfinite(eps) && eps > 0.0 && eps <= 1.0)) {
         return ragvit_fail(RAGVIT_STATUS_INVALID_VALUE,
                            "%s: eps must be finite and in (0, 1], got %g", op, eps);
+    }
+    if (!((float)eps >= FLT_MIN)) { /* the kernels add it in float32 and flush subnormals */
+        return ragvit_fail(RAGVIT_STATUS_INVALID_VALUE,
+                           "%s: eps must be >= %g (the smallest normal float32) in float32, the "
+                           "kernels' dtype, got %g",
+                           op, (double)FLT_MIN, eps);
     }
     const int64_t M = x->shape[0], C = x->shape[1];
     ragvit_rowwise_args a = {

@@ -177,7 +177,8 @@ ragvit_status ragvit_stream_wait(int32_t device_id, void *consumer, void *produc
  * sequence (checked on the CPU; on CUDA non-finite values propagate).
  * max_seqlen: upper bound on lengths, or RAGVIT_MAX_SEQLEN_AUTO to derive it
  * (CPU: read from cu_seqlens; CUDA: T, since lengths live on the device);
- * scale: NULL means 1/sqrt(D), otherwise finite and > 0. */
+ * scale: NULL means 1/sqrt(D), otherwise in [FLT_MIN, FLT_MAX / log2(e)] once rounded to
+ * float32 (the kernels' dtype). */
 #define RAGVIT_MAX_SEQLEN_AUTO INT64_MIN
 ragvit_status ragvit_attention(ragvit_context *ctx, const ragvit_tensor *out,
                                const ragvit_tensor *cls_attn, const ragvit_tensor *q,
@@ -263,8 +264,8 @@ ragvit_status ragvit_linear(ragvit_context *ctx, const ragvit_tensor *out, const
 
 /* ---- core/layer_norm.c ----
  * out (M, C) of x's dtype from x (M, C) float16/bfloat16/float32, optional weight
- * and bias (C,) of x's dtype; eps finite and in (0, 1]. x and out have unit column
- * strides; out may be x itself (same strides), no other overlap. */
+ * and bias (C,) of x's dtype; eps in (0, 1] and >= FLT_MIN once rounded to float32. x and out have
+ * unit column strides; out may be x itself (same strides), no other overlap. */
 ragvit_status ragvit_layer_norm(ragvit_context *ctx, const ragvit_tensor *out,
                                 const ragvit_tensor *x, const ragvit_tensor *weight,
                                 const ragvit_tensor *bias, double eps, void *stream);
