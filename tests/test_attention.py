@@ -10,6 +10,7 @@ on the padded batch) + floor. CPU cases are sized for two slow cores: large shap
 from __future__ import annotations
 
 import math
+import re
 
 import numpy as np
 import pytest
@@ -17,7 +18,13 @@ import torch
 from support.checks import check_attention, check_cls_attn
 from support.cuda import call_with_debug, capture_graph, flagged_contents_test, sleep_then
 from support.devices import device_param, devices, requires_cuda
-from support.errors import assert_rejected, cu_seqlens_errors, error_params, set_args
+from support.errors import (
+    assert_rejected,
+    cu_seqlens_errors,
+    error_params,
+    self_overlap_errors,
+    set_args,
+)
 from support.inputs import (
     covered_rows,
     make_cu_seqlens,
@@ -623,12 +630,25 @@ ATTENTION_ERRORS = cu_seqlens_errors() + [
     ("scale_nan", set_args(scale=math.nan), ValueError, "scale", False),
     ("scale_inf", set_args(scale=math.inf), ValueError, "scale", False),
     ("scale_str", set_args(scale="0.1"), TypeError, "scale", False),
+    *[
+        (f"scale_{case}", set_args(scale=value), ValueError,
+         rf"attention: scale must be finite and > 0 in float32 .*, "
+         rf"got {re.escape(f'{value:g}')}", False)
+        for case, value in [
+            ("inf_in_float32", 1e39),  # finite in double
+            ("zero_in_float32", 1e-50),
+            ("subnormal_in_float32", 1e-39),  # flushed to zero by the kernels
+            ("times_log2e_inf", 3e38),  # the kernels scale by scale * log2(e)
+        ]
+    ],
     ("max_seqlen_negative", set_args(max_seqlen=-1), ValueError, "max_seqlen", False),
     ("max_seqlen_float", set_args(max_seqlen=7.5), TypeError, "max_seqlen", False),
     ("q_list", set_args(q=lambda a: a["q"].tolist()), TypeError, r"\bq\b", False),
     ("q_int", set_args(q=3), TypeError, r"\bq\b", False),
     ("cu_seqlens_list", set_args(cu_seqlens=[0, 5, 5, 12]), TypeError, "cu_seqlens", False),
     ("out_str", set_args(out="out"), TypeError, r"\bout\b", False),
+    *self_overlap_errors("attention", "out"),
+    *self_overlap_errors("attention", "cls_attn"),
 ]
 
 

@@ -10,6 +10,7 @@ and every user-reachable error. Rows have their own scale and offset, and one al
 from __future__ import annotations
 
 import math
+import re
 
 import numpy as np
 import pytest
@@ -269,6 +270,16 @@ LAYER_NORM_ERRORS = (
         r"eps must be finite and in \(0, 1\], got 1.5",
         False,
     ),
+    *[
+        (f"eps_{case}", _set(eps=value), ValueError,
+         rf"layer_norm: eps must be >= 1.17549e-38 \(the smallest normal float32\) in float32, "
+         rf"the kernels' dtype, got {re.escape(f'{value:g}')}", False)
+        for case, value in [
+            ("zero_in_float32", 1e-50),  # > 0 in double
+            ("subnormal_in_float32", 1e-39),  # flushed to zero by the kernels
+            ("just_below_flt_min", 1.1754942e-38),
+        ]
+    ],
     ("eps_str", _set(eps="1e-5"), TypeError, r"layer_norm: eps must be a float, got str", False),
     (
         "eps_tensor",

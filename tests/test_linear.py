@@ -23,6 +23,7 @@ from support.errors import (
     error_params,
     matrix_input_errors,
     matrix_out_errors,
+    self_overlap_errors,
     vector_arg_errors,
 )
 from support.errors import set_args as _set
@@ -364,6 +365,7 @@ LINEAR_ERRORS = (
     matrix_input_errors("linear", "x", (5, 8))
     + matrix_out_errors("linear", (5, 6), lambda shape, device: poison(shape, device=device))
     + vector_arg_errors("bias", 6, torch.bfloat16, out_row=2)
+    + self_overlap_errors("linear", "out")
 ) + [
     (
         "x_rows_overlap",

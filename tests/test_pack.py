@@ -28,6 +28,7 @@ from support.errors import (
     cu_seqlens_errors,
     error_params,
     packed_args,
+    self_overlap_errors,
 )
 from support.errors import set_args as _set
 from support.inputs import (
@@ -976,6 +977,20 @@ PACKED_OUT_ERRORS = [
     ),
 ]
 
+def _with_prefix_out(rows):
+    """gather_prefix rows over a (3, 1, 6) out (k = 1): the base's k = 0 has no element."""
+
+    def wrap(mutate):
+        def wrapped(a):
+            a["k"] = 1
+            a["prefix_out"] = poison((3, 1, 6), device=_packed_device(a))
+            mutate(a)
+
+        return wrapped
+
+    return [(case_id, wrap(mutate), *rest) for case_id, mutate, *rest in rows]
+
+
 PACK_INTO_ERRORS = PACK_ERRORS + PACKED_OUT_ERRORS + _prefix_sums_out_errors("cu_seqlens") + [
     ("indices_int64", _set(indices=lambda a: a["indices"].long()), TypeError, "indices", False),
     (
@@ -987,6 +1002,9 @@ PACK_INTO_ERRORS = PACK_ERRORS + PACKED_OUT_ERRORS + _prefix_sums_out_errors("cu
     ),
     ("out_aliases_x", _set(out=lambda a: a["x"].reshape(10, 6)), ValueError, "alias", False),
     _capacity_too_small("pack_into", "indices", capacity=4, kept=5),
+    *self_overlap_errors("pack_into", "out"),
+    *self_overlap_errors("pack_into", "cu_seqlens"),
+    *self_overlap_errors("pack_into", "indices"),
 ]
 
 UNPACK_ERRORS = cu_seqlens_errors() + [
@@ -1084,6 +1102,7 @@ UNPACK_ERRORS = cu_seqlens_errors() + [
     ),
     ("fill_str", _set(fill="0"), TypeError, "fill", False),
     ("packed_dict", _set(packed={}), TypeError, "packed", False),
+    *self_overlap_errors("unpack", "out"),
 ]
 
 REPACK_ERRORS = PACKED_INPUT_ERRORS + [
@@ -1112,6 +1131,9 @@ REPACK_INTO_ERRORS = (
         False,
     ),
     _capacity_too_small("repack_into", "src", capacity=5, kept=7),
+    *self_overlap_errors("repack_into", "out"),
+    *self_overlap_errors("repack_into", "cu_seqlens_out"),
+    *self_overlap_errors("repack_into", "src"),
 ]
 
 GATHER_PREFIX_ERRORS = PACKED_INPUT_ERRORS + [
@@ -1134,6 +1156,7 @@ GATHER_PREFIX_ERRORS = PACKED_INPUT_ERRORS + [
         "at least k=1",
         True,
     ),
+    *_with_prefix_out(self_overlap_errors("gather_prefix", "out", key="prefix_out")),
 ]
 
 # op: (base arguments, call, error rows, outputs a rejected call may have filled: the prefix

@@ -14,7 +14,13 @@ import pytest
 import torch
 from support.cuda import GARBAGE_PACKED_CU_SEQLENS, call_with_debug, flagged_contents_test
 from support.devices import device_param, devices
-from support.errors import PACKED_INPUT_ERRORS, assert_rejected, error_params, packed_args
+from support.errors import (
+    PACKED_INPUT_ERRORS,
+    assert_rejected,
+    error_params,
+    packed_args,
+    self_overlap_errors,
+)
 from support.errors import set_args as _set
 from support.inputs import (
     as_numpy,
@@ -101,7 +107,7 @@ def _call(a):
 
 
 # (id, mutation, exception, message regex, cpu_only)
-SEGMENT_MEAN_ERRORS = PACKED_INPUT_ERRORS + [
+SEGMENT_MEAN_ERRORS = PACKED_INPUT_ERRORS + self_overlap_errors("segment_mean", "out") + [
     ("skip_negative", _set(skip=-1), ValueError, "skip", False),
     ("skip_float", _set(skip=0.5), TypeError, "skip", False),
     (

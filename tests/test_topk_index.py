@@ -22,6 +22,7 @@ from support.errors import (
     error_params,
     matrix_input_errors,
     matrix_out_errors,
+    self_overlap_errors,
 )
 from support.errors import set_args as _set
 from support.inputs import same_bits, seed_note
@@ -348,6 +349,7 @@ TOPK_ERRORS = (
         "topk_index", (4, 4), lambda shape, device: _poisoned(shape, device=device),
         same_dtype_as_x=False,
     )
+    + self_overlap_errors("topk_index", "out")
 ) + [
     (
         "scores_too_wide",
@@ -428,8 +430,7 @@ TOPK_ERRORS = (
         "out_rows_overlap",
         _set(out=lambda a: _poisoned((1, 4), device=_dev(a)).expand(4, 4)),
         ValueError,
-        r"out must have rows that do not overlap \(\|row stride\| >= prefix \+ k = 4\), got row "
-        r"stride 0",
+        r"topk_index: out must not overlap itself, got shape \(4, 4\) with strides \(0, 1\)",
         False,
     ),
     (

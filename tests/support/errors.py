@@ -5,7 +5,7 @@ op's valid base arguments (a dict) into the failing call's. error_params makes t
 pytest params for "cpu" and "cuda" (cpu_only rows, contents only the CPU can check without
 a sync, run on the CPU alone); assert_rejected runs one and checks that the rejected call
 wrote nothing. Rows several ops share are made here: matrix inputs and outputs, vector
-arguments, cu_seqlens, packed inputs, the row ops' x and out.
+arguments, cu_seqlens, packed inputs, the row ops' x and out, outputs that overlap themselves.
 """
 
 from __future__ import annotations
@@ -285,4 +285,35 @@ def row_op_errors(op: str) -> list:
             ("in_place_read_only_numpy", _numpy_read_only_in_place, ValueError,
              r"out must be writable", True),
         ]
+        + self_overlap_errors(op, "out")
     )
+
+
+def self_overlap_errors(op: str, name: str, key: str | None = None) -> list:
+    """Rows of an output `name` that reaches one element through two indices: its first
+    entry (row) expand()ed over the leading dim, a torch view with zero strides on every
+    dim but a matrix's last, and a NumPy view made with np.lib.stride_tricks.as_strided
+    (host only). Dtype, device and shape stay the base argument's (args[key], key
+    defaulting to name): only strides differ."""
+    pattern = rf"{op}: {name} must not overlap itself"
+    key = key or name
+
+    def expanded(a):
+        t = a[key]
+        return poison((1, *t.shape[1:]), t.dtype, t.device).expand(t.shape)
+
+    def zero_strides(a):  # a unit stride kept on the last dim of a matrix (checked first)
+        t = a[key]
+        strides = (0,) * (t.dim() - 1) + ((1,) if t.dim() > 1 else (0,))
+        return poison((t.shape[-1],), t.dtype, t.device).as_strided(t.shape, strides)
+
+    def numpy_view(a):
+        base = a[key].cpu().numpy().copy()
+        strides = (0, *base.strides[1:])  # every leading index reaches the first row
+        return np.lib.stride_tricks.as_strided(base, base.shape, strides, writeable=True)
+
+    return [
+        (f"{name}_expanded", set_args(**{key: expanded}), ValueError, pattern, False),
+        (f"{name}_zero_strides", set_args(**{key: zero_strides}), ValueError, pattern, False),
+        (f"{name}_numpy_zero_stride", set_args(**{key: numpy_view}), ValueError, pattern, True),
+    ]
