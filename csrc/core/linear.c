@@ -37,9 +37,10 @@ ragvit_status ragvit_linear(ragvit_context *ctx, const ragvit_tensor *out, const
     const int64_t x_shape[2] = {M, K}, w_shape[2] = {N, K}, out_shape[2] = {M, N};
     RAGVIT_TRY(linear_check_matrix(op, "x", x, x_shape));
     RAGVIT_TRY(linear_check_matrix(op, "weight", weight, w_shape));
+    RAGVIT_TRY(tensor_check_shape(op, "out", out, 2, out_shape));
+    RAGVIT_TRY(tensor_check_no_self_overlap(op, "out", out)); /* before its row-stride rule */
     RAGVIT_TRY(linear_check_matrix(op, "out", out, out_shape));
     RAGVIT_TRY(tensor_check_writable(op, "out", out));
-    RAGVIT_TRY(tensor_check_no_self_overlap(op, "out", out));
     for (int i = 1; i < 5; i++) {
         if (all[i]->is_present) RAGVIT_TRY(tensor_check_same_dtype(op, names[i], all[i], "x", x));
     }

@@ -48,13 +48,7 @@ ragvit_status ragvit_topk_index(ragvit_context *ctx, const ragvit_tensor *out,
     }
     RAGVIT_TRY(tensor_check_last_contiguous(op, "out", out));
     RAGVIT_TRY(tensor_check_writable(op, "out", out));
-    if (B > 1 && width > 0 && out->strides[0] > -width && out->strides[0] < width) {
-        return ragvit_fail(RAGVIT_STATUS_INVALID_SHAPE,
-                           "%s: out must have rows that do not overlap (|row stride| >= prefix + "
-                           "k = %" PRId64 "), got row stride %" PRId64,
-                           op, width, out->strides[0]);
-    }
-    RAGVIT_TRY(tensor_check_no_self_overlap(op, "out", out));
+    RAGVIT_TRY(tensor_check_no_self_overlap(op, "out", out)); /* rows: |row stride| >= width */
     RAGVIT_TRY(tensor_check_devices(op, names, all, 2, &device_type, &device_id));
     RAGVIT_TRY(tensor_check_no_alias(op, "out", out, "scores", scores));
     ragvit_topk_index_args a = {
