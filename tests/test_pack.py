@@ -1101,6 +1101,25 @@ UNPACK_ERRORS = cu_seqlens_errors() + [
         True,
     ),
     ("fill_str", _set(fill="0"), TypeError, "fill", False),
+    (
+        "fill_inf_in_float32",
+        _set(fill=-1e39),  # finite in double
+        ValueError,
+        r"unpack: fill must be finite in float32 when it is finite \(\|fill\| < 3.40282e\+38\), "
+        r"got -1e\+39",
+        False,
+    ),
+    (
+        "fill_inf_in_float16",
+        _set(
+            packed=lambda a: a["packed"].half(),
+            out=lambda a: poison((2, 5, 6), torch.float16, _packed_device(a)),
+            fill=65520.0,
+        ),
+        ValueError,
+        r"unpack: fill must be finite in float16 when it is finite \(\|fill\| < 65520\), got 65520",
+        False,
+    ),
     ("packed_dict", _set(packed={}), TypeError, "packed", False),
     *self_overlap_errors("unpack", "out"),
 ]

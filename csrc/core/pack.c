@@ -7,6 +7,7 @@
  * eager forms count, then gather, so the host learns T in between; the _into forms
  * enqueue both as one CUDA launch (ragvit_cuda_pack_into): no host sync, no scratch. */
 #include <inttypes.h>
+#include <math.h>
 
 #include "core/dispatch.h"
 #include "core/tensor.h"
@@ -347,6 +348,14 @@ static ragvit_status prefix_check_lengths_host(const char *op, const ragvit_tens
     return RAGVIT_STATUS_OK;
 }
 
+/* The smallest magnitude that rounds to inf in dtype (round to nearest even): a
+ * finite fill at or past it would be written as inf. */
+static double unpack_fill_limit(int32_t dtype) {
+    if (dtype == RAGVIT_DTYPE_F16) return 65520.0;     /* 65504 + half an ulp */
+    if (dtype == RAGVIT_DTYPE_BF16) return 0x1.ffp127; /* 2^128 - 2^119 */
+    return 0x1.ffffffp127;                             /* FLT_MAX + half an ulp */
+}
+
 /* unpack and gather_prefix (is_prefix): out (B, N or k, C) from packed rows. */
 static ragvit_status unpack_run(const char *op, ragvit_context *ctx, const ragvit_tensor *out,
                                 const ragvit_tensor *packed, const ragvit_tensor *cu_seqlens,
@@ -367,6 +376,12 @@ static ragvit_status unpack_run(const char *op, ragvit_context *ctx, const ragvi
         const int64_t indices_shape[1] = {packed->shape[0]};
         RAGVIT_TRY(tensor_check_shape(op, "indices", indices, 1, indices_shape));
         RAGVIT_TRY(tensor_check_dtype(op, "indices", indices, RAGVIT_DTYPE_I32));
+    }
+    if (isfinite(fill) && fabs(fill) >= unpack_fill_limit(packed->dtype)) {
+        return ragvit_fail(RAGVIT_STATUS_INVALID_VALUE,
+                           "%s: fill must be finite in %s when it is finite (|fill| < %g), got %g",
+                           op, tensor_dtype_name(packed->dtype), unpack_fill_limit(packed->dtype),
+                           fill);
     }
     RAGVIT_TRY(tensor_check_devices(op, names, all, 4, &device_type, &device_id));
     RAGVIT_TRY(tensor_check_no_alias_any(op, "out", out, names, all, 3));

@@ -210,7 +210,7 @@ ragvit_status ragvit_pack_into(ragvit_context *ctx, const ragvit_tensor *out,
 /* unpack: out (B, N, C) of packed's dtype from packed (T, C) and cu_seqlens (B+1,)
  * int32: row j < len of image b is packed[cu_seqlens[b] + j], or, when indices (T,)
  * int32 is present, packed token t lands at out[b, indices[t]]; every other row is
- * `fill`. */
+ * `fill` (inf, -inf or NaN, or finite once rounded to packed's dtype). */
 ragvit_status ragvit_unpack(ragvit_context *ctx, const ragvit_tensor *out,
                             const ragvit_tensor *packed, const ragvit_tensor *cu_seqlens,
                             const ragvit_tensor *indices, double fill, void *stream);
