@@ -372,14 +372,13 @@ def test_pack_into_capacity_too_small_raises_on_cpu(gen, seed):
     x, keep, mask = _make_pack_inputs(gen, (4, 197, 30), torch.float32, "cpu", "random_bool")
     total = int(mask.sum())
     out, indices = poison((total - 1, 30)), poison((total - 1,), torch.int32)
-    before = (out.clone(), indices.clone())
+    cu_seqlens = poison((5,), torch.int32)
+    before = (out.clone(), indices.clone(), cu_seqlens.clone())
     with pytest.raises(ValueError, match=r"capacity|room|out"):
-        ragvit.pack_into(x, keep, out, poison((5,), torch.int32), indices=indices)
-    # A rejected call writes nothing (the _C contract). cu_seqlens is left out here: it is
-    # the prefix-sum output the capacity check itself needs.
-    assert same_bits(out, before[0]) and same_bits(indices, before[1]), (
-        "wrote before raising" + seed_note(seed)
-    )
+        ragvit.pack_into(x, keep, out, cu_seqlens, indices=indices)
+    # A rejected call writes nothing (the _C contract), the prefix sums included.
+    after = (out, indices, cu_seqlens)
+    assert all(map(same_bits, after, before)), "wrote before raising" + seed_note(seed)
 
 
 @pytest.mark.parametrize("device", devices())
@@ -626,10 +625,44 @@ def test_repack_into_capacity_too_small_raises_on_cpu(gen, seed):
     packed, cu_seqlens, keep, mask = _make_packed(gen, [40, 1, 30], 30, torch.float32, "cpu")
     total = int(repack_reference(packed, cu_seqlens, mask)[1][-1])
     out, src = poison((total - 1, 30)), poison((total - 1,), torch.int32)
-    before = (out.clone(), src.clone())
+    cu_seqlens_out = poison((4,), torch.int32)
+    before = (out.clone(), src.clone(), cu_seqlens_out.clone())
     with pytest.raises(ValueError, match=r"room|capacity"):
-        ragvit.repack_into(packed, cu_seqlens, keep, out, poison((4,), torch.int32), src=src)
-    assert same_bits(out, before[0]) and same_bits(src, before[1]), "wrote before raising"
+        ragvit.repack_into(packed, cu_seqlens, keep, out, cu_seqlens_out, src=src)
+    after = (out, src, cu_seqlens_out)
+    assert all(map(same_bits, after, before)), "wrote before raising" + seed_note(seed)
+
+
+@pytest.mark.parametrize("form", ["pack_into", "repack_into"])
+@pytest.mark.parametrize("device", [pytest.param("cuda", marks=gpu_marks(), id="cuda")])
+def test_into_capacity_too_small_on_cuda(device, form, gen, seed):
+    """On CUDA the count lives on the device: a too-small capacity is flagged by the one
+    launch and raised in debug mode after it. What the docstrings promise by then: rows
+    and index entries [0, capacity) hold the first tokens, nothing past capacity is written
+    (guard rows), and the prefix sums are the full counts (cu_seqlens[B] > capacity)."""
+    if form == "pack_into":
+        x, keep, mask = _make_pack_inputs(gen, (4, 197, 30), torch.float32, device, "random_bool")
+        exp_packed, exp_cu, exp_index = pack_reference(x, mask.to(device))
+    else:
+        packed, cu_in, keep, mask = _make_packed(gen, [40, 1, 30], 30, torch.float32, device)
+        exp_packed, exp_cu, exp_index = repack_reference(packed, cu_in, mask)
+    capacity = int(exp_cu[-1]) - 3
+    out_buf = poison((capacity + GAP, 30), device=device)
+    index_buf = poison((capacity + GAP,), torch.int32, device)
+    cu_seqlens = poison((exp_cu.numel(),), torch.int32, device)
+    out, index = out_buf[:capacity], index_buf[:capacity]
+    ragvit.set_debug(True)
+    with pytest.raises(ValueError, match="more kept tokens than out can hold"):
+        if form == "pack_into":
+            ragvit.pack_into(x, keep, out, cu_seqlens, indices=index)
+        else:
+            ragvit.repack_into(packed, cu_in, keep, out, cu_seqlens, src=index)
+    note = seed_note(seed)
+    assert torch.equal(cu_seqlens.cpu(), exp_cu.cpu()), "prefix sums differ" + note
+    assert torch.equal(out.cpu(), exp_packed[:capacity].cpu()), "rows differ" + note
+    assert torch.equal(index.cpu(), exp_index[:capacity].cpu()), "index entries differ" + note
+    assert torch.isnan(out_buf[capacity:]).all(), "wrote past capacity" + note
+    assert (index_buf[capacity:] == INT32_POISON).all(), "wrote past capacity" + note
 
 
 def test_repack_numpy_in_numpy_out(gen, seed):
@@ -938,7 +971,7 @@ PACK_ERRORS = [
 # The _into forms' out (capacity, C): another dtype, C + 1 columns, 1-D.
 def _capacity_too_small(op, index_name, capacity, kept):
     """The row of an _into form given out and index rows for `capacity` < `kept` tokens
-    (checked on the CPU; CUDA flags it on the device: test_*_capacity_too_small_on_cuda)."""
+    (checked on the CPU; CUDA flags it on the device: test_into_capacity_too_small_on_cuda)."""
     return (
         "capacity_too_small",
         _set(
@@ -1178,22 +1211,21 @@ GATHER_PREFIX_ERRORS = PACKED_INPUT_ERRORS + [
     *_with_prefix_out(self_overlap_errors("gather_prefix", "out", key="prefix_out")),
 ]
 
-# op: (base arguments, call, error rows, outputs a rejected call may have filled: the prefix
-# sums the capacity check needs)
+# op: (base arguments, call, error rows)
 CALLS = {
-    "pack": (_pack_base, _call_pack, PACK_ERRORS, ()),
-    "pack_into": (_pack_base, _call_pack_into, PACK_INTO_ERRORS, ("cu_seqlens",)),
-    "unpack": (_unpack_base, _call_unpack, UNPACK_ERRORS, ()),
-    "repack": (_repack_base, _call_repack, REPACK_ERRORS, ()),
-    "repack_into": (_repack_base, _call_repack_into, REPACK_INTO_ERRORS, ("cu_seqlens_out",)),
-    "gather_prefix": (_repack_base, _call_gather_prefix, GATHER_PREFIX_ERRORS, ()),
+    "pack": (_pack_base, _call_pack, PACK_ERRORS),
+    "pack_into": (_pack_base, _call_pack_into, PACK_INTO_ERRORS),
+    "unpack": (_unpack_base, _call_unpack, UNPACK_ERRORS),
+    "repack": (_repack_base, _call_repack, REPACK_ERRORS),
+    "repack_into": (_repack_base, _call_repack_into, REPACK_INTO_ERRORS),
+    "gather_prefix": (_repack_base, _call_gather_prefix, GATHER_PREFIX_ERRORS),
 }
 
 
 @pytest.mark.parametrize("op", list(CALLS))
 @pytest.mark.parametrize("device", devices())
 def test_error_base_args_are_valid(op, device):
-    base, call, _, _ = CALLS[op]
+    base, call, _ = CALLS[op]
     a = base(device)
     result = call(a)
     if op == "pack":
@@ -1212,13 +1244,13 @@ def test_error_base_args_are_valid(op, device):
         assert a["src"][:7].cpu().tolist() == [0, 2, 3, 5, 6, 10, 11]
 
 
-ERROR_PARAMS = [p for op, (_, _, cases, _) in CALLS.items() for p in error_params(cases, op)]
+ERROR_PARAMS = [p for op, (_, _, cases) in CALLS.items() for p in error_params(cases, op)]
 
 
 @pytest.mark.parametrize("op, device, mutate, exc, pattern", ERROR_PARAMS)
 def test_rejects(op, device, mutate, exc, pattern):
-    base, call, _, may_write = CALLS[op]
-    assert_rejected(call, base(device), mutate, exc, pattern, may_write)
+    base, call, _ = CALLS[op]
+    assert_rejected(call, base(device), mutate, exc, pattern)
 
 
 def test_rejects_missing_and_unknown_arguments():

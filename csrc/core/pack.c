@@ -5,7 +5,10 @@
  * cu_seqlens (B+1,) int32; indices / src (capacity,) int32. repack is pack with image
  * b read from rows [cu_seqlens[b], cu_seqlens[b+1]) of a packed tensor. Decision: the
  * eager forms count, then gather, so the host learns T in between; the _into forms
- * enqueue both as one CUDA launch (ragvit_cuda_pack_into): no host sync, no scratch. */
+ * enqueue both as one CUDA launch (ragvit_cuda_pack_into): no host sync, no scratch.
+ * So only the host can refuse a too-small capacity before writing (a count that
+ * writes nothing comes first); on CUDA the launch flags it, having written the rows
+ * that fit and the full counts (writing nothing would cost a second launch). */
 #include <inttypes.h>
 #include <math.h>
 
@@ -139,16 +142,21 @@ enum { PACK_COUNT = 1, PACK_GATHER = 2 };
 static ragvit_status pack_run(const char *op, ragvit_context *ctx, ragvit_pack_args *a, int steps,
                               int32_t device_type, int32_t device_id, void *stream) {
     if (device_type == RAGVIT_DEVICE_CPU) {
-        /* On the host a refused call writes no packed row: check capacity first. */
-        if (steps & PACK_COUNT) RAGVIT_TRY(ragvit_cpu_pack_count(a));
-        if (!(steps & PACK_GATHER)) return RAGVIT_STATUS_OK;
-        int64_t total = a->cu_seqlens[a->batch * a->cu_seqlens_stride];
+        /* On the host a refused call writes nothing: capacity is checked against a
+         * count that writes nothing, before cu_seqlens or any row is written. */
+        int64_t total = 0;
+        if (steps == PACK_COUNT) return ragvit_cpu_pack_count(a);
+        if (steps & PACK_COUNT)
+            RAGVIT_TRY(ragvit_cpu_pack_total(a, &total));
+        else
+            total = a->cu_seqlens[a->batch * a->cu_seqlens_stride];
         if (total > a->capacity) {
             return ragvit_fail(RAGVIT_STATUS_INVALID_VALUE,
                                "%s: out must have room for every kept token (capacity %" PRId64
                                "), got %" PRId64 " kept tokens",
                                op, a->capacity, total);
         }
+        if (steps & PACK_COUNT) RAGVIT_TRY(ragvit_cpu_pack_count(a));
         return ragvit_cpu_pack_gather(a);
     }
     const ragvit_device_info *dev = NULL;

@@ -12,6 +12,9 @@
 
 ragvit_status ragvit_cpu_attention(const ragvit_attention_args *a);
 ragvit_status ragvit_cpu_pack_count(const ragvit_pack_args *a);
+/* The total ragvit_cpu_pack_count would write at cu_seqlens[B], writing nothing: the
+ * _into forms check capacity with it before any output is touched. */
+ragvit_status ragvit_cpu_pack_total(const ragvit_pack_args *a, int64_t *total);
 ragvit_status ragvit_cpu_pack_gather(const ragvit_pack_args *a);
 ragvit_status ragvit_cpu_unpack(const ragvit_unpack_args *a);
 ragvit_status ragvit_cpu_segment_mean(const ragvit_segment_mean_args *a);

@@ -35,7 +35,10 @@ static inline int pack_is_kept(const ragvit_pack_args *a, int64_t b, int64_t n) 
     return a->keep[b * a->keep_stride_b + n * a->keep_stride_n] != 0;
 }
 
-ragvit_status ragvit_cpu_pack_count(const ragvit_pack_args *a) {
+/* Counts kept tokens (and fused tokens) per image into cu (stride cu_stride) when
+ * cu is not NULL; *total receives the sum. */
+static ragvit_status pack_count(const ragvit_pack_args *a, int32_t *cu, int64_t cu_stride,
+                                int64_t *total_out) {
     if (a->batch < 0 || a->seqlen < 0)
         return ragvit_fail(RAGVIT_STATUS_INVALID_SHAPE,
                            "pack: x must have non-negative B and N, got B=%lld, N=%lld",
@@ -48,16 +51,26 @@ ragvit_status ragvit_cpu_pack_count(const ragvit_pack_args *a) {
 
     int64_t total = 0;
     int is_bad = 0;
-    a->cu_seqlens[0] = 0;
+    if (cu != NULL) cu[0] = 0;
     for (int64_t b = 0; b < a->batch; b++) {
         int64_t start, len;
         is_bad |= !pack_image_range(a, b, &start, &len);
         for (int64_t n = start; n < start + len; n++) total += pack_is_kept(a, b, n);
         total += a->is_fusing; /* the fused token */
-        a->cu_seqlens[(b + 1) * a->cu_seqlens_stride] = (int32_t)total;
+        if (cu != NULL) cu[(b + 1) * cu_stride] = (int32_t)total;
     }
     if (is_bad) return cpu_fail_cu_seqlens("repack", a->seqlen);
+    *total_out = total;
     return RAGVIT_STATUS_OK;
+}
+
+ragvit_status ragvit_cpu_pack_count(const ragvit_pack_args *a) {
+    int64_t total = 0;
+    return pack_count(a, a->cu_seqlens, a->cu_seqlens_stride, &total);
+}
+
+ragvit_status ragvit_cpu_pack_total(const ragvit_pack_args *a, int64_t *total) {
+    return pack_count(a, NULL, 0, total);
 }
 
 /* The fused token of image b's rows [start, start + len): sum(w x) / sum(w)

@@ -202,7 +202,11 @@ ragvit_status ragvit_pack_gather(ragvit_context *ctx, const ragvit_tensor *out,
                                  const ragvit_tensor *keep, const ragvit_tensor *cu_seqlens,
                                  void *stream);
 /* pack_into: out (capacity, C), optional indices_out (capacity,) int32 and
- * cu_seqlens_out (B+1,) int32 from x (B, N, C) and keep (B, N) bool/uint8. */
+ * cu_seqlens_out (B+1,) int32 from x (B, N, C) and keep (B, N) bool/uint8.
+ * More kept tokens than capacity: on the host refused before anything is written; on
+ * CUDA flagged by the launch (refused in debug mode, after it), when rows and indices
+ * [0, capacity) hold the first tokens, nothing past capacity is written and
+ * cu_seqlens_out holds the full counts. repack_into alike. */
 ragvit_status ragvit_pack_into(ragvit_context *ctx, const ragvit_tensor *out,
                                const ragvit_tensor *indices_out,
                                const ragvit_tensor *cu_seqlens_out, const ragvit_tensor *x,
