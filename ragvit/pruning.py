@@ -711,7 +711,8 @@ class DynamicViT(PruningPolicy):
         if isinstance(predictor, torch.nn.ModuleList):
             self.predictors = predictor.eval()
         elif isinstance(predictor, Mapping):
-            self.predictors = self._from_state_dict(predictor).eval()
+            with torch.inference_mode(False):  # see _modules_for
+                self.predictors = self._from_state_dict(predictor).eval()
         elif predictor is not None:
             raise TypeError(f"DynamicViT: predictor must be a state dict, a ModuleList or "
                             f"None, got {type(predictor).__name__}")
@@ -735,14 +736,19 @@ class DynamicViT(PruningPolicy):
         return f"DynamicViT(keep_rates={self.keep_rates}, layers={self.layers})"
 
     def _modules_for(self, rows: torch.Tensor) -> torch.nn.ModuleList:
+        # Parameters made (or moved) under torch.inference_mode() would be inference
+        # tensors for good, which a later call in grad mode cannot use: the policy makes
+        # its own parameters outside inference mode, whatever mode the first call runs in.
         if self.predictors is None:
             warnings.warn("DynamicViT: prediction modules are randomly initialised; accuracy "
                           "needs trained predictors (pass predictor=state_dict)", stacklevel=3)
-            self.predictors = torch.nn.ModuleList(
-                DynamicViTPredictor(rows.shape[1]) for _ in self.layers).eval()
+            with torch.inference_mode(False):
+                self.predictors = torch.nn.ModuleList(
+                    DynamicViTPredictor(rows.shape[1]) for _ in self.layers).eval()
         p = next(self.predictors.parameters())
         if p.device != rows.device or p.dtype != rows.dtype:
-            self.predictors.to(device=rows.device, dtype=rows.dtype)
+            with torch.inference_mode(False):
+                self.predictors.to(device=rows.device, dtype=rows.dtype)
         return self.predictors
 
     def select(self, batch: TokenBatch) -> Selection:

@@ -431,6 +431,28 @@ def test_dynamicvit_predictor_loading():
         DynamicViT((0.7, 0.0, 0.3))
 
 
+@pytest.mark.parametrize("predictor", ["lazy", "state_dict"])
+def test_dynamicvit_made_under_inference_mode_trains_later(predictor, gen):
+    """Constructed and first run under torch.inference_mode() (which also moves the
+    predictors to bfloat16 here), then run in grad mode: the predictors' parameters are
+    ordinary tensors that backward reaches."""
+    C = 8
+    batch = hand_batch(gen, [6, 6], 1, C, seq_len=6, num_tokens=6)
+    batch = dataclasses.replace(batch, rows=batch.rows.bfloat16())
+    with torch.inference_mode(), warnings.catch_warnings():
+        warnings.filterwarnings("ignore", "DynamicViT: prediction modules are randomly")
+        state = random_predictors(1, C) if predictor == "state_dict" else None
+        policy = DynamicViT((0.5,), layers=(3,), predictor=state)
+        policy.select(batch)
+    assert not any(p.is_inference() for p in policy.predictors.parameters())
+    module = policy.predictors[0]
+    rows = batch.rows.clone().requires_grad_(True)
+    scores = module.score(dataclasses.replace(batch, rows=rows))
+    scores.sum().backward()
+    assert rows.grad is not None and torch.isfinite(rows.grad).all()
+    assert all(p.grad is not None for p in module.parameters())
+
+
 # ---- scoring rules vs float64 re-implementations ----
 
 
