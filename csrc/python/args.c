@@ -1,7 +1,8 @@
 /* args.c — METH_FASTCALL | METH_KEYWORDS parsing for the op wrappers: the
  * signature (positional, keyword, required, None as absent), stream=, and the
- * scalar arguments (max_seqlen, floats, counts). Every function returns 0, or
- * -1 with an exception whose message names the op and the argument.
+ * scalar arguments (max_seqlen, floats, counts; ints through __index__). Every
+ * function returns 0, or -1 with an exception whose message names the op and
+ * the argument.
  * Decision: None is the same as leaving an argument out, for every argument, so
  * a Python caller can forward its own None defaults unchanged. */
 #include "glue.h"
@@ -54,9 +55,9 @@ int parse_stream(call_state *cs, PyObject *obj) {
         handle = obj;
         Py_INCREF(handle);
     } else {
-        PyObject *method = PyObject_GetAttr(obj, cs->st->str_cuda_stream);
+        PyObject *method = NULL;
+        if (lookup_optional(obj, cs->st->str_cuda_stream, &method) < 0) goto done;
         if (method == NULL) {
-            PyErr_Clear();
             raise_failure(
                 ragvit_fail(RAGVIT_STATUS_INVALID_TYPE,
                             "%s: stream must be an int handle or have __cuda_stream__, got %s",
@@ -86,19 +87,30 @@ done:
     return rc;
 }
 
-/* max_seqlen: an int or absent (RAGVIT_MAX_SEQLEN_AUTO). Out-of-range values
- * map to ones the core refuses with its own message. */
+/* obj as a new int reference: itself, or its __index__ (NumPy integers, 0-d
+ * integer arrays); NULL with TypeError naming `rule` when it has none. */
+static PyObject *as_index(call_state *cs, PyObject *obj, const char *name, const char *rule) {
+    if (PyLong_Check(obj)) return Py_NewRef(obj);
+    if (!PyIndex_Check(obj)) {
+        raise_failure(ragvit_fail(RAGVIT_STATUS_INVALID_TYPE, "%s: %s must be %s, got %s", cs->op,
+                                  name, rule, Py_TYPE(obj)->tp_name));
+        return NULL;
+    }
+    return PyNumber_Index(obj); /* a producer's own exception propagates */
+}
+
+/* max_seqlen: an int (any __index__) or absent (RAGVIT_MAX_SEQLEN_AUTO).
+ * Out-of-range values map to ones the core refuses with its own message. */
 int parse_max_seqlen(call_state *cs, PyObject *const *values, int i, int64_t *max_seqlen) {
     PyObject *obj = values[i]; /* borrowed */
     *max_seqlen = RAGVIT_MAX_SEQLEN_AUTO;
     if (obj == NULL) return 0;
-    if (!PyLong_Check(obj)) {
-        return raise_failure(ragvit_fail(RAGVIT_STATUS_INVALID_TYPE,
-                                         "%s: %s must be an int or None, got %s", cs->op,
-                                         cs->sig->names[i], Py_TYPE(obj)->tp_name));
-    }
+    PyObject *index = as_index(cs, obj, cs->sig->names[i], "an int or None");
+    if (index == NULL) return -1;
     int overflow = 0;
-    long long value = PyLong_AsLongLongAndOverflow(obj, &overflow);
+    long long value = PyLong_AsLongLongAndOverflow(index, &overflow);
+    Py_DECREF(index);
+    if (value == -1 && PyErr_Occurred()) return -1;
     if (overflow || value == RAGVIT_MAX_SEQLEN_AUTO) value = overflow > 0 ? INT64_MAX : -1;
     *max_seqlen = value;
     return 0;
@@ -118,19 +130,23 @@ int parse_float(call_state *cs, PyObject *const *values, int i, double fallback,
     return (*value == -1.0 && PyErr_Occurred()) ? -1 : 0;
 }
 
-/* An int in [0, 2**31); absent: 0 (bool refused: it is almost always a mistake here). */
+/* An int (any __index__) in [0, 2**31); absent: 0 (bool refused: it is almost
+ * always a mistake here; NumPy's bool has no __index__). */
 int parse_count(call_state *cs, PyObject *const *values, int i, long long *value) {
     PyObject *obj = values[i]; /* borrowed */
     const char *name = cs->sig->names[i];
     *value = 0;
     if (obj == NULL) return 0;
-    if (!PyLong_Check(obj) || PyBool_Check(obj)) {
+    if (PyBool_Check(obj)) {
         return raise_failure(ragvit_fail(RAGVIT_STATUS_INVALID_TYPE,
                                          "%s: %s must be an int, got %s", cs->op, name,
                                          Py_TYPE(obj)->tp_name));
     }
+    PyObject *index = as_index(cs, obj, name, "an int");
+    if (index == NULL) return -1;
     int overflow = 0;
-    *value = PyLong_AsLongLongAndOverflow(obj, &overflow);
+    *value = PyLong_AsLongLongAndOverflow(index, &overflow);
+    Py_DECREF(index);
     if (*value == -1 && PyErr_Occurred()) return -1;
     if (overflow || *value < 0 || *value > INT32_MAX) {
         return raise_failure(ragvit_fail(

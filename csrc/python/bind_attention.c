@@ -13,7 +13,8 @@ PyObject *py_attention(PyObject *module, PyObject *const *args, Py_ssize_t nargs
     static const op_signature sig =
         SIGNATURE("attention", names, 5, 4,
                   ARG_BIT(Q) | ARG_BIT(K) | ARG_BIT(V) | ARG_BIT(CU_SEQLENS) | ARG_BIT(OUT) |
-                      ARG_BIT(CLS_ATTN) | ARG_BIT(BIAS));
+                      ARG_BIT(CLS_ATTN) | ARG_BIT(BIAS),
+                  ARG_BIT(OUT) | ARG_BIT(CLS_ATTN));
     PyObject *values[NUM_ARGS], *out_obj = NULL; /* out_obj: owned */
     ragvit_tensor t[NUM_ARGS];
     int64_t max_seqlen;
@@ -34,10 +35,13 @@ PyObject *py_attention(PyObject *module, PyObject *const *args, Py_ssize_t nargs
     } else {
         out_obj = Py_NewRef(values[OUT]);
     }
-    rc = finish_streams(&cs) ||
-         raise_status(ragvit_attention(&cs.st->ctx, &t[OUT], &t[CLS_ATTN], &t[Q], &t[K], &t[V],
-                                       &t[CU_SEQLENS], &t[BIAS], max_seqlen,
-                                       values[SCALE] ? &scale : NULL, cs.stream));
+    if (finish_streams(&cs)) goto done;
+    ragvit_status status;
+    CORE_CALL(&cs, status,
+              ragvit_attention(&cs.st->ctx, &t[OUT], &t[CLS_ATTN], &t[Q], &t[K], &t[V],
+                               &t[CU_SEQLENS], &t[BIAS], max_seqlen, values[SCALE] ? &scale : NULL,
+                               cs.stream));
+    rc = raise_status(status);
 done:
     return call_end(&cs, out_obj, rc);
 }

@@ -51,7 +51,7 @@ static PyObject *end_gathered(call_state *cs, PyObject **objs, int rc) {
 PyObject *py_pack(PyObject *module, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames) {
     enum { X, KEEP, STREAM, NUM_ARGS };
     static const char *const names[NUM_ARGS] = {"x", "keep", "stream"};
-    static const op_signature sig = SIGNATURE("pack", names, 2, 2, ARG_BIT(X) | ARG_BIT(KEEP));
+    static const op_signature sig = SIGNATURE("pack", names, 2, 2, ARG_BIT(X) | ARG_BIT(KEEP), 0);
     PyObject *values[NUM_ARGS], *objs[RESULT_COUNT] = {NULL, NULL, NULL};
     ragvit_tensor t[NUM_ARGS], views[RESULT_COUNT];
     call_state cs;
@@ -72,8 +72,11 @@ PyObject *py_pack(PyObject *module, PyObject *const *args, Py_ssize_t nargs, PyO
     if (alloc_gathered(&cs, &t[X], t[X].shape[0], t[X].shape[2], "indices", objs, views)) {
         goto done;
     }
-    rc = raise_status(ragvit_pack_gather(&cs.st->ctx, &views[RESULT_PACKED], &views[RESULT_INDEX],
-                                         &t[X], &t[KEEP], &views[RESULT_CU_SEQLENS], cs.stream));
+    ragvit_status status;
+    CORE_CALL(&cs, status,
+              ragvit_pack_gather(&cs.st->ctx, &views[RESULT_PACKED], &views[RESULT_INDEX], &t[X],
+                                 &t[KEEP], &views[RESULT_CU_SEQLENS], cs.stream));
+    rc = raise_status(status);
 done:
     return end_gathered(&cs, objs, rc);
 }
@@ -83,16 +86,22 @@ PyObject *py_pack_into(PyObject *module, PyObject *const *args, Py_ssize_t nargs
     enum { X, KEEP, OUT, CU_SEQLENS, INDICES, STREAM, NUM_ARGS };
     static const char *const names[NUM_ARGS] = {"x",          "keep",    "out",
                                                 "cu_seqlens", "indices", "stream"};
-    static const op_signature sig = SIGNATURE("pack_into", names, 4, 4,
-                                              ARG_BIT(X) | ARG_BIT(KEEP) | ARG_BIT(OUT) |
-                                                  ARG_BIT(CU_SEQLENS) | ARG_BIT(INDICES));
+    static const op_signature sig = SIGNATURE(
+        "pack_into", names, 4, 4,
+        ARG_BIT(X) | ARG_BIT(KEEP) | ARG_BIT(OUT) | ARG_BIT(CU_SEQLENS) | ARG_BIT(INDICES),
+        ARG_BIT(OUT) | ARG_BIT(CU_SEQLENS) | ARG_BIT(INDICES));
     PyObject *values[NUM_ARGS];
     ragvit_tensor t[NUM_ARGS];
     call_state cs;
+    ragvit_status status = RAGVIT_STATUS_OK;
     int rc = call_begin(&cs, module, &sig, args, nargs, kwnames, values) ||
-             call_import(&cs, values, t) || finish_streams(&cs) ||
-             raise_status(ragvit_pack_into(&cs.st->ctx, &t[OUT], &t[INDICES], &t[CU_SEQLENS], &t[X],
-                                           &t[KEEP], cs.stream));
+             call_import(&cs, values, t) || finish_streams(&cs);
+    if (rc == 0) {
+        CORE_CALL(&cs, status,
+                  ragvit_pack_into(&cs.st->ctx, &t[OUT], &t[INDICES], &t[CU_SEQLENS], &t[X],
+                                   &t[KEEP], cs.stream));
+        rc = raise_status(status);
+    }
     return call_end(&cs, rc ? NULL : Py_NewRef(Py_None), rc);
 }
 
@@ -123,9 +132,9 @@ PyObject *py_unpack(PyObject *module, PyObject *const *args, Py_ssize_t nargs, P
     enum { PACKED, CU_SEQLENS, N, INDICES, FILL, OUT, STREAM, NUM_ARGS };
     static const char *const names[NUM_ARGS] = {"packed", "cu_seqlens", "N",     "indices",
                                                 "fill",   "out",        "stream"};
-    static const op_signature sig =
-        SIGNATURE("unpack", names, 3, 3,
-                  ARG_BIT(PACKED) | ARG_BIT(CU_SEQLENS) | ARG_BIT(INDICES) | ARG_BIT(OUT));
+    static const op_signature sig = SIGNATURE(
+        "unpack", names, 3, 3,
+        ARG_BIT(PACKED) | ARG_BIT(CU_SEQLENS) | ARG_BIT(INDICES) | ARG_BIT(OUT), ARG_BIT(OUT));
     PyObject *values[NUM_ARGS], *out_obj = NULL; /* out_obj: owned */
     ragvit_tensor t[NUM_ARGS];
     long long n = 0;
@@ -139,9 +148,12 @@ PyObject *py_unpack(PyObject *module, PyObject *const *args, Py_ssize_t nargs, P
                         &out_obj)) {
         goto done;
     }
-    rc = finish_streams(&cs) ||
-         raise_status(ragvit_unpack(&cs.st->ctx, &t[OUT], &t[PACKED], &t[CU_SEQLENS], &t[INDICES],
-                                    fill, cs.stream));
+    if (finish_streams(&cs)) goto done;
+    ragvit_status status;
+    CORE_CALL(&cs, status,
+              ragvit_unpack(&cs.st->ctx, &t[OUT], &t[PACKED], &t[CU_SEQLENS], &t[INDICES], fill,
+                            cs.stream));
+    rc = raise_status(status);
 done:
     return call_end(&cs, out_obj, rc);
 }
@@ -165,10 +177,12 @@ static PyObject *sequence_op(PyObject *module, PyObject *const *args, Py_ssize_t
         goto done;
     }
     const ragvit_tensor *out = &t[SEQ_OUT], *packed = &t[SEQ_PACKED], *cu = &t[SEQ_CU_SEQLENS];
-    rc = finish_streams(&cs) ||
-         raise_status(is_prefix
-                          ? ragvit_gather_prefix(&cs.st->ctx, out, packed, cu, cs.stream)
-                          : ragvit_segment_mean(&cs.st->ctx, out, packed, cu, count, cs.stream));
+    if (finish_streams(&cs)) goto done;
+    ragvit_status status;
+    CORE_CALL(&cs, status,
+              is_prefix ? ragvit_gather_prefix(&cs.st->ctx, out, packed, cu, cs.stream)
+                        : ragvit_segment_mean(&cs.st->ctx, out, packed, cu, count, cs.stream));
+    rc = raise_status(status);
 done:
     return call_end(&cs, out_obj, rc);
 }
@@ -176,7 +190,8 @@ done:
 PyObject *py_gather_prefix(PyObject *module, PyObject *const *args, Py_ssize_t nargs,
                            PyObject *kwnames) {
     static const char *const names[SEQ_NUM_ARGS] = {"packed", "cu_seqlens", "k", "out", "stream"};
-    static const op_signature sig = SIGNATURE("gather_prefix", names, 3, 3, SEQ_ARRAYS);
+    static const op_signature sig =
+        SIGNATURE("gather_prefix", names, 3, 3, SEQ_ARRAYS, ARG_BIT(SEQ_OUT));
     return sequence_op(module, args, nargs, kwnames, &sig, 1);
 }
 
@@ -184,7 +199,8 @@ PyObject *py_segment_mean(PyObject *module, PyObject *const *args, Py_ssize_t na
                           PyObject *kwnames) {
     static const char *const names[SEQ_NUM_ARGS] = {"packed", "cu_seqlens", "skip", "out",
                                                     "stream"};
-    static const op_signature sig = SIGNATURE("segment_mean", names, 2, 2, SEQ_ARRAYS);
+    static const op_signature sig =
+        SIGNATURE("segment_mean", names, 2, 2, SEQ_ARRAYS, ARG_BIT(SEQ_OUT));
     return sequence_op(module, args, nargs, kwnames, &sig, 0);
 }
 
@@ -194,7 +210,7 @@ PyObject *py_repack(PyObject *module, PyObject *const *args, Py_ssize_t nargs, P
                                                 "stream"};
     static const op_signature sig =
         SIGNATURE("repack", names, 3, 3,
-                  ARG_BIT(PACKED) | ARG_BIT(CU_SEQLENS) | ARG_BIT(KEEP) | ARG_BIT(FUSE_WEIGHTS));
+                  ARG_BIT(PACKED) | ARG_BIT(CU_SEQLENS) | ARG_BIT(KEEP) | ARG_BIT(FUSE_WEIGHTS), 0);
     PyObject *values[NUM_ARGS], *objs[RESULT_COUNT] = {NULL, NULL, NULL};
     ragvit_tensor t[NUM_ARGS], views[RESULT_COUNT];
     call_state cs;
@@ -213,9 +229,12 @@ PyObject *py_repack(PyObject *module, PyObject *const *args, Py_ssize_t nargs, P
                        views)) {
         goto done;
     }
-    rc = raise_status(ragvit_repack_gather(&cs.st->ctx, &views[RESULT_PACKED], &views[RESULT_INDEX],
-                                           &t[PACKED], &t[CU_SEQLENS], &t[KEEP], &t[FUSE_WEIGHTS],
-                                           &views[RESULT_CU_SEQLENS], cs.stream));
+    ragvit_status status;
+    CORE_CALL(&cs, status,
+              ragvit_repack_gather(&cs.st->ctx, &views[RESULT_PACKED], &views[RESULT_INDEX],
+                                   &t[PACKED], &t[CU_SEQLENS], &t[KEEP], &t[FUSE_WEIGHTS],
+                                   &views[RESULT_CU_SEQLENS], cs.stream));
+    rc = raise_status(status);
 done:
     return end_gathered(&cs, objs, rc);
 }
@@ -228,14 +247,19 @@ PyObject *py_repack_into(PyObject *module, PyObject *const *args, Py_ssize_t nar
     static const op_signature sig =
         SIGNATURE("repack_into", names, 5, 5,
                   ARG_BIT(PACKED) | ARG_BIT(CU_SEQLENS) | ARG_BIT(KEEP) | ARG_BIT(OUT) |
-                      ARG_BIT(CU_SEQLENS_OUT) | ARG_BIT(SRC) | ARG_BIT(FUSE_WEIGHTS));
+                      ARG_BIT(CU_SEQLENS_OUT) | ARG_BIT(SRC) | ARG_BIT(FUSE_WEIGHTS),
+                  ARG_BIT(OUT) | ARG_BIT(CU_SEQLENS_OUT) | ARG_BIT(SRC));
     PyObject *values[NUM_ARGS];
     ragvit_tensor t[NUM_ARGS];
     call_state cs;
+    ragvit_status status = RAGVIT_STATUS_OK;
     int rc = call_begin(&cs, module, &sig, args, nargs, kwnames, values) ||
-             call_import(&cs, values, t) || finish_streams(&cs) ||
-             raise_status(ragvit_repack_into(&cs.st->ctx, &t[OUT], &t[SRC], &t[CU_SEQLENS_OUT],
-                                             &t[PACKED], &t[CU_SEQLENS], &t[KEEP], &t[FUSE_WEIGHTS],
-                                             cs.stream));
+             call_import(&cs, values, t) || finish_streams(&cs);
+    if (rc == 0) {
+        CORE_CALL(&cs, status,
+                  ragvit_repack_into(&cs.st->ctx, &t[OUT], &t[SRC], &t[CU_SEQLENS_OUT], &t[PACKED],
+                                     &t[CU_SEQLENS], &t[KEEP], &t[FUSE_WEIGHTS], cs.stream));
+        rc = raise_status(status);
+    }
     return call_end(&cs, rc ? NULL : Py_NewRef(Py_None), rc);
 }

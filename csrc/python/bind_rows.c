@@ -29,7 +29,8 @@ PyObject *py_linear(PyObject *module, PyObject *const *args, Py_ssize_t nargs, P
     static const char *const names[NUM_ARGS] = {"x", "weight", "bias", "residual", "out", "stream"};
     static const op_signature sig =
         SIGNATURE("linear", names, 3, 2,
-                  ARG_BIT(X) | ARG_BIT(WEIGHT) | ARG_BIT(BIAS) | ARG_BIT(RESIDUAL) | ARG_BIT(OUT));
+                  ARG_BIT(X) | ARG_BIT(WEIGHT) | ARG_BIT(BIAS) | ARG_BIT(RESIDUAL) | ARG_BIT(OUT),
+                  ARG_BIT(OUT));
     PyObject *values[NUM_ARGS], *out_obj = NULL; /* out_obj: owned */
     ragvit_tensor t[NUM_ARGS];
     call_state cs;
@@ -47,8 +48,12 @@ PyObject *py_linear(PyObject *module, PyObject *const *args, Py_ssize_t nargs, P
                     &out_obj)) {
         goto done;
     }
-    rc = finish_streams(&cs) || raise_status(ragvit_linear(&cs.st->ctx, &t[OUT], &t[X], &t[WEIGHT],
-                                                           &t[BIAS], &t[RESIDUAL], cs.stream));
+    if (finish_streams(&cs)) goto done;
+    ragvit_status status;
+    CORE_CALL(
+        &cs, status,
+        ragvit_linear(&cs.st->ctx, &t[OUT], &t[X], &t[WEIGHT], &t[BIAS], &t[RESIDUAL], cs.stream));
+    rc = raise_status(status);
 done:
     return call_end(&cs, out_obj, rc);
 }
@@ -57,8 +62,9 @@ PyObject *py_layer_norm(PyObject *module, PyObject *const *args, Py_ssize_t narg
                         PyObject *kwnames) {
     enum { X, WEIGHT, BIAS, EPS, OUT, STREAM, NUM_ARGS };
     static const char *const names[NUM_ARGS] = {"x", "weight", "bias", "eps", "out", "stream"};
-    static const op_signature sig = SIGNATURE(
-        "layer_norm", names, 3, 1, ARG_BIT(X) | ARG_BIT(WEIGHT) | ARG_BIT(BIAS) | ARG_BIT(OUT));
+    static const op_signature sig =
+        SIGNATURE("layer_norm", names, 3, 1,
+                  ARG_BIT(X) | ARG_BIT(WEIGHT) | ARG_BIT(BIAS) | ARG_BIT(OUT), ARG_BIT(OUT));
     PyObject *values[NUM_ARGS], *out_obj = NULL; /* out_obj: owned */
     ragvit_tensor t[NUM_ARGS];
     double eps;
@@ -70,9 +76,11 @@ PyObject *py_layer_norm(PyObject *module, PyObject *const *args, Py_ssize_t narg
                     &out_obj)) {
         goto done;
     }
-    rc = finish_streams(&cs) ||
-         raise_status(
-             ragvit_layer_norm(&cs.st->ctx, &t[OUT], &t[X], &t[WEIGHT], &t[BIAS], eps, cs.stream));
+    if (finish_streams(&cs)) goto done;
+    ragvit_status status;
+    CORE_CALL(&cs, status,
+              ragvit_layer_norm(&cs.st->ctx, &t[OUT], &t[X], &t[WEIGHT], &t[BIAS], eps, cs.stream));
+    rc = raise_status(status);
 done:
     return call_end(&cs, out_obj, rc);
 }
@@ -80,7 +88,8 @@ done:
 PyObject *py_gelu(PyObject *module, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames) {
     enum { X, OUT, STREAM, NUM_ARGS };
     static const char *const names[NUM_ARGS] = {"x", "out", "stream"};
-    static const op_signature sig = SIGNATURE("gelu", names, 1, 1, ARG_BIT(X) | ARG_BIT(OUT));
+    static const op_signature sig =
+        SIGNATURE("gelu", names, 1, 1, ARG_BIT(X) | ARG_BIT(OUT), ARG_BIT(OUT));
     PyObject *values[NUM_ARGS], *out_obj = NULL; /* out_obj: owned */
     ragvit_tensor t[NUM_ARGS];
     call_state cs;
@@ -91,7 +100,10 @@ PyObject *py_gelu(PyObject *module, PyObject *const *args, Py_ssize_t nargs, PyO
                     &out_obj)) {
         goto done;
     }
-    rc = finish_streams(&cs) || raise_status(ragvit_gelu(&cs.st->ctx, &t[OUT], &t[X], cs.stream));
+    if (finish_streams(&cs)) goto done;
+    ragvit_status status;
+    CORE_CALL(&cs, status, ragvit_gelu(&cs.st->ctx, &t[OUT], &t[X], cs.stream));
+    rc = raise_status(status);
 done:
     return call_end(&cs, out_obj, rc);
 }

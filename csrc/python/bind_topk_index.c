@@ -11,7 +11,7 @@ PyObject *py_topk_index(PyObject *module, PyObject *const *args, Py_ssize_t narg
     enum { SCORES, K, PREFIX, OUT, STREAM, NUM_ARGS };
     static const char *const names[NUM_ARGS] = {"scores", "k", "prefix", "out", "stream"};
     static const op_signature sig =
-        SIGNATURE("topk_index", names, 2, 2, ARG_BIT(SCORES) | ARG_BIT(OUT));
+        SIGNATURE("topk_index", names, 2, 2, ARG_BIT(SCORES) | ARG_BIT(OUT), ARG_BIT(OUT));
     PyObject *values[NUM_ARGS], *out_obj = NULL; /* out_obj: owned */
     ragvit_tensor t[NUM_ARGS];
     long long k = 0, prefix = 0;
@@ -31,8 +31,10 @@ PyObject *py_topk_index(PyObject *module, PyObject *const *args, Py_ssize_t narg
         out_obj = alloc_like(&cs, scores, "out", RAGVIT_DTYPE_I64, 2, shape, &t[OUT]);
         if (out_obj == NULL) goto done;
     }
-    rc = finish_streams(&cs) ||
-         raise_status(ragvit_topk_index(&cs.st->ctx, &t[OUT], scores, k, prefix, cs.stream));
+    if (finish_streams(&cs)) goto done;
+    ragvit_status status;
+    CORE_CALL(&cs, status, ragvit_topk_index(&cs.st->ctx, &t[OUT], scores, k, prefix, cs.stream));
+    rc = raise_status(status);
 done:
     return call_end(&cs, out_obj, rc);
 }

@@ -19,15 +19,21 @@
 #define API_CACHE_SIZE 8
 #define MAX_IMPORTS 8
 
+/* A type seen as an argument. Only types with an exchange API and static types
+ * (NumPy's ndarray) are cached, so the cache never keeps a user's class alive. */
 typedef struct {
     PyTypeObject *type;           /* strong reference */
     const DLPackExchangeAPI *api; /* NULL: the type has none */
+    int is_torch;                 /* a subclass of torch's TensorBase: neg bit, version counter */
 } api_cache_entry;
 
 typedef struct {
     ragvit_context ctx;
     api_cache_entry api_cache[API_CACHE_SIZE];
     int api_cache_count;
+    PyObject *torch_is_neg;            /* TensorBase.is_neg, once a torch tensor was seen */
+    PyObject *torch_increment_version; /* torch._C._increment_version, on first use */
+    int is_increment_version_iterable; /* it takes a tuple of tensors (else one tensor) */
     PyObject *str_dlpack;
     PyObject *str_dlpack_device;
     PyObject *str_cai;
@@ -40,13 +46,15 @@ typedef struct {
 
 enum import_kind { IMPORT_EXCHANGE = 1, IMPORT_NUMPY, IMPORT_DLPACK, IMPORT_CAI };
 
-/* What one imported argument holds until the call ends. */
+/* What one imported argument holds until the call ends. Phase 1 fills kind,
+ * obj, api and capsule (every Python-level protocol); phase 2 the view. */
 typedef struct {
     int kind;
-    PyTypeObject *type; /* borrowed: the argument outlives the call */
+    int arg;       /* index in the signature (the view is t[arg]) */
+    PyObject *obj; /* borrowed: the caller holds its arguments for the whole call */
     const DLPackExchangeAPI *api;
-    PyObject *capsule;       /* renamed "used_*" capsule whose tensor we must delete */
-    DLManagedTensor *legacy; /* owned through capsule */
+    PyObject *capsule;       /* __dlpack__'s capsule; renamed "used_*" once its view is taken */
+    DLManagedTensor *legacy; /* owned through capsule once renamed */
     DLManagedTensorVersioned *versioned;
 } import_slot;
 
@@ -61,13 +69,14 @@ typedef struct {
     int max_positional;
     int required;
     unsigned arrays;
+    unsigned outputs; /* the arrays the op writes (their torch version counters are bumped) */
 } op_signature;
 
 #define ARG_BIT(i) (1u << (i))
 #define ARRAY_COUNT(a) ((int)(sizeof(a) / sizeof((a)[0])))
 /* The initializer of a static op_signature; count comes from the names array. */
-#define SIGNATURE(op, names, max_positional, required, arrays)                                     \
-    {(op), (names), ARRAY_COUNT(names), (max_positional), (required), (arrays)}
+#define SIGNATURE(op, names, max_positional, required, arrays, outputs)                            \
+    {(op), (names), ARRAY_COUNT(names), (max_positional), (required), (arrays), (outputs)}
 
 typedef struct {
     module_state *st;
@@ -80,7 +89,22 @@ typedef struct {
     void *cai_streams[MAX_IMPORTS]; /* producer streams to wait on (CAI v3) */
     int32_t cai_devices[MAX_IMPORTS];
     int cai_stream_count;
+    int is_cuda;                    /* some imported array lives on a CUDA device */
+    int64_t max_numel;              /* elements of the largest array imported or allocated */
+    PyObject *written[MAX_IMPORTS]; /* borrowed: torch outputs given by the caller */
+    int written_count;
 } call_state;
+
+/* *result: obj.name, or NULL when obj has no such attribute (AttributeError
+ * only: any other exception a producer raises, KeyboardInterrupt included,
+ * propagates with -1). */
+static inline int lookup_optional(PyObject *obj, PyObject *name, PyObject **result) {
+#if PY_VERSION_HEX >= 0x030D0000
+    return PyObject_GetOptionalAttr(obj, name, result);
+#else
+    return _PyObject_LookupAttr(obj, name, result);
+#endif
+}
 
 /* ---- errors.c ---- */
 
@@ -130,7 +154,9 @@ int parse_args(const op_signature *sig, PyObject *const *args, Py_ssize_t nargs,
                PyObject **values);
 /* stream= (obj NULL: absent) into cs->stream. */
 int parse_stream(call_state *cs, PyObject *obj);
-/* The scalar argument values[i], named sig->names[i] in messages; absent: the default. */
+/* The scalar argument values[i], named sig->names[i] in messages; absent: the default.
+ * Ints are any object with __index__ (NumPy integers included), parsed before any
+ * array is imported, so their Python code runs before a raw view is taken. */
 int parse_max_seqlen(call_state *cs, PyObject *const *values, int i, int64_t *max_seqlen);
 int parse_float(call_state *cs, PyObject *const *values, int i, double fallback, double *value);
 int parse_count(call_state *cs, PyObject *const *values, int i, long long *value);
@@ -140,10 +166,15 @@ int parse_count(call_state *cs, PyObject *const *values, int i, long long *value
 /* Imports NumPy's C API table, which NumPy keeps per translation unit (interop.c's). */
 int import_numpy_api(void);
 /* Resolves stream= (the signature's last argument), then imports every array
- * argument in signature order: values[i] into t[i] (absent: t[i].is_present = 0). */
+ * argument: values[i] into t[i] (absent: t[i].is_present = 0). Two phases: every
+ * Python-level protocol of every argument first (__dlpack__, __dlpack_device__,
+ * __cuda_array_interface__, torch's is_neg), then the raw views, so no Python code
+ * runs between taking a view and the end of the call. */
 int call_import(call_state *cs, PyObject *const *values, ragvit_tensor *t);
 /* Runs the deleters of consumed capsules; safe to call more than once. */
 void release_slots(call_state *cs);
+/* Bumps the autograd version counter of the torch outputs the call wrote. */
+int bump_versions(call_state *cs);
 /* New array of `shape` on like's device in the library of the first imported
  * argument (slot 0); its view goes to *view. NULL with an exception. */
 PyObject *alloc_like(call_state *cs, const ragvit_tensor *like, const char *name, int32_t dtype,
@@ -160,6 +191,9 @@ static inline void call_init(call_state *cs, PyObject *module, const char *op) {
     cs->stream = NULL;
     cs->slot_count = 0;
     cs->cai_stream_count = 0;
+    cs->is_cuda = 0;
+    cs->max_numel = 0;
+    cs->written_count = 0;
 }
 
 /* Starts an op wrapper's call: the state, then sig's arguments into values. */
@@ -181,10 +215,30 @@ static inline int finish_streams(call_state *cs) {
     return 0;
 }
 
-/* The one exit of an op wrapper: releases the imports, then returns result
- * (stolen) when rc is 0, else drops it and returns NULL (the exception is set). */
+/* Host calls smaller than this keep the GIL: handing it over and back costs
+ * about as much as the op's whole glue (callgrind: ~2500 instructions). */
+#define GIL_RELEASE_MIN_ELEMENTS ((int64_t)1 << 15)
+
+/* Runs `status = call` (a core op), without the GIL when every array is on the
+ * host and the call is large enough: the arguments are pinned by the call and the
+ * views are plain memory. A CUDA call only enqueues work (a few us) and keeps it. */
+#define CORE_CALL(cs, status, call)                                                                \
+    do {                                                                                           \
+        if ((cs)->is_cuda || (cs)->max_numel < GIL_RELEASE_MIN_ELEMENTS) {                         \
+            (status) = (call);                                                                     \
+        } else {                                                                                   \
+            PyThreadState *saved_ = PyEval_SaveThread();                                           \
+            (status) = (call);                                                                     \
+            PyEval_RestoreThread(saved_);                                                          \
+        }                                                                                          \
+    } while (0)
+
+/* The one exit of an op wrapper: releases the imports, bumps the version of
+ * the torch outputs written, then returns result (stolen) when rc is 0, else
+ * drops it and returns NULL (the exception is set). */
 static inline PyObject *call_end(call_state *cs, PyObject *result, int rc) {
     release_slots(cs);
+    if (rc == 0 && cs->written_count > 0) rc = bump_versions(cs);
     if (rc == 0) return result;
     Py_XDECREF(result);
     return NULL;

@@ -1,11 +1,13 @@
 /* interop.c — every way an argument becomes a ragvit_tensor view, and every
- * output ragvit allocates. Import order per argument: (1) the type's DLPack C
+ * output ragvit allocates. Protocol per argument: (1) the type's DLPack C
  * exchange API (`__dlpack_c_exchange_api__`, cached per type; fills a stack
  * DLTensor with no allocation), (2) NumPy arrays, (3) `__dlpack__` (versioned
  * capsules, then legacy), (4) `__cuda_array_interface__` v2/v3. Outputs come
  * from the first argument's library (exchange-API allocator) or NumPy on the host.
- * Decision: the hot path (torch tensors) never calls into Python: a type lookup
- * in a small cache, one C call per tensor, one current-stream query. */
+ * Decision: two phases. Phase 1 runs every Python-level protocol of every argument
+ * (it may run arbitrary producer code, which may free or resize another argument);
+ * phase 2 then takes the raw views with C calls only. torch tensors cost one
+ * is_neg call in phase 1 and one C call each in phase 2. */
 #include "glue.h"
 
 #define NPY_NO_DEPRECATED_API NPY_1_7_API_VERSION
@@ -43,6 +45,35 @@ static DLDataType dtype_to_dl(int32_t dtype) {
     return table[dtype];
 }
 
+/* Strides of a compact row-major t (empty arrays: no element is addressed, so
+ * whatever strides the producer reports, e.g. NumPy 2's zeros, are replaced). */
+static void compact_strides(ragvit_tensor *t) {
+    int64_t compact = 1;
+    for (int i = t->ndim - 1; i >= 0; i--) {
+        t->strides[i] = compact;
+        compact *= t->shape[i] > 0 ? t->shape[i] : 1;
+    }
+}
+
+/* The checks every importer shares once the view is filled: a tensor with
+ * elements has data (freed storage, a fake tensor, a bad capsule); an empty one
+ * gets compact strides. */
+static int finish_view(call_state *cs, const char *name, ragvit_tensor *t) {
+    int64_t numel = 1;
+    for (int i = 0; i < t->ndim; i++) numel *= t->shape[i];
+    if (numel == 0) {
+        compact_strides(t);
+    } else if (t->data == NULL) {
+        return raise_failure(ragvit_fail(RAGVIT_STATUS_NOT_IMPORTABLE,
+                                         "%s: %s must have data, got a NULL data pointer with %lld "
+                                         "elements (freed storage or a tensor without memory)",
+                                         cs->op, name, (long long)numel));
+    }
+    cs->is_cuda |= t->device_type == RAGVIT_DEVICE_CUDA;
+    if (numel > cs->max_numel) cs->max_numel = numel;
+    return 0;
+}
+
 static ragvit_status view_from_dl(ragvit_tensor *t, const DLTensor *dl, int is_read_only,
                                   const char *op, const char *name) {
     if (dl->dtype.lanes != 1) {
@@ -60,6 +91,11 @@ static ragvit_status view_from_dl(ragvit_tensor *t, const DLTensor *dl, int is_r
         return ragvit_fail(RAGVIT_STATUS_INVALID_SHAPE,
                            "%s: %s must have at most %d dimensions, got %d", op, name,
                            RAGVIT_MAX_DIMS, (int)dl->ndim);
+    }
+    if (dl->ndim > 0 && dl->shape == NULL) {
+        return ragvit_fail(RAGVIT_STATUS_NOT_IMPORTABLE,
+                           "%s: %s must have a DLPack shape, got NULL with %d dimensions", op, name,
+                           (int)dl->ndim);
     }
     switch (dl->device.device_type) {
     case kDLCPU:
@@ -84,141 +120,160 @@ static ragvit_status view_from_dl(ragvit_tensor *t, const DLTensor *dl, int is_r
             t->strides[i] = dl->strides[i];
         }
     } else {
-        int64_t compact = 1;
-        for (int i = dl->ndim - 1; i >= 0; i--) {
-            t->shape[i] = dl->shape[i];
-            t->strides[i] = compact;
-            compact *= dl->shape[i];
-        }
+        for (int i = 0; i < dl->ndim; i++) t->shape[i] = dl->shape[i];
+        compact_strides(t);
     }
-    t->data = (char *)dl->data + dl->byte_offset;
+    t->data = dl->data == NULL ? NULL : (char *)dl->data + dl->byte_offset;
     t->is_read_only = is_read_only;
     t->is_present = 1;
     return RAGVIT_STATUS_OK;
 }
 
-/* ---- per-type exchange API cache ---- */
-
-static const DLPackExchangeAPI *exchange_api_for(module_state *st, PyTypeObject *type) {
-    for (int i = 0; i < st->api_cache_count; i++) {
-        if (st->api_cache[i].type == type) return st->api_cache[i].api;
-    }
-    const DLPackExchangeAPI *api = NULL;
-    PyObject *attr = PyObject_GetAttr((PyObject *)type, st->str_exchange_api);
-    if (attr == NULL) {
-        PyErr_Clear();
-    } else {
-        if (PyCapsule_IsValid(attr, "dlpack_exchange_api")) {
-            api = (const DLPackExchangeAPI *)PyCapsule_GetPointer(attr, "dlpack_exchange_api");
-        }
-        /* The table must outlive the process (spec), so the capsule may go. */
-        Py_DECREF(attr);
-        if (api &&
-            (api->header.version.major != RAGVIT_DLPACK_MAJOR || api->current_work_stream == NULL ||
-             api->managed_tensor_from_py_object_no_sync == NULL)) {
-            api = NULL;
-        }
-    }
-    if (st->api_cache_count < API_CACHE_SIZE) {
-        Py_INCREF(type);
-        st->api_cache[st->api_cache_count].type = type;
-        st->api_cache[st->api_cache_count].api = api;
-        st->api_cache_count++;
-    }
-    return api;
+/* A producer's C callback failed: its exception, or BufferError if it set none. */
+static int raise_callback_failure(call_state *cs, const char *name, const char *what) {
+    if (PyErr_Occurred()) return -1;
+    return raise_failure(ragvit_fail(
+        RAGVIT_STATUS_NOT_IMPORTABLE,
+        "%s: %s must be importable, got a failing %s that set no error", cs->op, name, what));
 }
 
-/* ---- importers ---- */
+/* ---- per-type facts: exchange API, torch ---- */
+
+/* A subclass of torch's tensor base, found by name so torch is never imported
+ * here; its is_neg method descriptor is kept the first time one is seen. */
+static int resolve_torch(module_state *st, PyTypeObject *type) {
+    PyObject *mro = type->tp_mro; /* borrowed */
+    if (mro == NULL || !PyTuple_Check(mro)) return 0;
+    for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(mro); i++) {
+        PyTypeObject *base = (PyTypeObject *)PyTuple_GET_ITEM(mro, i); /* borrowed */
+        if (strcmp(base->tp_name, "torch._C.TensorBase") != 0 &&
+            strcmp(base->tp_name, "torch._C._TensorBase") != 0) {
+            continue;
+        }
+        if (st->torch_is_neg == NULL && base->tp_dict != NULL) {
+            PyObject *is_neg = PyDict_GetItemString(base->tp_dict, "is_neg"); /* borrowed */
+            if (is_neg != NULL && Py_IS_TYPE(is_neg, &PyMethodDescr_Type)) {
+                st->torch_is_neg = Py_NewRef(is_neg);
+            }
+        }
+        return 1;
+    }
+    return 0;
+}
+
+static int lookup_exchange_api(module_state *st, PyTypeObject *type,
+                               const DLPackExchangeAPI **api) {
+    PyObject *attr = NULL;
+    *api = NULL;
+    if (lookup_optional((PyObject *)type, st->str_exchange_api, &attr) < 0) return -1;
+    if (attr == NULL) return 0;
+    const DLPackExchangeAPI *table = NULL;
+    if (PyCapsule_IsValid(attr, "dlpack_exchange_api")) {
+        table = (const DLPackExchangeAPI *)PyCapsule_GetPointer(attr, "dlpack_exchange_api");
+    }
+    /* The table must outlive the process (spec), so the capsule may go. */
+    Py_DECREF(attr);
+    if (table && table->header.version.major == RAGVIT_DLPACK_MAJOR &&
+        table->current_work_stream != NULL &&
+        table->managed_tensor_from_py_object_no_sync != NULL) {
+        *api = table;
+    }
+    return 0;
+}
+
+/* The facts about type, from the cache or looked up into *scratch; NULL with an
+ * exception when the lookup raised. */
+static const api_cache_entry *type_entry(module_state *st, PyTypeObject *type,
+                                         api_cache_entry *scratch) {
+    for (int i = 0; i < st->api_cache_count; i++) {
+        if (st->api_cache[i].type == type) return &st->api_cache[i];
+    }
+    if (lookup_exchange_api(st, type, &scratch->api) < 0) return NULL;
+    scratch->type = type;
+    scratch->is_torch = resolve_torch(st, type);
+    /* A heap type without an exchange API (a user's class) is looked up again
+     * on every call rather than kept alive by the module. */
+    if (st->api_cache_count < API_CACHE_SIZE &&
+        (scratch->api != NULL || !(type->tp_flags & Py_TPFLAGS_HEAPTYPE))) {
+        api_cache_entry *entry = &st->api_cache[st->api_cache_count++];
+        *entry = *scratch;
+        Py_INCREF(type);
+        return entry;
+    }
+    return scratch;
+}
+
+/* ---- streams ---- */
 
 static int resolve_stream_from_api(call_state *cs, const DLPackExchangeAPI *api,
-                                   const ragvit_tensor *t) {
+                                   const ragvit_tensor *t, const char *name) {
     if (cs->is_stream_resolved || t->device_type != RAGVIT_DEVICE_CUDA) return 0;
     void *stream = NULL;
-    if (api->current_work_stream(kDLCUDA, t->device_id, &stream) != 0) return -1;
+    if (api->current_work_stream(kDLCUDA, t->device_id, &stream) != 0) {
+        return raise_callback_failure(cs, name, "current_work_stream");
+    }
     cs->stream = stream;
     cs->is_stream_resolved = 1;
     return 0;
 }
 
-static int import_exchange(call_state *cs, PyObject *obj, const char *name, ragvit_tensor *t,
-                           const DLPackExchangeAPI *api, import_slot *slot) {
-    slot->kind = IMPORT_EXCHANGE;
-    slot->api = api;
+/* Fills dl from an exchange-API argument; *mt (when not NULL) must be released. */
+static int exchange_dltensor(call_state *cs, const import_slot *slot, const char *name,
+                             DLTensor *dl, DLManagedTensorVersioned **mt) {
+    const DLPackExchangeAPI *api = slot->api;
+    *mt = NULL;
     if (api->dltensor_from_py_object_no_sync) {
-        DLTensor dl;
-        if (api->dltensor_from_py_object_no_sync(obj, &dl) != 0) return -1;
-        if (raise_status(view_from_dl(t, &dl, 0, cs->op, name))) return -1;
-    } else {
-        DLManagedTensorVersioned *mt = NULL;
-        if (api->managed_tensor_from_py_object_no_sync(obj, &mt) != 0) return -1;
-        slot->versioned = mt;
-        if (raise_status(view_from_dl(t, &mt->dl_tensor,
-                                      (mt->flags & RAGVIT_DLPACK_FLAG_READ_ONLY) != 0, cs->op,
-                                      name))) {
-            return -1;
+        if (api->dltensor_from_py_object_no_sync(slot->obj, dl) != 0) {
+            return raise_callback_failure(cs, name, "dltensor_from_py_object_no_sync");
         }
+        return 0;
     }
-    return resolve_stream_from_api(cs, api, t);
-}
-
-static int import_numpy(call_state *cs, PyObject *obj, const char *name, ragvit_tensor *t,
-                        import_slot *slot) {
-    PyArrayObject *arr = (PyArrayObject *)obj;
-    int32_t dtype;
-    slot->kind = IMPORT_NUMPY;
-    switch (PyArray_TYPE(arr)) {
-    case NPY_FLOAT16: dtype = RAGVIT_DTYPE_F16; break;
-    case NPY_FLOAT32: dtype = RAGVIT_DTYPE_F32; break;
-    case NPY_FLOAT64: dtype = RAGVIT_DTYPE_F64; break;
-    case NPY_INT32: dtype = RAGVIT_DTYPE_I32; break;
-    case NPY_INT64: dtype = RAGVIT_DTYPE_I64; break;
-    case NPY_UINT8: dtype = RAGVIT_DTYPE_U8; break;
-    case NPY_BOOL: dtype = RAGVIT_DTYPE_BOOL; break;
-    default:
-        return raise_failure(
-            ragvit_fail(RAGVIT_STATUS_INVALID_DTYPE,
-                        "%s: %s must be float16, float32, int32, uint8 or bool, got numpy dtype %s",
-                        cs->op, name, PyArray_DESCR(arr)->typeobj->tp_name));
+    if (api->managed_tensor_from_py_object_no_sync(slot->obj, mt) != 0 || *mt == NULL) {
+        *mt = NULL;
+        return raise_callback_failure(cs, name, "managed_tensor_from_py_object_no_sync");
     }
-    if (!PyArray_ISNOTSWAPPED(arr)) {
-        return raise_failure(ragvit_fail(
-            RAGVIT_STATUS_NOT_IMPORTABLE,
-            "%s: %s must be in native byte order, got a byte-swapped array", cs->op, name));
-    }
-    int ndim = PyArray_NDIM(arr);
-    if (ndim > RAGVIT_MAX_DIMS) {
-        return raise_failure(ragvit_fail(RAGVIT_STATUS_INVALID_SHAPE,
-                                         "%s: %s must have at most %d dimensions, got %d", cs->op,
-                                         name, RAGVIT_MAX_DIMS, ndim));
-    }
-    npy_intp itemsize = PyArray_ITEMSIZE(arr);
-    for (int i = 0; i < ndim; i++) {
-        npy_intp stride = PyArray_STRIDE(arr, i);
-        if (stride % itemsize != 0) {
-            return raise_failure(
-                ragvit_fail(RAGVIT_STATUS_NOT_IMPORTABLE,
-                            "%s: %s must have strides that are whole elements, got %zd bytes in "
-                            "dimension %d",
-                            cs->op, name, (Py_ssize_t)stride, i));
-        }
-        t->shape[i] = PyArray_DIM(arr, i);
-        t->strides[i] = stride / itemsize;
-    }
-    t->ndim = ndim;
-    t->dtype = dtype;
-    t->data = PyArray_DATA(arr);
-    t->device_type = RAGVIT_DEVICE_CPU;
-    t->device_id = 0;
-    t->is_read_only = !PyArray_ISWRITEABLE(arr);
-    t->is_present = 1;
+    *dl = (*mt)->dl_tensor;
     return 0;
 }
 
+/* Before a __dlpack__ or CAI producer is asked in phase 1, the call's stream
+ * must be known: the first CUDA exchange-API argument before it decides, as in
+ * a one-pass import, else the legacy default stream. Only the C callbacks run. */
+static int resolve_stream_early(call_state *cs, const char *const *names) {
+    for (int i = 0; i < cs->slot_count && !cs->is_stream_resolved; i++) {
+        const import_slot *slot = &cs->slots[i];
+        if (slot->kind != IMPORT_EXCHANGE) continue;
+        DLTensor dl;
+        DLManagedTensorVersioned *mt;
+        if (exchange_dltensor(cs, slot, names[slot->arg], &dl, &mt)) return -1;
+        const int is_cuda =
+            dl.device.device_type == kDLCUDA || dl.device.device_type == kDLCUDAManaged;
+        const int32_t device_id = dl.device.device_id;
+        if (mt && mt->deleter) mt->deleter(mt);
+        if (is_cuda) {
+            void *stream = NULL;
+            if (slot->api->current_work_stream(kDLCUDA, device_id, &stream) != 0) {
+                return raise_callback_failure(cs, names[slot->arg], "current_work_stream");
+            }
+            cs->stream = stream;
+            cs->is_stream_resolved = 1;
+        }
+    }
+    if (!cs->is_stream_resolved) {
+        cs->stream = NULL;
+        cs->is_stream_resolved = 1;
+    }
+    return 0;
+}
+
+/* ---- phase 1: the Python-level protocols ---- */
+
 /* __dlpack_device__() -> (type, id), or -1 with an exception. */
-static int query_dlpack_device(call_state *cs, PyObject *obj, const char *name, int *type) {
-    PyObject *dev = PyObject_CallMethodNoArgs(obj, cs->st->str_dlpack_device);
+static int query_dlpack_device(call_state *cs, PyObject *method, const char *name, int *type) {
+    PyObject *dev = PyObject_CallNoArgs(method);
     if (dev == NULL) return -1;
-    int ok = PyTuple_Check(dev) && PyTuple_GET_SIZE(dev) == 2;
+    int ok = PyTuple_Check(dev) && PyTuple_GET_SIZE(dev) == 2 &&
+             PyLong_Check(PyTuple_GET_ITEM(dev, 0)); /* borrowed */
     if (ok) {
         *type = (int)PyLong_AsLong(PyTuple_GET_ITEM(dev, 0)); /* borrowed */
         ok = !PyErr_Occurred();
@@ -233,27 +288,23 @@ static int query_dlpack_device(call_state *cs, PyObject *obj, const char *name, 
     return 0;
 }
 
-static int import_dlpack(call_state *cs, PyObject *obj, const char *name, ragvit_tensor *t,
-                         import_slot *slot) {
+/* Calls obj.__dlpack__ (method) and keeps the capsule in the slot; phase 2
+ * checks and consumes it. */
+static int prepare_dlpack(call_state *cs, PyObject *method, PyObject *device_method,
+                          const char *const *names, const char *name, import_slot *slot) {
     module_state *st = cs->st;
-    PyObject *method = NULL, *kwargs = NULL, *capsule = NULL, *stream_arg = NULL;
+    PyObject *kwargs = NULL, *stream_arg = NULL;
     int rc = -1, device_type = kDLCPU;
     slot->kind = IMPORT_DLPACK;
-    if (query_dlpack_device(cs, obj, name, &device_type)) goto done;
+    if (query_dlpack_device(cs, device_method, name, &device_type)) goto done;
     if (device_type == kDLCUDA || device_type == kDLCUDAManaged) {
-        if (!cs->is_stream_resolved) {
-            cs->stream = NULL;
-            cs->is_stream_resolved = 1;
-        }
+        if (!cs->is_stream_resolved && resolve_stream_early(cs, names)) goto done;
         /* DLPack spells the legacy default stream 1 (0 is disallowed). */
         stream_arg = PyLong_FromVoidPtr(cs->stream ? cs->stream : (void *)1);
     } else {
-        stream_arg = Py_None;
-        Py_INCREF(stream_arg);
+        stream_arg = Py_NewRef(Py_None);
     }
     if (stream_arg == NULL) goto done;
-    method = PyObject_GetAttr(obj, st->str_dlpack);
-    if (method == NULL) goto done;
     kwargs = PyDict_New();
     if (kwargs == NULL || PyDict_SetItem(kwargs, st->str_stream, stream_arg) ||
         PyDict_SetItem(kwargs, st->str_max_version, st->max_version)) {
@@ -262,55 +313,19 @@ static int import_dlpack(call_state *cs, PyObject *obj, const char *name, ragvit
     {
         PyObject *empty = PyTuple_New(0);
         if (empty == NULL) goto done;
-        capsule = PyObject_Call(method, empty, kwargs);
-        if (capsule == NULL && PyErr_ExceptionMatches(PyExc_TypeError)) {
+        slot->capsule = PyObject_Call(method, empty, kwargs);
+        if (slot->capsule == NULL && PyErr_ExceptionMatches(PyExc_TypeError)) {
             /* A producer older than DLPack 1.0 knows no max_version. */
             PyErr_Clear();
             if (PyDict_DelItem(kwargs, st->str_max_version) == 0) {
-                capsule = PyObject_Call(method, empty, kwargs);
+                slot->capsule = PyObject_Call(method, empty, kwargs);
             }
         }
         Py_DECREF(empty);
     }
-    if (capsule == NULL) goto done;
-    if (PyCapsule_IsValid(capsule, "dltensor_versioned")) {
-        DLManagedTensorVersioned *mt =
-            (DLManagedTensorVersioned *)PyCapsule_GetPointer(capsule, "dltensor_versioned");
-        if (mt->version.major != RAGVIT_DLPACK_MAJOR) {
-            raise_failure(ragvit_fail(RAGVIT_STATUS_NOT_IMPORTABLE,
-                                      "%s: %s must be a DLPack 1.x tensor, got version %u.%u",
-                                      cs->op, name, mt->version.major, mt->version.minor));
-            goto done;
-        }
-        if (raise_status(view_from_dl(t, &mt->dl_tensor,
-                                      (mt->flags & RAGVIT_DLPACK_FLAG_READ_ONLY) != 0, cs->op,
-                                      name))) {
-            goto done;
-        }
-        if (PyCapsule_SetName(capsule, "used_dltensor_versioned")) goto done;
-        slot->versioned = mt;
-    } else if (PyCapsule_IsValid(capsule, "dltensor")) {
-        DLManagedTensor *mt = (DLManagedTensor *)PyCapsule_GetPointer(capsule, "dltensor");
-        if (raise_status(view_from_dl(t, &mt->dl_tensor, 0, cs->op, name))) goto done;
-        if (PyCapsule_SetName(capsule, "used_dltensor")) goto done;
-        slot->legacy = mt;
-    } else {
-        const char *cname = PyCapsule_CheckExact(capsule) ? PyCapsule_GetName(capsule) : NULL;
-        PyErr_Clear();
-        raise_failure(
-            ragvit_fail(RAGVIT_STATUS_NOT_IMPORTABLE,
-                        "%s: %s.__dlpack__() must return an unconsumed DLPack capsule, got %s%s%s",
-                        cs->op, name, cname ? "a capsule named '" : Py_TYPE(capsule)->tp_name,
-                        cname ? cname : "", cname ? "'" : ""));
-        goto done;
-    }
-    slot->capsule = capsule; /* stolen: released by release_slots */
-    capsule = NULL;
-    rc = 0;
+    if (slot->capsule != NULL) rc = 0;
 done:
-    Py_XDECREF(capsule); /* an unrenamed capsule's destructor calls the deleter */
     Py_XDECREF(kwargs);
-    Py_XDECREF(method);
     Py_XDECREF(stream_arg);
     return rc;
 }
@@ -350,8 +365,10 @@ static int read_int_tuple(call_state *cs, const char *name, const char *key, PyO
     return (int)PyTuple_GET_SIZE(tuple);
 }
 
-static int import_cai(call_state *cs, PyObject *cai, const char *name, ragvit_tensor *t,
-                      import_slot *slot) {
+/* CAI hands over a raw pointer (nothing to consume later), so its view is read
+ * here, in phase 1, from the dict the producer returned. */
+static int prepare_cai(call_state *cs, PyObject *cai, const char *const *names, const char *name,
+                       ragvit_tensor *t, import_slot *slot) {
     slot->kind = IMPORT_CAI;
     if (!PyDict_Check(cai)) {
         return raise_failure(ragvit_fail(RAGVIT_STATUS_NOT_IMPORTABLE,
@@ -402,11 +419,7 @@ static int import_cai(call_state *cs, PyObject *cai, const char *name, ragvit_te
             t->strides[i] /= elem;
         }
     } else {
-        int64_t compact = 1;
-        for (int i = ndim - 1; i >= 0; i--) {
-            t->strides[i] = compact;
-            compact *= t->shape[i];
-        }
+        compact_strides(t);
     }
     t->data = PyLong_AsVoidPtr(PyTuple_GET_ITEM(data, 0)); /* borrowed */
     if (t->data == NULL && PyErr_Occurred()) return -1;
@@ -415,6 +428,7 @@ static int import_cai(call_state *cs, PyObject *cai, const char *name, ragvit_te
     t->device_type = RAGVIT_DEVICE_CUDA;
     t->device_id = 0;
     t->is_present = 1;
+    if (finish_view(cs, name, t)) return -1;
     if (t->data != NULL && raise_status(ragvit_pointer_device(t->data, &t->device_id))) return -1;
     if (stream && stream != Py_None) {
         void *handle = PyLong_AsVoidPtr(stream);
@@ -427,52 +441,212 @@ static int import_cai(call_state *cs, PyObject *cai, const char *name, ragvit_te
             cs->cai_stream_count++;
         }
     }
-    if (!cs->is_stream_resolved) {
-        cs->stream = NULL;
-        cs->is_stream_resolved = 1;
-    }
-    return 0;
+    return cs->is_stream_resolved ? 0 : resolve_stream_early(cs, names);
 }
 
-/* Imports obj (NULL: optional argument left out) into t. */
-static int import_arg(call_state *cs, PyObject *obj, const char *name, ragvit_tensor *t) {
-    t->is_present = 0;
-    if (obj == NULL) return 0;
+/* torch's negative bit (z.conj().imag, torch._neg_view) is a lazy negation that
+ * no exchange protocol carries: the view would read the values without it. */
+static int check_neg_bit(call_state *cs, PyObject *obj, const char *name) {
+    PyObject *is_neg = PyObject_Vectorcall(cs->st->torch_is_neg, &obj, 1, NULL);
+    if (is_neg == NULL) return -1;
+    Py_DECREF(is_neg); /* Py_True or Py_False, which outlive it */
+    if (is_neg != Py_True) return 0;
+    return raise_failure(ragvit_fail(RAGVIT_STATUS_NOT_IMPORTABLE,
+                                     "%s: %s must not have torch's negative bit set (a lazily "
+                                     "negated view, e.g. z.conj().imag), got one: call "
+                                     ".resolve_neg() first",
+                                     cs->op, name));
+}
+
+/* Phase 1 for obj (not NULL), argument `arg` of the signature: picks its
+ * protocol and runs every Python-level part of it. */
+static int prepare_arg(call_state *cs, PyObject *obj, int arg, const char *const *names,
+                       ragvit_tensor *t) {
+    module_state *st = cs->st;
+    const char *name = names[arg];
     if (cs->slot_count >= MAX_IMPORTS) {
         PyErr_SetString(PyExc_RuntimeError, "ragvit: too many array arguments");
         return -1;
     }
     import_slot *slot = &cs->slots[cs->slot_count++];
     memset(slot, 0, sizeof *slot);
-    slot->type = Py_TYPE(obj);
-    const DLPackExchangeAPI *api = exchange_api_for(cs->st, Py_TYPE(obj));
-    if (api) return import_exchange(cs, obj, name, t, api, slot);
-    if (PyArray_Check(obj)) return import_numpy(cs, obj, name, t, slot);
-    if (PyObject_HasAttr(obj, cs->st->str_dlpack) &&
-        PyObject_HasAttr(obj, cs->st->str_dlpack_device)) {
-        return import_dlpack(cs, obj, name, t, slot);
+    slot->arg = arg;
+    slot->obj = obj;
+    api_cache_entry scratch;
+    const api_cache_entry *entry = type_entry(st, Py_TYPE(obj), &scratch);
+    if (entry == NULL) return -1;
+    if (entry->is_torch) {
+        if (st->torch_is_neg != NULL && check_neg_bit(cs, obj, name)) return -1;
+        if (cs->sig->outputs & ARG_BIT(arg)) cs->written[cs->written_count++] = obj;
     }
-    PyObject *cai = PyObject_GetAttr(obj, cs->st->str_cai);
+    if (entry->api != NULL) {
+        slot->kind = IMPORT_EXCHANGE;
+        slot->api = entry->api;
+        return 0;
+    }
+    if (PyArray_Check(obj)) {
+        slot->kind = IMPORT_NUMPY;
+        return 0;
+    }
+    PyObject *method = NULL, *device_method = NULL, *cai = NULL;
+    int rc = -1;
+    if (lookup_optional(obj, st->str_dlpack, &method) < 0) goto done;
+    if (method != NULL && lookup_optional(obj, st->str_dlpack_device, &device_method) < 0) {
+        goto done;
+    }
+    if (method != NULL && device_method != NULL) {
+        rc = prepare_dlpack(cs, method, device_method, names, name, slot);
+        goto done;
+    }
+    if (lookup_optional(obj, st->str_cai, &cai) < 0) goto done;
     if (cai != NULL) {
-        int rc = import_cai(cs, cai, name, t, slot);
-        Py_DECREF(cai);
-        return rc;
+        rc = prepare_cai(cs, cai, names, name, t, slot);
+        goto done;
     }
-    PyErr_Clear();
-    return raise_failure(
+    raise_failure(
         ragvit_fail(RAGVIT_STATUS_INVALID_TYPE,
                     "%s: %s must be an array (DLPack, CUDA Array Interface or NumPy), got %s",
                     cs->op, name, Py_TYPE(obj)->tp_name));
+done:
+    Py_XDECREF(method);
+    Py_XDECREF(device_method);
+    Py_XDECREF(cai);
+    return rc;
+}
+
+/* ---- phase 2: raw views, no Python code ---- */
+
+static int view_exchange(call_state *cs, import_slot *slot, const char *name, ragvit_tensor *t) {
+    DLTensor dl;
+    DLManagedTensorVersioned *mt;
+    if (exchange_dltensor(cs, slot, name, &dl, &mt)) return -1;
+    slot->versioned = mt; /* NULL on the stack-DLTensor path: nothing to release */
+    const int is_read_only = mt != NULL && (mt->flags & RAGVIT_DLPACK_FLAG_READ_ONLY) != 0;
+    if (raise_status(view_from_dl(t, &dl, is_read_only, cs->op, name)) ||
+        finish_view(cs, name, t)) {
+        return -1;
+    }
+    return resolve_stream_from_api(cs, slot->api, t, name);
+}
+
+static int view_numpy(call_state *cs, PyObject *obj, const char *name, ragvit_tensor *t) {
+    PyArrayObject *arr = (PyArrayObject *)obj;
+    int32_t dtype;
+    switch (PyArray_TYPE(arr)) {
+    case NPY_FLOAT16: dtype = RAGVIT_DTYPE_F16; break;
+    case NPY_FLOAT32: dtype = RAGVIT_DTYPE_F32; break;
+    case NPY_FLOAT64: dtype = RAGVIT_DTYPE_F64; break;
+    case NPY_INT32: dtype = RAGVIT_DTYPE_I32; break;
+    case NPY_INT64: dtype = RAGVIT_DTYPE_I64; break;
+    case NPY_UINT8: dtype = RAGVIT_DTYPE_U8; break;
+    case NPY_BOOL: dtype = RAGVIT_DTYPE_BOOL; break;
+    default:
+        return raise_failure(
+            ragvit_fail(RAGVIT_STATUS_INVALID_DTYPE,
+                        "%s: %s must be float16, float32, int32, uint8 or bool, got numpy dtype %s",
+                        cs->op, name, PyArray_DESCR(arr)->typeobj->tp_name));
+    }
+    if (!PyArray_ISNOTSWAPPED(arr)) {
+        return raise_failure(ragvit_fail(
+            RAGVIT_STATUS_NOT_IMPORTABLE,
+            "%s: %s must be in native byte order, got a byte-swapped array", cs->op, name));
+    }
+    int ndim = PyArray_NDIM(arr);
+    if (ndim > RAGVIT_MAX_DIMS) {
+        return raise_failure(ragvit_fail(RAGVIT_STATUS_INVALID_SHAPE,
+                                         "%s: %s must have at most %d dimensions, got %d", cs->op,
+                                         name, RAGVIT_MAX_DIMS, ndim));
+    }
+    const int is_empty = PyArray_SIZE(arr) == 0; /* strides checked below do not apply */
+    npy_intp itemsize = PyArray_ITEMSIZE(arr);
+    for (int i = 0; i < ndim; i++) {
+        npy_intp stride = PyArray_STRIDE(arr, i);
+        if (stride % itemsize != 0 && !is_empty) {
+            return raise_failure(
+                ragvit_fail(RAGVIT_STATUS_NOT_IMPORTABLE,
+                            "%s: %s must have strides that are whole elements, got %zd bytes in "
+                            "dimension %d",
+                            cs->op, name, (Py_ssize_t)stride, i));
+        }
+        t->shape[i] = PyArray_DIM(arr, i);
+        t->strides[i] = stride / itemsize;
+    }
+    t->ndim = ndim;
+    t->dtype = dtype;
+    t->data = PyArray_DATA(arr);
+    t->device_type = RAGVIT_DEVICE_CPU;
+    t->device_id = 0;
+    t->is_read_only = !PyArray_ISWRITEABLE(arr);
+    t->is_present = 1;
+    return finish_view(cs, name, t);
+}
+
+/* Checks and consumes the capsule phase 1 got; renamed only once accepted, so
+ * a refused one is released by its own destructor. */
+static int view_dlpack(call_state *cs, import_slot *slot, const char *name, ragvit_tensor *t) {
+    PyObject *capsule = slot->capsule;
+    if (PyCapsule_IsValid(capsule, "dltensor_versioned")) {
+        DLManagedTensorVersioned *mt =
+            (DLManagedTensorVersioned *)PyCapsule_GetPointer(capsule, "dltensor_versioned");
+        if (mt == NULL) return -1;
+        if (mt->version.major != RAGVIT_DLPACK_MAJOR) {
+            return raise_failure(
+                ragvit_fail(RAGVIT_STATUS_NOT_IMPORTABLE,
+                            "%s: %s must be a DLPack 1.x tensor, got version %u.%u", cs->op, name,
+                            mt->version.major, mt->version.minor));
+        }
+        if (raise_status(view_from_dl(t, &mt->dl_tensor,
+                                      (mt->flags & RAGVIT_DLPACK_FLAG_READ_ONLY) != 0, cs->op,
+                                      name)) ||
+            finish_view(cs, name, t) || PyCapsule_SetName(capsule, "used_dltensor_versioned")) {
+            return -1;
+        }
+        slot->versioned = mt;
+        return 0;
+    }
+    if (PyCapsule_IsValid(capsule, "dltensor")) {
+        DLManagedTensor *mt = (DLManagedTensor *)PyCapsule_GetPointer(capsule, "dltensor");
+        if (mt == NULL) return -1;
+        if (raise_status(view_from_dl(t, &mt->dl_tensor, 0, cs->op, name)) ||
+            finish_view(cs, name, t) || PyCapsule_SetName(capsule, "used_dltensor")) {
+            return -1;
+        }
+        slot->legacy = mt;
+        return 0;
+    }
+    const char *cname = PyCapsule_CheckExact(capsule) ? PyCapsule_GetName(capsule) : NULL;
+    PyErr_Clear();
+    return raise_failure(
+        ragvit_fail(RAGVIT_STATUS_NOT_IMPORTABLE,
+                    "%s: %s.__dlpack__() must return an unconsumed DLPack capsule, got %s%s%s",
+                    cs->op, name, cname ? "a capsule named '" : Py_TYPE(capsule)->tp_name,
+                    cname ? cname : "", cname ? "'" : ""));
 }
 
 /* sig's fields are read once into locals: every import writes through cs and
  * t, which would otherwise make the compiler reload them each iteration. */
 int call_import(call_state *cs, PyObject *const *values, ragvit_tensor *t) {
     const char *const *names = cs->sig->names;
-    unsigned arrays = cs->sig->arrays;
+    const unsigned arrays = cs->sig->arrays;
     if (parse_stream(cs, values[cs->sig->count - 1])) return -1;
-    for (int i = 0; arrays != 0; i++, arrays >>= 1) {
-        if ((arrays & 1u) && import_arg(cs, values[i], names[i], &t[i])) return -1;
+    unsigned bits = arrays;
+    for (int i = 0; bits != 0; i++, bits >>= 1) {
+        if (!(bits & 1u)) continue;
+        t[i].is_present = 0;
+        if (values[i] != NULL && prepare_arg(cs, values[i], i, names, &t[i])) return -1;
+    }
+    const int count = cs->slot_count;
+    for (int j = 0; j < count; j++) {
+        import_slot *slot = &cs->slots[j];
+        const int i = slot->arg;
+        int rc = 0;
+        switch (slot->kind) {
+        case IMPORT_EXCHANGE: rc = view_exchange(cs, slot, names[i], &t[i]); break;
+        case IMPORT_NUMPY: rc = view_numpy(cs, slot->obj, names[i], &t[i]); break;
+        case IMPORT_DLPACK: rc = view_dlpack(cs, slot, names[i], &t[i]); break;
+        default: break; /* CAI: read in phase 1 */
+        }
+        if (rc) return -1;
     }
     return 0;
 }
@@ -494,25 +668,94 @@ void release_slots(call_state *cs) {
         import_slot *slot = &cs->slots[i];
         if (slot->versioned && slot->versioned->deleter) slot->versioned->deleter(slot->versioned);
         if (slot->legacy && slot->legacy->deleter) slot->legacy->deleter(slot->legacy);
-        Py_XDECREF(slot->capsule);
+        Py_XDECREF(slot->capsule); /* unrenamed: its destructor releases the tensor */
         memset(slot, 0, sizeof *slot);
     }
     cs->slot_count = 0;
     PyErr_Restore(type, value, traceback);
 }
 
+/* ---- autograd: version counters of the torch outputs written ---- */
+
+/* torch._C._increment_version, and whether it takes a tuple (torch >= 2.x
+ * skips inference tensors there) or one tensor: an empty tuple tells, touching
+ * no tensor. torch is imported already: a torch tensor was an argument. */
+static int resolve_increment_version(module_state *st) {
+    PyObject *name = PyUnicode_FromString("torch._C");
+    if (name == NULL) return -1;
+    PyObject *torch_c = PyImport_GetModule(name);
+    Py_DECREF(name);
+    if (torch_c == NULL) {
+        if (!PyErr_Occurred()) {
+            PyErr_SetString(PyExc_RuntimeError, "ragvit: torch._C is not imported");
+        }
+        return -1;
+    }
+    PyObject *fn = PyObject_GetAttrString(torch_c, "_increment_version");
+    Py_DECREF(torch_c);
+    if (fn == NULL) return -1;
+    PyObject *empty = PyTuple_New(0);
+    if (empty == NULL) {
+        Py_DECREF(fn);
+        return -1;
+    }
+    PyObject *probe = PyObject_CallOneArg(fn, empty);
+    Py_DECREF(empty);
+    st->is_increment_version_iterable = probe != NULL;
+    if (probe == NULL) PyErr_Clear();
+    Py_XDECREF(probe);
+    st->torch_increment_version = fn;
+    return 0;
+}
+
+/* One call for all of them where torch takes a tuple. An inference tensor has no
+ * version counter (nothing can have saved it for backward): the tuple form skips
+ * it; the one-tensor form of older torch raises, which is cleared for it. */
+int bump_versions(call_state *cs) {
+    module_state *st = cs->st;
+    const int n = cs->written_count;
+    cs->written_count = 0;
+    if (st->torch_increment_version == NULL && resolve_increment_version(st)) return -1;
+    if (st->is_increment_version_iterable) {
+        PyObject *tensors = PyTuple_New(n);
+        if (tensors == NULL) return -1;
+        for (int i = 0; i < n; i++) PyTuple_SET_ITEM(tensors, i, Py_NewRef(cs->written[i]));
+        PyObject *r = PyObject_Vectorcall(st->torch_increment_version, &tensors, 1, NULL);
+        Py_DECREF(tensors);
+        if (r == NULL) return -1;
+        Py_DECREF(r);
+        return 0;
+    }
+    for (int i = 0; i < n; i++) {
+        PyObject *r = PyObject_Vectorcall(st->torch_increment_version, &cs->written[i], 1, NULL);
+        if (r == NULL) {
+            PyObject *is_inference = PyObject_CallMethod(cs->written[i], "is_inference", NULL);
+            const int skip = is_inference == Py_True;
+            Py_XDECREF(is_inference);
+            if (!skip) return -1;
+            PyErr_Clear();
+            continue;
+        }
+        Py_DECREF(r);
+    }
+    return 0;
+}
+
 /* ---- allocation in the caller's array library ---- */
 
+/* The allocator's error callback: the producer's out-of-memory stays a
+ * MemoryError, anything else is a BufferError (the output could not be made). */
 static void exchange_set_error(void *error_ctx, const char *kind, const char *message) {
     (void)error_ctx;
-    PyObject *type = (kind && strstr(kind, "Memory")) ? PyExc_MemoryError : PyExc_RuntimeError;
+    PyObject *type = (kind && strstr(kind, "Memory")) ? PyExc_MemoryError : PyExc_BufferError;
     PyErr_SetString(type, message ? message : "allocation failed");
 }
 
 PyObject *alloc_like(call_state *cs, const ragvit_tensor *like, const char *name, int32_t dtype,
                      int ndim, const int64_t *shape, ragvit_tensor *view) {
     const import_slot *slot = &cs->slots[0];
-    if (slot->kind == IMPORT_EXCHANGE) {
+    if (slot->kind == IMPORT_EXCHANGE && slot->api->managed_tensor_allocator != NULL &&
+        slot->api->managed_tensor_to_py_object_no_sync != NULL) {
         DLTensor proto;
         memset(&proto, 0, sizeof proto);
         proto.device.device_type = like->device_type == RAGVIT_DEVICE_CUDA ? kDLCUDA : kDLCPU;
@@ -529,10 +772,17 @@ PyObject *alloc_like(call_state *cs, const ragvit_tensor *like, const char *name
         ragvit_status status = view_from_dl(view, &mt->dl_tensor, 0, cs->op, name);
         void *obj = NULL;
         /* Ownership of mt moves to the new object, even on failure. */
-        if (slot->api->managed_tensor_to_py_object_no_sync(mt, &obj) != 0) return NULL;
+        if (slot->api->managed_tensor_to_py_object_no_sync(mt, &obj) != 0 || obj == NULL) {
+            raise_callback_failure(cs, name, "managed_tensor_to_py_object_no_sync");
+            return NULL;
+        }
         if (status != RAGVIT_STATUS_OK) {
-            Py_XDECREF((PyObject *)obj);
+            Py_DECREF((PyObject *)obj);
             raise_status(status);
+            return NULL;
+        }
+        if (finish_view(cs, name, view)) {
+            Py_DECREF((PyObject *)obj);
             return NULL;
         }
         return (PyObject *)obj;
@@ -560,7 +810,7 @@ PyObject *alloc_like(call_state *cs, const ragvit_tensor *like, const char *name
         for (int i = 0; i < ndim; i++) dims[i] = (npy_intp)shape[i];
         PyObject *arr = PyArray_SimpleNew(ndim, dims, typenum);
         if (arr == NULL) return NULL;
-        if (import_numpy(cs, arr, name, view, &(import_slot){0}) != 0) {
+        if (view_numpy(cs, arr, name, view) != 0) {
             Py_DECREF(arr);
             return NULL;
         }
@@ -570,6 +820,6 @@ PyObject *alloc_like(call_state *cs, const ragvit_tensor *like, const char *name
         ragvit_fail(RAGVIT_STATUS_INVALID_VALUE,
                     "%s: %s must be given for CUDA inputs of type %s, got none (the type offers no "
                     "DLPack exchange API allocator)",
-                    cs->op, name, slot->type->tp_name));
+                    cs->op, name, Py_TYPE(slot->obj)->tp_name));
     return NULL;
 }

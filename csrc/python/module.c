@@ -1,6 +1,7 @@
 /* module.c — ragvit._C's lifecycle: the method table, the PyModuleDef with
  * multi-phase init (Py_mod_exec), and the module state (core context, exchange
- * API cache, interned attribute names) with its traverse/clear/free.
+ * API cache, torch's is_neg and _increment_version once a torch tensor was seen,
+ * interned attribute names) with its traverse/clear/free.
  * Layout of the glue: errors.c raises, args.c parses, interop.c imports and
  * allocates, bind_<family>.c wrap the ops, docs.h holds every docstring.
  * Decision: everything a call needs lives in the module state, not in C
@@ -62,6 +63,8 @@ static int module_traverse(PyObject *module, visitproc visit, void *arg) {
     module_state *st = (module_state *)PyModule_GetState(module);
     if (st == NULL) return 0;
     for (int i = 0; i < st->api_cache_count; i++) Py_VISIT(st->api_cache[i].type);
+    Py_VISIT(st->torch_is_neg);
+    Py_VISIT(st->torch_increment_version);
     return 0;
 }
 
@@ -78,6 +81,8 @@ static int module_clear(PyObject *module) {
     Py_CLEAR(st->str_stream);
     Py_CLEAR(st->str_max_version);
     Py_CLEAR(st->max_version);
+    Py_CLEAR(st->torch_is_neg);
+    Py_CLEAR(st->torch_increment_version);
     return 0;
 }
 
