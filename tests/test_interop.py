@@ -205,14 +205,18 @@ class CtypesProducer:
     The managed tensor lives in `live` until its deleter runs; the deleter
     removes it (a second call for the same tensor raises inside the callback
     and is counted in `bad_deletes`). `base`: a tensor whose data_ptr becomes
-    DLTensor.data, the view's offset inside it going to byte_offset.
+    DLTensor.data, the view's offset inside it going to byte_offset. null_data /
+    null_shape: a spec-breaking producer's NULL DLTensor.data / DLTensor.shape.
     """
 
     def __init__(
-        self, tensor, *, versioned=True, lanes=1, device_type=None, major=1, flags=0, base=None
+        self, tensor, *, versioned=True, lanes=1, device_type=None, major=1, flags=0, base=None,
+        null_data=False, null_shape=False,
     ):
         self.tensor = tensor
         self.base = base
+        self.null_data = null_data
+        self.null_shape = null_shape
         self.versioned = versioned
         self.lanes = lanes
         self.device_type = device_type or (kDLCUDA if tensor.is_cuda else kDLCPU)
@@ -244,13 +248,13 @@ class CtypesProducer:
         code, bits = _DL_DTYPES[t.dtype]
         data = t.data_ptr() if self.base is None else self.base.data_ptr()
         dl = _DLTensor(
-            data=data,
+            data=None if self.null_data else data,
             device=_DLDevice(self.device_type, self.device_id),
             ndim=t.dim(),
             dtype=_DLDataType(code, bits, self.lanes),
-            shape=ctypes.cast(shape, ctypes.POINTER(ctypes.c_int64)),
+            shape=None if self.null_shape else ctypes.cast(shape, ctypes.POINTER(ctypes.c_int64)),
             strides=ctypes.cast(strides, ctypes.POINTER(ctypes.c_int64)),
-            byte_offset=t.data_ptr() - data,
+            byte_offset=0 if self.null_data else t.data_ptr() - data,
         )
         if self.versioned:
             managed = _DLManagedTensorVersioned(
@@ -855,3 +859,505 @@ def test_launch_empty_takes_any_call_shape():
         ragvit._C._launch_empty(0, 0, stream=0)
     with pytest.raises(TypeError):
         ragvit._C._launch_empty("cuda:0")
+
+
+# ---- import safety: what producers and callers can break ----
+
+
+def _safety_problem(device="cpu"):
+    """q, k, v (12, 2, 32) float32, cu_seqlens [5, 7], a poisoned out, and copies of all of
+    them for the byte-identical check after a refusal."""
+    q, k, v, cu_seqlens, out = _refusal_problem(device)
+    return {"q": q, "k": k, "v": v, "cu_seqlens": cu_seqlens, "out": out}
+
+
+def _attention(a):
+    return ragvit.attention(a["q"], a["k"], a["v"], a["cu_seqlens"], out=a["out"])
+
+
+def _freed(t):
+    """t with its storage freed (resize_(0)): shape and strides stay, data is NULL."""
+    t = t.clone()
+    t.untyped_storage().resize_(0)
+    return t
+
+
+NULL_DATA_CASES = [
+    pytest.param("q", _freed, id="q_freed_storage"),
+    pytest.param("out", _freed, id="out_freed_storage"),
+    pytest.param("q", lambda t: CtypesProducer(t, null_data=True), id="q_capsule_null_data"),
+    pytest.param("out", lambda t: CtypesProducer(t, null_data=True, versioned=False),
+                 id="out_legacy_capsule_null_data"),
+]
+
+
+@pytest.mark.parametrize("name, make", NULL_DATA_CASES)
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=gpu_marks())])
+def test_null_data_with_elements_is_refused(name, make, device):
+    a = _safety_problem(device)
+    watched = {n: t.clone() for n, t in a.items()}
+    a[name] = make(a[name])
+    with pytest.raises(BufferError, match=rf"attention: {name} must have data, got a NULL data"):
+        _attention(a)
+    for n, before in watched.items():
+        if n != name:
+            assert same_bits(a[n], before), f"rejected call modified {n}"
+
+
+def test_fake_tensor_is_refused():
+    fake_tensor = pytest.importorskip("torch._subclasses.fake_tensor")
+    a = _safety_problem()
+    with fake_tensor.FakeTensorMode():
+        fake = torch.empty(a["q"].shape)
+    with pytest.raises(BufferError, match=r"attention: q must have data"):
+        ragvit.attention(fake, a["k"], a["v"], a["cu_seqlens"], out=a["out"])
+    assert torch.isnan(a["out"]).all()
+
+
+def test_capsule_with_null_shape_is_refused():
+    a = _safety_problem()
+    producer = CtypesProducer(a["q"], null_shape=True)
+    with pytest.raises(BufferError, match=r"attention: q must have a DLPack shape, got NULL"):
+        ragvit.attention(producer, a["k"], a["v"], a["cu_seqlens"], out=a["out"])
+    assert torch.isnan(a["out"]).all()
+    assert producer.bad_deletes == 0
+
+
+def test_empty_capsule_may_have_null_data():
+    """DLPack allows data == NULL when there are no elements."""
+    q = torch.empty((0, 2, 32))
+    cu_seqlens = torch.zeros(1 + 1, dtype=torch.int32)
+    out = torch.empty((0, 2, 32))
+    producer = CtypesProducer(q, null_data=True)
+    assert ragvit.attention(producer, q, q, cu_seqlens, out=out) is out
+    _assert_fakes_used([producer])
+
+
+# Use after free across arguments: a later argument's protocol runs Python code that frees
+# or resizes an earlier argument. Every protocol runs before any raw view is taken, so the
+# call sees the arrays as they are after that code, never the freed memory.
+
+
+class FreesOnExport:
+    """A DLPack producer whose __dlpack__ first runs `action` (freeing another argument)."""
+
+    def __init__(self, array, action):
+        self.inner = VersionedOnly(array)
+        self.action = action
+
+    def __dlpack_device__(self):
+        return self.inner.__dlpack_device__()
+
+    def __dlpack__(self, **kwargs):
+        self.action()
+        return self.inner.__dlpack__(**kwargs)
+
+
+def test_numpy_input_resized_by_a_later_argument():
+    a = _safety_problem()
+    q = a["q"].numpy().copy()
+    victim = FreesOnExport(a["k"].numpy(), lambda: q.resize((0,), refcheck=False))
+    with pytest.raises(ValueError, match=r"attention: .*q"):
+        ragvit.attention(q, victim, a["v"], a["cu_seqlens"], out=a["out"])
+    assert torch.isnan(a["out"]).all()
+
+
+def test_torch_input_freed_by_a_later_argument():
+    a = _safety_problem()
+    q = a["q"].clone()
+    victim = FreesOnExport(a["k"].numpy(), lambda: q.untyped_storage().resize_(0))
+    with pytest.raises(BufferError, match=r"attention: q must have data"):
+        ragvit.attention(q, victim, a["v"], a["cu_seqlens"], out=a["out"])
+    assert torch.isnan(a["out"]).all()
+
+
+def test_torch_output_replaced_by_a_later_argument():
+    """out.set_() from cls_attn's export: the call writes the new storage, not the old."""
+    a = _safety_problem()
+    out = poison(a["q"].shape)
+    fresh = poison(a["q"].shape)
+    old_storage = out.untyped_storage()
+    old = torch.empty(0).set_(old_storage, 0, out.shape, out.stride())
+    cls_attn = FreesOnExport(poison((12,)).numpy(), lambda: out.set_(fresh))
+    ragvit.attention(a["q"], a["k"], a["v"], a["cu_seqlens"], out=out, cls_attn=cls_attn)
+    assert torch.isnan(old).all(), "the call wrote the storage out had before set_()"
+    check_attention(fresh, a["q"], a["k"], a["v"], a["cu_seqlens"], seed=0)
+
+
+@pytest.mark.gpu
+@requires_cuda
+def test_cuda_input_freed_by_a_later_argument():
+    a = _safety_problem("cuda")
+    q = a["q"].clone()
+    victim = FreesOnExport(a["k"], lambda: q.untyped_storage().resize_(0))
+    with pytest.raises(BufferError, match=r"attention: q must have data"):
+        ragvit.attention(q, victim, a["v"], a["cu_seqlens"], out=a["out"])
+    torch.cuda.synchronize()
+    assert torch.isnan(a["out"]).all()
+
+
+# ---- producers' own exceptions propagate unchanged ----
+
+
+class ProducerError(Exception):
+    pass
+
+
+class RaisesIn:
+    """An object whose `attr` (a property) raises `error`."""
+
+    def __init__(self, attr, error):
+        self.attr = attr
+        self.error = error
+
+    def __getattr__(self, name):
+        if name == self.attr:
+            raise self.error
+        raise AttributeError(name)
+
+
+@pytest.mark.parametrize("attr", ["__dlpack__", "__cuda_array_interface__"])
+@pytest.mark.parametrize("error", [ProducerError("boom"), KeyboardInterrupt()],
+                         ids=["producer_error", "keyboard_interrupt"])
+def test_producer_exceptions_propagate(attr, error):
+    a = _safety_problem()
+    with pytest.raises(type(error)):
+        ragvit.attention(RaisesIn(attr, error), a["k"], a["v"], a["cu_seqlens"], out=a["out"])
+    assert torch.isnan(a["out"]).all()
+
+
+def test_dlpack_export_error_propagates_unchanged():
+    class Refuses(VersionedOnly):
+        def __dlpack__(self, **kwargs):
+            raise ProducerError("cannot export")
+
+    a = _safety_problem()
+    with pytest.raises(ProducerError, match="cannot export"):
+        ragvit.attention(Refuses(a["q"].numpy()), a["k"], a["v"], a["cu_seqlens"], out=a["out"])
+
+
+def test_stream_object_errors_propagate():
+    class BadStream:
+        def __getattr__(self, name):
+            raise ProducerError(name)
+
+    a = _safety_problem()
+    with pytest.raises(ProducerError, match="__cuda_stream__"):
+        ragvit.attention(a["q"], a["k"], a["v"], a["cu_seqlens"], out=a["out"], stream=BadStream())
+
+
+# ---- a DLPack C exchange API built by hand (ctypes) ----
+
+
+class _ExchangeHeader(ctypes.Structure):
+    _fields_ = [("version", _DLPackVersion), ("prev_api", ctypes.c_void_p)]
+
+
+class _ExchangeAPI(ctypes.Structure):
+    _fields_ = [
+        ("header", _ExchangeHeader),
+        ("managed_tensor_allocator", ctypes.c_void_p),
+        ("managed_tensor_from_py_object_no_sync", ctypes.c_void_p),
+        ("managed_tensor_to_py_object_no_sync", ctypes.c_void_p),
+        ("dltensor_from_py_object_no_sync", ctypes.c_void_p),
+        ("current_work_stream", ctypes.c_void_p),
+    ]
+
+
+_DLTENSOR_FROM_PY = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p, ctypes.POINTER(_DLTensor))
+_MANAGED_FROM_PY = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p)
+_WORK_STREAM = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_int32, ctypes.c_int32, ctypes.c_void_p)
+_LIVE_EXCHANGE = {}  # id(obj) -> (obj, shape, strides) while a view of it may be read
+
+
+def _fill_dltensor(address, out):
+    obj = _LIVE_EXCHANGE[address][0]
+    t = obj.tensor
+    shape = (ctypes.c_int64 * t.dim())(*t.shape)
+    strides = (ctypes.c_int64 * t.dim())(*t.stride())
+    _LIVE_EXCHANGE[address] = (obj, shape, strides)
+    code, bits = _DL_DTYPES[t.dtype]
+    out[0] = _DLTensor(t.data_ptr(), _DLDevice(kDLCPU, 0), t.dim(), _DLDataType(code, bits, 1),
+                       ctypes.cast(shape, ctypes.POINTER(ctypes.c_int64)),
+                       ctypes.cast(strides, ctypes.POINTER(ctypes.c_int64)), 0)
+    return 0
+
+
+_CALLBACKS = {
+    "dltensor_ok": _DLTENSOR_FROM_PY(_fill_dltensor),
+    "dltensor_fails_silently": _DLTENSOR_FROM_PY(lambda address, out: -1),
+    "managed_fails_silently": _MANAGED_FROM_PY(lambda address, out: -1),
+    "stream_ok": _WORK_STREAM(lambda device_type, device_id, out: 0),
+}
+
+
+def _exchange_type(name, *, dltensor, managed="managed_fails_silently"):
+    """A class whose type offers a hand-built exchange API table: no allocator, the named
+    callbacks. The table and the class live for the process (the spec's rule)."""
+    table = _ExchangeAPI()
+    table.header.version = _DLPackVersion(1, 3)
+    table.managed_tensor_from_py_object_no_sync = ctypes.cast(_CALLBACKS[managed],
+                                                              ctypes.c_void_p)
+    table.dltensor_from_py_object_no_sync = (
+        ctypes.cast(_CALLBACKS[dltensor], ctypes.c_void_p) if dltensor else None
+    )
+    table.current_work_stream = ctypes.cast(_CALLBACKS["stream_ok"], ctypes.c_void_p)
+    capsule = _capsule_new(ctypes.addressof(table), b"dlpack_exchange_api", None)
+
+    def __init__(self, tensor):
+        self.tensor = tensor
+        _LIVE_EXCHANGE[id(self)] = (self, None, None)
+
+    cls = type(name, (), {"__init__": __init__, "__dlpack_c_exchange_api__": capsule,
+                          "_table": table})
+    return cls
+
+
+_EXCHANGE_OK = _exchange_type("ExchangeNoAllocator", dltensor="dltensor_ok")
+_EXCHANGE_SILENT = _exchange_type("ExchangeFailsSilently", dltensor="dltensor_fails_silently")
+_EXCHANGE_MANAGED_SILENT = _exchange_type("ExchangeManagedFailsSilently", dltensor=None)
+
+
+def test_exchange_api_without_allocator_allocates_with_numpy_on_the_host(gen, seed):
+    q, k, v, cu_seqlens, _, _ = _qkv_problem(gen, torch.float32, "cpu", tail=0)
+    args = [_EXCHANGE_OK(t) for t in (q, k, v, cu_seqlens)]
+    result = ragvit.attention(*args)
+    assert isinstance(result, np.ndarray)
+    covered = covered_rows(cu_seqlens, q.shape[0])
+    torch.testing.assert_close(torch.from_numpy(result).double()[covered],
+                               attention_reference(q, k, v, cu_seqlens)[covered],
+                               **TOL[torch.float32])
+
+
+@pytest.mark.parametrize("cls, callback", [
+    (_EXCHANGE_SILENT, "dltensor_from_py_object_no_sync"),
+    (_EXCHANGE_MANAGED_SILENT, "managed_tensor_from_py_object_no_sync"),
+], ids=["dltensor", "managed"])
+def test_exchange_callback_failing_without_an_error_is_a_buffer_error(cls, callback):
+    a = _safety_problem()
+    with pytest.raises(BufferError, match=rf"attention: q must be importable, got a failing "
+                                          rf"{callback} that set no error"):
+        ragvit.attention(cls(a["q"]), a["k"], a["v"], a["cu_seqlens"], out=a["out"])
+    assert torch.isnan(a["out"]).all()
+
+
+# ---- torch's negative bit ----
+
+
+NEG_CASES = [
+    pytest.param("q", lambda t: torch._neg_view(t), id="q_neg_view"),
+    pytest.param("k", lambda t: torch.complex(torch.zeros_like(t), t).conj().imag,
+                 id="k_conj_imag"),
+    pytest.param("out", lambda t: torch._neg_view(t), id="out_neg_view"),
+]
+
+
+@pytest.mark.parametrize("name, make", NEG_CASES)
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=gpu_marks())])
+def test_negative_bit_is_refused(name, make, device):
+    a = _safety_problem(device)
+    a[name] = make(a[name])
+    assert a[name].is_neg()
+    watched = {n: t.resolve_neg().clone() for n, t in a.items()}
+    with pytest.raises(BufferError, match=rf"attention: {name} must not have torch's negative "
+                                          r"bit set.*\.resolve_neg\(\)"):
+        _attention(a)
+    for n, before in watched.items():
+        assert same_bits(a[n].resolve_neg(), before), f"rejected call modified {n}"
+
+
+def test_resolved_negative_bit_is_accepted(seed):
+    a = _safety_problem()
+    q = torch._neg_view(-a["q"]).resolve_neg()
+    ragvit.attention(q, a["k"], a["v"], a["cu_seqlens"], out=a["out"])
+    check_attention(a["out"], a["q"], a["k"], a["v"], a["cu_seqlens"], seed=seed)
+
+
+# ---- autograd: outputs written through out= bump their version counter ----
+
+
+def _saved_for_backward(t):
+    """y = (w * t).sum() saves t for backward; y.backward() then checks t's version."""
+    w = torch.ones_like(t, requires_grad=True)
+    return (w * t).sum()
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=gpu_marks())])
+def test_out_saved_for_backward_is_detected(device):
+    a = _safety_problem(device)
+    y = _saved_for_backward(a["out"])
+    _attention(a)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        y.backward()
+
+
+def _row_args():
+    gen = torch.Generator().manual_seed(9)
+    x = torch.randn((5, 12), generator=gen)
+    return x, torch.randn((12,), generator=gen), torch.randn((12,), generator=gen)
+
+
+def _bump_cases():
+    """(op, call(outputs), outputs): every op that writes caller-given tensors, with the
+    tensors it writes."""
+    x, w, b = _row_args()
+    packed = torch.arange(12 * 6, dtype=torch.float32).reshape(12, 6)
+    cu = make_cu_seqlens([5, 0, 7], "cpu")
+    keep = torch.ones((2, 3), dtype=torch.bool)
+    padded = torch.randn((2, 3, 6))
+    a = _safety_problem()
+    q, k, v, cu2 = a["q"], a["k"], a["v"], a["cu_seqlens"]
+    i64 = torch.int64
+    return [
+        ("attention", lambda o: ragvit.attention(q, k, v, cu2, out=o[0], cls_attn=o[1]),
+         [poison(q.shape), poison((12,))]),
+        ("layer_norm", lambda o: ragvit.layer_norm(x, w, b, out=o[0]), [poison((5, 12))]),
+        ("gelu", lambda o: ragvit.gelu(x, out=o[0]), [poison((5, 12))]),
+        ("linear", lambda o: ragvit.linear(x, torch.randn(12, 12), out=o[0]), [poison((5, 12))]),
+        ("pack_into", lambda o: ragvit.pack_into(padded, keep, o[0], o[1], indices=o[2]),
+         [poison((12, 6)), poison((3,), torch.int32), poison((12,), torch.int32)]),
+        ("unpack", lambda o: ragvit.unpack(packed, cu, 7, out=o[0]), [poison((3, 7, 6))]),
+        ("gather_prefix", lambda o: ragvit.gather_prefix(packed, cu2, 1, out=o[0]),
+         [poison((2, 1, 6))]),
+        ("segment_mean", lambda o: ragvit.segment_mean(packed, cu, out=o[0]), [poison((3, 6))]),
+        ("topk_index", lambda o: ragvit.topk_index(x, 3, out=o[0]),
+         [torch.empty((5, 3), dtype=i64)]),
+    ]
+
+
+@pytest.mark.parametrize("op, call, outputs", [pytest.param(*c, id=c[0]) for c in _bump_cases()])
+def test_every_written_output_is_bumped(op, call, outputs):
+    before = [t._version for t in outputs]
+    call(outputs)
+    after = [t._version for t in outputs]
+    assert all(new > old for new, old in zip(after, before, strict=True)), (
+        f"{op} did not bump every output it wrote: {before} -> {after}"
+    )
+
+
+def test_inputs_and_allocated_outputs_are_not_bumped():
+    a = _safety_problem()
+    before = [a[n]._version for n in ("q", "k", "v", "cu_seqlens")]
+    result = ragvit.attention(a["q"], a["k"], a["v"], a["cu_seqlens"])
+    assert [a[n]._version for n in ("q", "k", "v", "cu_seqlens")] == before
+    assert result._version == 0
+
+
+def test_inference_tensor_out_is_accepted(seed):
+    a = _safety_problem()
+    with torch.inference_mode():
+        out = poison(a["q"].shape)
+    ragvit.attention(a["q"], a["k"], a["v"], a["cu_seqlens"], out=out)
+    check_attention(out, a["q"], a["k"], a["v"], a["cu_seqlens"], seed=seed)
+
+
+# ---- the type cache keeps no user class alive ----
+
+
+def test_classes_without_an_exchange_api_are_not_kept_alive():
+    a = _safety_problem()
+    refs = []
+    for i in range(2 * 8):  # more classes than the cache holds
+        cls = type(f"Producer{i}", (VersionedOnly,), {})
+        ragvit.attention(cls(a["q"].numpy()), a["k"], a["v"], a["cu_seqlens"], out=a["out"])
+        refs.append(weakref.ref(cls))
+        del cls
+    gc.collect()
+    assert all(r() is None for r in refs), "ragvit kept a producer class alive"
+
+
+# ---- the GIL is released around large host calls ----
+
+
+def test_other_threads_run_during_a_long_host_call():
+    import threading
+
+    gen = torch.Generator().manual_seed(3)
+    total = 1536
+    q, k, v = make_qkv(gen, total, 4, 64, torch.float32, "cpu")
+    cu_seqlens = make_cu_seqlens([total], "cpu")
+    out = torch.empty_like(q)
+    ragvit.attention(q, k, v, cu_seqlens, out=out)  # warm
+    counter = [0]
+    stop = threading.Event()
+
+    def spin():
+        while not stop.is_set():
+            counter[0] += 1
+
+    thread = threading.Thread(target=spin)
+    thread.start()
+    try:
+        while counter[0] == 0:
+            pass
+        progress = []
+        for _ in range(3):
+            before = counter[0]
+            ragvit.attention(q, k, v, cu_seqlens, out=out)  # one C call: no switch interval
+            progress.append(counter[0] - before)
+    finally:
+        stop.set()
+        thread.join()
+    assert max(progress) > 1000, f"the other thread advanced only {progress} during the calls"
+
+
+# ---- integer scalars through __index__ ----
+
+
+def test_numpy_integers_are_accepted_for_counts_and_max_seqlen(seed):
+    a = _safety_problem()
+    cu = a["cu_seqlens"].numpy()
+    max_seqlen = np.diff(cu).max()
+    assert isinstance(max_seqlen, np.integer)
+    ragvit.attention(a["q"], a["k"], a["v"], a["cu_seqlens"], max_seqlen, out=a["out"])
+    check_attention(a["out"], a["q"], a["k"], a["v"], a["cu_seqlens"], seed=seed)
+    packed = torch.arange(12 * 6, dtype=torch.float32).reshape(12, 6)
+    got = ragvit.gather_prefix(packed, a["cu_seqlens"], np.int64(2))
+    assert torch.equal(got, ragvit.gather_prefix(packed, a["cu_seqlens"], 2))
+    scores = torch.randn((3, 10))
+    assert torch.equal(ragvit.topk_index(scores, np.int32(4), prefix=np.int16(1)),
+                       ragvit.topk_index(scores, 4, prefix=1))
+
+
+@pytest.mark.parametrize("value, exc, pattern", [
+    (True, TypeError, r"gather_prefix: k must be an int, got bool"),
+    (np.bool_(True), TypeError, r"gather_prefix: k must be an int, got numpy\.bool"),
+    (2.0, TypeError, r"gather_prefix: k must be an int, got float"),
+    (np.int64(-1), ValueError, r"gather_prefix: k must be in \[0, 2\*\*31\), got -1"),
+])
+def test_counts_refuse_what_is_not_an_index(value, exc, pattern):
+    a = _safety_problem()
+    packed = torch.arange(12 * 6, dtype=torch.float32).reshape(12, 6)
+    out = poison((2, 1, 6))
+    with pytest.raises(exc, match=pattern):
+        ragvit.gather_prefix(packed, a["cu_seqlens"], value, out=out)
+    assert torch.isnan(out).all()
+
+
+def test_index_errors_propagate():
+    class BadIndex:
+        def __index__(self):
+            raise ProducerError("index")
+
+    a = _safety_problem()
+    with pytest.raises(ProducerError, match="index"):
+        ragvit.attention(a["q"], a["k"], a["v"], a["cu_seqlens"], BadIndex(), out=a["out"])
+    assert torch.isnan(a["out"]).all()
+
+
+# ---- empty NumPy arrays (NumPy 2 reports zero strides for them) ----
+
+
+def test_empty_numpy_arrays_are_accepted():
+    q = np.empty((0, 2, 32), np.float32)
+    assert q.strides == (0, 0, 0) or q.size == 0
+    result = ragvit.attention(q, q, q, np.zeros(2, np.int32))
+    assert isinstance(result, np.ndarray) and result.shape == (0, 2, 32)
+    packed, cu_seqlens, index = ragvit.pack(np.ones((2, 3, 4), np.float32),
+                                            np.zeros((2, 3), bool))
+    assert packed.shape == (0, 4) and index.shape == (0,)
+    assert cu_seqlens.tolist() == [0, 0, 0]
+    out, cu_out, src = np.empty((0, 4), np.float32), np.empty(3, np.int32), np.empty(0, np.int32)
+    ragvit.pack_into(np.ones((2, 3, 4), np.float32), np.zeros((2, 3), bool), out, cu_out,
+                     indices=src)
+    assert cu_out.tolist() == [0, 0, 0]
