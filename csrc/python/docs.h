@@ -27,12 +27,16 @@ PyDoc_STRVAR(
     "        are read in place). D in {32, 64, 80, 96, 128}.\n"
     "    cu_seqlens: (S+1,) int32 on the same device: exclusive prefix sums of the\n"
     "        lengths; cu_seqlens[S] <= T, rows past it are left untouched.\n"
-    "    max_seqlen: upper bound on every length; sizes the grid and is never read\n"
-    "        back from the device. Default: read from cu_seqlens on the CPU, T on CUDA\n"
-    "        (pass it on CUDA: a tight bound launches far fewer blocks).\n"
+    "    max_seqlen: upper bound on every length, an int or any object with\n"
+    "        __index__ (a NumPy integer); sizes the grid and is never read back from\n"
+    "        the device. Default: read from cu_seqlens on the CPU, T on CUDA (pass it\n"
+    "        on CUDA: a tight bound launches far fewer blocks).\n"
     "    scale: softmax scale, default 1/sqrt(D); finite and > 0.\n"
     "    out: (T, H, D) output of q's dtype. When omitted it is allocated by q's\n"
-    "        library (DLPack exchange API, e.g. torch) or NumPy for host arrays.\n"
+    "        library (DLPack exchange API, e.g. torch) or NumPy for host arrays. A\n"
+    "        torch out (and cls_attn, and every output an op is given) has its\n"
+    "        autograd version counter bumped, so backward() through a tensor saved\n"
+    "        before the call raises instead of using the overwritten values.\n"
     "    cls_attn: optional (T,) float32; receives, for each sequence, the head-mean\n"
     "        softmax probabilities of its first query token over its keys (bias\n"
     "        included: it is the same softmax).\n"
@@ -52,7 +56,10 @@ PyDoc_STRVAR(
     "Raises:\n"
     "    TypeError (dtype, non-array argument), ValueError (shape, value, device,\n"
     "    read-only or aliased output; debug-mode device checks), BufferError\n"
-    "    (unimportable array), MemoryError, RuntimeError (CUDA failure).");
+    "    (unimportable array: no data behind its elements, e.g. freed storage;\n"
+    "    torch's negative bit set, call .resolve_neg()), MemoryError, RuntimeError\n"
+    "    (CUDA failure). An exception raised by an argument's own protocol\n"
+    "    (__dlpack__, __cuda_array_interface__, __index__, ...) propagates unchanged.");
 
 /* ---- the pack family ---- */
 
