@@ -469,9 +469,13 @@ static int prepare_arg(call_state *cs, PyObject *obj, int arg, const char *const
         return -1;
     }
     import_slot *slot = &cs->slots[cs->slot_count++];
-    memset(slot, 0, sizeof *slot);
+    slot->kind = 0;
     slot->arg = arg;
     slot->obj = obj;
+    slot->api = NULL;
+    slot->capsule = NULL;
+    slot->legacy = NULL;
+    slot->versioned = NULL;
     api_cache_entry scratch;
     const api_cache_entry *entry = type_entry(st, Py_TYPE(obj), &scratch);
     if (entry == NULL) return -1;
