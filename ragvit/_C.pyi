@@ -46,7 +46,8 @@ def attention(
             the lengths; cu_seqlens[S] <= T (rows past it are left untouched).
         max_seqlen: upper bound on every length; sizes the grid and is never
             read from the device. Default: computed on the CPU, T on CUDA.
-        scale: softmax scale, default 1/sqrt(D); must be finite and > 0.
+        scale: softmax scale, default 1/sqrt(D); must be finite and > 0 as the float32
+            the kernels use (about 1.2e-38 to 2.4e38 once rounded).
         out: (T, H, D) output of q's dtype; allocated like q when omitted.
         cls_attn: optional (T,) float32; for each sequence receives the
             head-mean softmax probabilities of its first query over its keys
@@ -250,7 +251,8 @@ def layer_norm(
 
     Returns:
         out = (x - mean) / sqrt(var + eps) * weight + bias, float32 statistics
-        (double on the CPU), rounded once. eps must be finite and in (0, 1].
+        (double on the CPU), rounded once. eps must be in (0, 1] and at least 1.2e-38
+        once rounded to float32.
     """
 
 def gelu(x: Array, *, out: Array | None = None, stream: Any = None) -> Array:

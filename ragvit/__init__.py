@@ -6,6 +6,11 @@ NumPy, with a CPU backend computing the same ops. ``ragvit.patch(model, policy)`
 runs a timm ViT/DeiT on packed pruned tokens (torch and timm are imported only
 when it is first used; policies live in ``ragvit.pruning``), and
 ``ragvit.cuda_graph(model)`` replays it as CUDA graphs, one per input shape.
+
+Every op follows the same rules for its arrays (docs/interop.md): outputs must not overlap
+themselves or an input; an array with elements must have data behind it; torch outputs the
+caller passes get their autograd version counter bumped in grad mode; the CPU backend runs
+large calls without the GIL.
 """
 
 from .ops import (

@@ -1154,7 +1154,8 @@ NEG_CASES = [
 
 @pytest.mark.parametrize("name, make", NEG_CASES)
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=gpu_marks())])
-def test_negative_bit_is_refused(name, make, device):
+def test_negative_bit_is_refused_in_debug_mode(name, make, device):
+    ragvit.set_debug(True)  # the autouse fixture restores the switch
     a = _safety_problem(device)
     a[name] = make(a[name])
     assert a[name].is_neg()
@@ -1164,6 +1165,17 @@ def test_negative_bit_is_refused(name, make, device):
         _attention(a)
     for n, before in watched.items():
         assert same_bits(a[n].resolve_neg(), before), f"rejected call modified {n}"
+
+
+def test_negative_bit_is_not_asked_outside_debug_mode(seed):
+    """Outside debug mode the bit is not asked (torch's is_neg would cost every call about a
+    third more host time): the view is read as its memory holds it, as torch's own
+    __dlpack__ reads it, which is why the docs say to call .resolve_neg() first."""
+    ragvit.set_debug(False)
+    a = _safety_problem()
+    q = a["q"].clone()
+    ragvit.attention(torch._neg_view(q), a["k"], a["v"], a["cu_seqlens"], out=a["out"])
+    check_attention(a["out"], q, a["k"], a["v"], a["cu_seqlens"], seed=seed)
 
 
 def test_resolved_negative_bit_is_accepted(seed):
@@ -1189,6 +1201,19 @@ def test_out_saved_for_backward_is_detected(device):
     _attention(a)
     with pytest.raises(RuntimeError, match="modified by an inplace operation"):
         y.backward()
+
+
+@pytest.mark.parametrize("mode", ["no_grad", "inference_mode"])
+def test_out_is_not_bumped_outside_grad_mode(mode):
+    """Under torch.no_grad() or inference_mode no backward is being recorded and the bump
+    (a seventh of a call's host cost) is skipped, as docs/interop.md says: a write there
+    into a tensor saved earlier in grad mode is not caught."""
+    a = _safety_problem()
+    before = a["out"]._version
+    with getattr(torch, mode)():
+        _attention(a)
+    assert a["out"]._version == before
+    assert not torch.isnan(a["out"]).any()
 
 
 def _row_args():

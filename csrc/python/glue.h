@@ -34,6 +34,7 @@ typedef struct {
     PyObject *torch_is_neg;            /* TensorBase.is_neg, once a torch tensor was seen */
     PyObject *torch_increment_version; /* torch._C._increment_version, on first use */
     int is_increment_version_iterable; /* it takes a tuple of tensors (else one tensor) */
+    PyObject *torch_is_grad_enabled;   /* torch._C.is_grad_enabled, with the one above */
     PyObject *str_dlpack;
     PyObject *str_dlpack_device;
     PyObject *str_cai;

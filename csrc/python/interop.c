@@ -7,7 +7,9 @@
  * Decision: two phases. Phase 1 runs every Python-level protocol of every argument
  * (it may run arbitrary producer code, which may free or resize another argument);
  * phase 2 then takes the raw views with C calls only. torch tensors cost one
- * is_neg call in phase 1 and one C call each in phase 2. */
+ * C call each in phase 2; debug mode adds an is_neg call each in phase 1 (torch's
+ * method costs about as much as the rest of the call's glue, so it is not paid by
+ * default). */
 #include "glue.h"
 
 #define NPY_NO_DEPRECATED_API NPY_1_7_API_VERSION
@@ -445,7 +447,9 @@ static int prepare_cai(call_state *cs, PyObject *cai, const char *const *names, 
 }
 
 /* torch's negative bit (z.conj().imag, torch._neg_view) is a lazy negation that
- * no exchange protocol carries: the view would read the values without it. */
+ * no exchange protocol carries: the view would read the values without it. Asked
+ * in debug mode only: torch's is_neg releases and retakes the GIL, about 800
+ * instructions per tensor against about 8,600 for a whole five-tensor call. */
 static int check_neg_bit(call_state *cs, PyObject *obj, const char *name) {
     PyObject *is_neg = PyObject_Vectorcall(cs->st->torch_is_neg, &obj, 1, NULL);
     if (is_neg == NULL) return -1;
@@ -480,7 +484,9 @@ static int prepare_arg(call_state *cs, PyObject *obj, int arg, const char *const
     const api_cache_entry *entry = type_entry(st, Py_TYPE(obj), &scratch);
     if (entry == NULL) return -1;
     if (entry->is_torch) {
-        if (st->torch_is_neg != NULL && check_neg_bit(cs, obj, name)) return -1;
+        if (st->ctx.is_debug && st->torch_is_neg != NULL && check_neg_bit(cs, obj, name)) {
+            return -1;
+        }
         if (cs->sig->outputs & ARG_BIT(arg)) cs->written[cs->written_count++] = obj;
     }
     if (entry->api != NULL) {
@@ -683,7 +689,8 @@ void release_slots(call_state *cs) {
 
 /* torch._C._increment_version, and whether it takes a tuple (torch >= 2.x
  * skips inference tensors there) or one tensor: an empty tuple tells, touching
- * no tensor. torch is imported already: a torch tensor was an argument. */
+ * no tensor; and torch._C.is_grad_enabled. torch is imported already: a torch
+ * tensor was an argument. */
 static int resolve_increment_version(module_state *st) {
     PyObject *name = PyUnicode_FromString("torch._C");
     if (name == NULL) return -1;
@@ -696,11 +703,17 @@ static int resolve_increment_version(module_state *st) {
         return -1;
     }
     PyObject *fn = PyObject_GetAttrString(torch_c, "_increment_version");
+    PyObject *is_grad_enabled = PyObject_GetAttrString(torch_c, "is_grad_enabled");
     Py_DECREF(torch_c);
-    if (fn == NULL) return -1;
+    if (fn == NULL || is_grad_enabled == NULL) {
+        Py_XDECREF(fn);
+        Py_XDECREF(is_grad_enabled);
+        return -1;
+    }
     PyObject *empty = PyTuple_New(0);
     if (empty == NULL) {
         Py_DECREF(fn);
+        Py_DECREF(is_grad_enabled);
         return -1;
     }
     PyObject *probe = PyObject_CallOneArg(fn, empty);
@@ -709,10 +722,14 @@ static int resolve_increment_version(module_state *st) {
     if (probe == NULL) PyErr_Clear();
     Py_XDECREF(probe);
     st->torch_increment_version = fn;
+    st->torch_is_grad_enabled = is_grad_enabled;
     return 0;
 }
 
-/* One call for all of them where torch takes a tuple. An inference tensor has no
+/* One call for all of them where torch takes a tuple, in grad mode only: the
+ * call costs about 1,200 instructions (a seventh of a five-tensor attention
+ * call) and under torch.no_grad() or inference_mode, where ragvit's inference
+ * runs, no backward is being recorded. An inference tensor has no
  * version counter (nothing can have saved it for backward): the tuple form skips
  * it; the one-tensor form of older torch raises, which is cleared for it. */
 int bump_versions(call_state *cs) {
@@ -720,6 +737,10 @@ int bump_versions(call_state *cs) {
     const int n = cs->written_count;
     cs->written_count = 0;
     if (st->torch_increment_version == NULL && resolve_increment_version(st)) return -1;
+    PyObject *is_grad_enabled = PyObject_CallNoArgs(st->torch_is_grad_enabled);
+    if (is_grad_enabled == NULL) return -1;
+    Py_DECREF(is_grad_enabled); /* Py_True or Py_False, which outlive it */
+    if (is_grad_enabled != Py_True) return 0;
     if (st->is_increment_version_iterable) {
         PyObject *tensors = PyTuple_New(n);
         if (tensors == NULL) return -1;

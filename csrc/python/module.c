@@ -65,6 +65,7 @@ static int module_traverse(PyObject *module, visitproc visit, void *arg) {
     for (int i = 0; i < st->api_cache_count; i++) Py_VISIT(st->api_cache[i].type);
     Py_VISIT(st->torch_is_neg);
     Py_VISIT(st->torch_increment_version);
+    Py_VISIT(st->torch_is_grad_enabled);
     return 0;
 }
 
@@ -83,6 +84,7 @@ static int module_clear(PyObject *module) {
     Py_CLEAR(st->max_version);
     Py_CLEAR(st->torch_is_neg);
     Py_CLEAR(st->torch_increment_version);
+    Py_CLEAR(st->torch_is_grad_enabled);
     return 0;
 }
 
