@@ -5,7 +5,8 @@ Loads a second extension module (``--base PATH``: a ``_C*.so`` built from anothe
 (timing.host_us_interleaved), so clock drift and the host's speed state cancel in the per-round
 ratio this/base. Calls: ``attention`` on one token with ``out=`` and allocating, a
 ``layer_norm`` with ``out=``, and the empty-kernel launch floor of each module, on CUDA tensors
-when a GPU is present, else on CPU tensors (without the floor). The glue's host path is what
+when a GPU is present, else on CPU tensors (without the floor); torch's grad mode on unless
+``--no-grad``. The glue's host path is what
 differs between two builds; the kernels are not timed.
 ``python benchmarks/bench_host_ab.py --base OTHER/_C.so [--out PREFIX]`` writes PREFIX.md/.json.
 """
@@ -58,7 +59,8 @@ def render(rows: list, env: dict) -> str:
         "# Host cost: this tree against a base build, one process",
         "",
         f"{env['device']}, torch {env['torch']}, Python {env['python']}, tree {env['git_sha']}, "
-        f"base {env['base']}, host probe {env['host_probe_start_us']} / {env['host_probe_us']} "
+        f"base {env['base']}, grad mode {'on' if env['grad_mode'] else 'off'}, host probe "
+        f"{env['host_probe_start_us']} / {env['host_probe_us']} "
         "µs (start / end). Host µs per call (median of per-round block medians) and the "
         "ratio this/base across rounds (median, p10-p90).",
         "",
@@ -76,11 +78,14 @@ def main(argv=None) -> int:
     p.add_argument("--base", required=True, help="path of the other build's _C*.so")
     p.add_argument("--base-tree", default="unknown", help="the base build's tree, for the record")
     p.add_argument("--calls", type=int, default=4000, help="timed calls per contender")
+    p.add_argument("--no-grad", action="store_true",
+                   help="time with torch's grad mode off (as under torch.no_grad())")
     p.add_argument("--out", help="write PREFIX.md and PREFIX.json")
     args = p.parse_args(argv)
     if args.calls < 1:
         p.error(f"--calls must be >= 1, got {args.calls}")
     report.start_run()
+    torch.set_grad_enabled(not args.no_grad)
     base = load_base(args.base)
     device = "cuda" if torch.cuda.is_available() and ragvit.cuda_available() else "cpu"
     fns = calls({"this": ragvit._C, "base": base}, device)
@@ -96,7 +101,7 @@ def main(argv=None) -> int:
              "ratio": ratios[n].median, "p10": ratios[n].p10, "p90": ratios[n].p90}
             for n in names]
     return report.publish(rows, 0, render, args.out, device=device, calls=args.calls,
-                          base=args.base_tree)
+                          base=args.base_tree, grad_mode=not args.no_grad)
 
 
 if __name__ == "__main__":
