@@ -811,3 +811,20 @@ def test_check_judges_baselines_on_their_own_decisions(monkeypatch, gen):
         c = pipelines.check(model, x, policy, ("paper_fa2", "fa2_packed", "ragvit"), "fp32")
     assert c["ok"] and not c["unavailable"], c
     assert c["err"]["paper_fa2"] <= 1e-4 and c["err"]["fa2_packed"] <= 1e-4
+
+
+def test_bench_cpu_smoke(tmp_path):
+    """bench_cpu.py on DeiT-T at 64 px: every pipeline checked ("all results match" before
+    any timing row), one row per batch and round, the table and JSON written."""
+    out = str(tmp_path / "cpu")
+    r = run_script("bench_cpu.py", "--model", "deit_t", "--img-size", "64", "--batches", "1",
+                   "2", "--reps", "2", "--repeat", "2", "--warmup", "0", "--out", out)
+    assert r.returncode == 0, r.stdout + r.stderr
+    lines = r.stdout.splitlines()
+    first_row = next(i for i, line in enumerate(lines) if line.startswith("| 1 |"))
+    assert "all results match" in lines[:first_row]
+    table = open(out + ".md").read()
+    assert sum(line.startswith(("| 1 |", "| 2 |")) for line in table.splitlines()) == 4
+    rows = json.load(open(out + ".json"))["rows"]
+    assert [len(row["timing"]) for row in rows] == [2, 2]
+    assert set(rows[0]["timing"][0]) == {"timm_eager", "reference", "ragvit", "ragvit_c_attn"}
