@@ -609,3 +609,126 @@ def test_gpu_capacity_mode_is_sync_free(gen, seed):
         finally:
             torch.cuda.set_sync_debug_mode("default")
     assert_fp16_close(model, x, policy, got, decided, seed)
+
+
+# ---- the CPU path: torch's SDPA and functions in place of ragvit's C backend ----
+
+# (lengths, whether the forward knows the common length, capacity rows past the total)
+CPU_ATTENTION_CASES = [
+    pytest.param([197, 197], True, 0, id="uniform_197_known"),
+    pytest.param([99, 99, 99], False, 0, id="uniform_99_read"),
+    pytest.param([1, 1, 1, 1], True, 0, id="uniform_1"),
+    pytest.param([1, 197, 5, 5, 0, 33], False, 0, id="ragged_1_197"),
+    pytest.param([99, 98, 99, 97], False, 7, id="ragged_capacity"),
+    pytest.param([197], True, 0, id="one_seq_197"),
+]
+
+
+@pytest.mark.parametrize("lengths,known,spare", CPU_ATTENTION_CASES)
+@pytest.mark.parametrize("with_cls", [False, True], ids=["no_cls", "cls_attn"])
+@pytest.mark.parametrize("with_bias", [False, True], ids=["no_bias", "bias"])
+def test_cpu_attention_matches_ragvit_attention(lengths, known, spare, with_cls, with_bias,
+                                                gen, seed):
+    """_cpu_attention (the patched forward's attention on CPU rows) equals ragvit.attention
+    (the C backend) on views of one qkv buffer: output, cls_attn and ToMe's key bias, for
+    uniform lengths (known to the forward or read from cu_seqlens) and ragged ones
+    (including 0, 1 and 197), with capacity rows past the total left alone."""
+    from ragvit import ops
+    H, D, scale = 6, 64, 0.125
+    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
+    total = int(cu[-1])
+    T = total + spare
+    qkv = torch.randn(T, 3, H, D, generator=gen)
+    bias = torch.rand(T, generator=gen).add(0.5).log() if with_bias else None
+    kwargs, expected_kwargs = {}, {}
+    if with_cls:
+        kwargs["cls_attn"] = torch.full((T,), float("nan"))
+        expected_kwargs["cls_attn"] = torch.full((T,), float("nan"))
+    if with_bias:
+        kwargs["bias"] = expected_kwargs["bias"] = bias
+    q, k, v = qkv.unbind(1)
+    expected = torch.full((T, H, D), float("nan"))
+    ops.attention(q, k, v, cu, max(lengths), scale=scale, out=expected, **expected_kwargs)
+    got = timm_patch._cpu_attention(qkv, cu, lengths[0] if known else None, scale, **kwargs)
+    assert got.shape == (T, H, D)
+    torch.testing.assert_close(got[:total], expected[:total], atol=1e-5, rtol=1.3e-6,
+                               msg=lambda m: f"{m}\n{seed_note(seed)}")
+    if with_cls:
+        torch.testing.assert_close(kwargs["cls_attn"][:total], expected_kwargs["cls_attn"][:total],
+                                   atol=1e-6, rtol=1e-5, msg=lambda m: f"{m}\n{seed_note(seed)}")
+        assert kwargs["cls_attn"][total:].isnan().all()  # rows past the total untouched
+
+
+def _c_attention(*args, **kwargs):
+    """ragvit.attention behind a wrapper: the patched forward's C-backend path on the CPU."""
+    from ragvit import ops
+
+    return ops.attention(*args, **kwargs)
+
+
+@pytest.mark.parametrize("policy_name", ["fixed50_b4", "threshold_b4", "evit", "tome"])
+def test_cpu_path_is_taken_and_matches_c_backend(policy_name, gen, seed, monkeypatch):
+    """On CPU rows the default patch runs every block's attention through _cpu_attention
+    (never ragvit.attention) and its row ops through _TorchRowOps; its logits and
+    decisions equal the same forward on ragvit's C attention and torch's modules (fixed
+    and ragged counts, EViT's cls_attn, ToMe's key bias)."""
+    from ragvit.pruning import EViT, ToMe
+
+    policy = {"evit": lambda: EViT(0.7, layers=(3, 6, 9)),
+              "tome": lambda: ToMe(4, layers=(2, 5))}.get(policy_name,
+                                                        POLICIES.get(policy_name))()
+    model = make_model("deit_tiny_patch16_224", gen, 64)
+    x = images(gen, 3, 64)
+    calls = []
+    original = timm_patch._cpu_attention
+
+    def counting(*args, **kwargs):
+        calls.append((kwargs.get("cls_attn") is not None, kwargs.get("bias") is not None))
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(timm_patch, "_cpu_attention", counting)
+    with torch.inference_mode():
+        patch(model, policy)
+        state = vars(model)[timm_patch._STATE_ATTR]
+        assert timm_patch._use_row_ops(model, state, x) is timm_patch._TorchRowOps
+        got, decided = timm_patch.forward_with_decisions(model, x)
+        unpatch(model)
+        patch(model, policy, attention=_c_attention, row_ops=False)
+        expected, expected_decided = timm_patch.forward_with_decisions(model, x)
+        unpatch(model)
+        replayed = reference.vit_forward_reference(model, x, policy, decisions=decided)
+    assert len(calls) == len(model.blocks), calls
+    assert any(c for c, _ in calls) == (policy_name == "evit")
+    assert any(b for _, b in calls) == (policy_name == "tome")
+    assert all(bool((a == b).all()) for a, b in zip(decided, expected_decided, strict=True))
+    assert max_diff(got, expected) <= CPU_ATOL, seed_note(seed)
+    assert max_diff(got, replayed) <= CPU_ATOL, seed_note(seed)
+
+
+def test_cpu_row_ops_equal_ragvit_row_ops(gen, seed):
+    """_TorchRowOps (the default on CPU rows) follows ragvit.layer_norm / linear (with the
+    residual written into rows) / gelu (in place) to fp32 rounding, and row_ops=True
+    still runs ragvit's own row ops on the CPU."""
+    from ragvit import ops
+
+    rows = torch.randn(37, 64, generator=gen)
+    h = torch.randn(37, 96, generator=gen)
+    w, b = torch.randn(64, 96, generator=gen) / 10, torch.randn(64, generator=gen)
+    lw, lb = torch.randn(64, generator=gen), torch.randn(64, generator=gen)
+    rops = timm_patch._TorchRowOps
+    close = {"atol": 1e-5, "rtol": 1.3e-6, "msg": lambda m: f"{m}\n{seed_note(seed)}"}
+    torch.testing.assert_close(rops.layer_norm(rows, lw, lb, eps=1e-6),
+                               ops.layer_norm(rows, lw, lb, eps=1e-6), **close)
+    torch.testing.assert_close(rops.linear(h, w, b), ops.linear(h, w, b), **close)
+    mine, theirs = rows.clone(), rows.clone()
+    assert rops.linear(h, w, b, residual=mine, out=mine) is mine
+    ops.linear(h, w, b, residual=theirs, out=theirs)
+    torch.testing.assert_close(mine, theirs, **close)
+    mine, theirs = h.clone(), h.clone()
+    assert rops.gelu(mine, out=mine) is mine
+    torch.testing.assert_close(mine, ops.gelu(theirs), **close)
+    model = make_model("deit_tiny_patch16_224", gen, 64)
+    patch(model, None, row_ops=True)
+    state = vars(model)[timm_patch._STATE_ATTR]
+    assert timm_patch._use_row_ops(model, state, rows) is ops
+    unpatch(model)
