@@ -953,6 +953,13 @@ PACK_ERRORS = [
         "keep",
         False,
     ),
+    (
+        "keep_other_batch",
+        _set(keep=lambda a: a["keep"][:1]),
+        ValueError,
+        r"pack\w*: keep must have shape \(2, 5\), got \(1, 5\)",
+        False,
+    ),
     ("keep_1d", _set(keep=lambda a: a["keep"].reshape(-1)), ValueError, "keep", False),
     ("keep_float32", _set(keep=lambda a: a["keep"].float()), TypeError, "keep", False),
     ("keep_int64", _set(keep=lambda a: a["keep"].long()), TypeError, "keep", False),

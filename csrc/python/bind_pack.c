@@ -64,6 +64,14 @@ PyObject *py_pack(PyObject *module, PyObject *const *args, Py_ssize_t nargs, PyO
         RAISE_IF(ragvit_fail(RAGVIT_STATUS_INVALID_SHAPE,
                              "pack: x must have 3 dimensions (B, N, C), got %d", t[X].ndim));
     }
+    /* cu_seqlens is sized from x: a keep of another batch is named here, before
+     * the count would refuse the caller-invisible cu_seqlens instead. */
+    if (t[KEEP].ndim == 2 && t[KEEP].shape[0] != t[X].shape[0]) {
+        RAISE_IF(ragvit_fail(RAGVIT_STATUS_INVALID_SHAPE,
+                             "pack: keep must have shape (%lld, %lld), got (%lld, %lld)",
+                             (long long)t[X].shape[0], (long long)t[X].shape[1],
+                             (long long)t[KEEP].shape[0], (long long)t[KEEP].shape[1]));
+    }
     const int64_t cu_shape[1] = {t[X].shape[0] + 1};
     objs[RESULT_CU_SEQLENS] = alloc_like(&cs, &t[X], "cu_seqlens", RAGVIT_DTYPE_I32, 1, cu_shape,
                                          &views[RESULT_CU_SEQLENS]);
