@@ -1,4 +1,4 @@
-# make demo: install ragvit and run the main job (GPU when present, else CPU).
+# make demo: install what the demo uses and ragvit, run the main job (GPU when present, else CPU).
 # make test: install the test requirements, build, run the whole pytest suite.
 # make lint: the style checks alone (ruff, clang-format; the pre-commit hooks run the same).
 # make sanitize: the suite against an ASan+UBSan CPU-only build in build/sanitize
@@ -6,14 +6,17 @@
 PYTHON ?= python3
 PIP := $(PYTHON) -m pip
 
-.PHONY: demo test lint sanitize install build test-deps gpu-check clean
+.PHONY: demo test lint sanitize install build demo-deps test-deps gpu-check clean
 
-demo: test-deps install
+demo: demo-deps install
 	HF_HUB_OFFLINE=1 $(PYTHON) -m ragvit.demo
 
 install:
 	$(PIP) install -q "setuptools>=64" wheel "numpy>=2.0"
 	$(PIP) install -q --no-build-isolation --no-deps -e .
+
+demo-deps:
+	$(PIP) install -q -r requirements-demo.txt
 
 test-deps:
 	$(PIP) install -q -r requirements-test.txt

@@ -82,7 +82,9 @@ class BuildExt(build_ext):
         is_wanted = env("RAGVIT_NO_CUDA") != "1"
         cuda = first_root(roots, "bin/nvcc", "include/cuda_runtime.h") if is_wanted else None
         if cuda is None:
-            print("ragvit: nvcc not found (CUDA_HOME, CUDA_PATH, PATH): building a CPU-only module")
+            why = ("RAGVIT_NO_CUDA=1" if not is_wanted
+                   else "nvcc not found (CUDA_HOME, CUDA_PATH, PATH)")
+            print(f"ragvit: {why}: building a CPU-only module")
             return super().build_extensions()
         nvcc, ext = nvcc_command(cuda), self.extensions[0]
         sources = [s for s in sorted(glob.glob(join(ROOT, "csrc", "kernels", "*.cu")))

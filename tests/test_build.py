@@ -1,0 +1,51 @@
+"""The build and the Makefile as a new user meets them: what `make demo` installs, and what
+a CPU-only build says about why it is CPU-only. Runs on the CPU (about 40 s: one CPU-only
+build into a scratch folder)."""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TOOLS = ("pytest", "ruff", "clang-format", "nbclient", "nbformat", "ipykernel", "matplotlib",
+         "tqdm")
+
+
+def _requirements(name: str) -> list[str]:
+    with open(os.path.join(ROOT, name)) as f:
+        return [line.split("#")[0].strip() for line in f if line.split("#")[0].strip()]
+
+
+def test_demo_requirements_hold_only_what_the_demo_uses():
+    demo = _requirements("requirements-demo.txt")
+    names = {re.split(r"[<>=!~ ]", r, maxsplit=1)[0].lower() for r in demo}
+    assert {"torch", "timm", "numpy"} <= names
+    assert not names & set(TOOLS), names & set(TOOLS)
+    assert "-r requirements-demo.txt" in _requirements("requirements-test.txt")
+
+
+@pytest.mark.skipif(shutil.which("make") is None, reason="needs make")
+def test_make_demo_installs_the_demo_requirements_only():
+    r = subprocess.run(["make", "-n", "demo"], cwd=ROOT, capture_output=True, text=True,
+                       timeout=60)
+    assert r.returncode == 0, r.stderr
+    assert "requirements-demo.txt" in r.stdout
+    assert "requirements-test.txt" not in r.stdout
+
+
+def test_cpu_only_build_names_the_switch_that_made_it(tmp_path):
+    """With RAGVIT_NO_CUDA=1 the build says so, not that nvcc is missing."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RAGVIT_")}
+    env["RAGVIT_NO_CUDA"] = "1"
+    r = subprocess.run([sys.executable, "setup.py", "-q", "build_ext", "--build-lib",
+                        str(tmp_path / "lib"), "--build-temp", str(tmp_path / "tmp")],
+                       cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr
+    assert "ragvit: RAGVIT_NO_CUDA=1: building a CPU-only module" in r.stdout
+    assert "nvcc not found" not in r.stdout + r.stderr
