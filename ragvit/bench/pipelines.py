@@ -234,7 +234,8 @@ def patched(model, policy, attention=None):
     """ragvit.patch for the duration of a with block. With a replacement attention (the
     FA2 pipelines) the blocks keep torch's LayerNorm / Linear / GELU modules, as a user
     writing that pipeline would (row_ops=False); ragvit itself runs with patch's default
-    (ragvit's row ops on CUDA, torch's modules on the CPU)."""
+    (ragvit's row ops on CUDA; on the CPU, attention through torch's SDPA and the row ops
+    through torch's functions)."""
     from .. import timm_patch
 
     timm_patch.patch(model, policy, attention=attention,
