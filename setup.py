@@ -51,9 +51,28 @@ def arch_flags(source):
             for a in ARCHS] + [f"-gencode=arch=compute_{ARCHS[-1]},code=compute_{ARCHS[-1]}"]
 
 
+def build_commit():
+    """The tree's short commit, for ragvit.build_info(): RAGVIT_GIT_SHA, else git; "unknown"
+    outside a checkout (an sdist)."""
+    sha = env("RAGVIT_GIT_SHA", "")
+    if not sha:
+        try:
+            sha = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, text=True,
+                                 capture_output=True, timeout=30).stdout.strip()
+        except (OSError, subprocess.SubprocessError):
+            sha = ""
+    return sha if sha.isalnum() else "unknown"
+
+
+def c_string(text):
+    """A C string literal of text (alphanumerics and ;), for a -D macro."""
+    return '"' + text + '"'
+
+
 def nvcc_command(cuda):
     """nvcc and the flags every kernel file shares: RAGVIT_HAS_SM90A when the SM90A_ONLY files
-    are built (the attention dispatcher calls them only then) and cuBLASLt's flags."""
+    are built (the attention dispatcher calls them only then) and cuBLASLt's flags; and whether
+    cuBLASLt was found."""
     cmd = [join(cuda, "bin", "nvcc"), "-std=c++17", "-O3", "-DRAGVIT_WITH_CUDA", "-Xcompiler",
            ",".join(["-fPIC", "-fvisibility=hidden", *WARN]), "-I" + join(ROOT, "csrc", "include"),
            "-I" + join(ROOT, "csrc"), "--expt-relaxed-constexpr",
@@ -64,10 +83,10 @@ def nvcc_command(cuda):
     if blas is None:
         print("ragvit: cublasLt.h not found (CUDA root, nvidia-cublas wheel): "
               "linear runs on the CPU only")
-        return cmd
+        return cmd, False
     libs = sorted(glob.glob(join(blas, "lib*", "libcublasLt.so*")))
     cmd += ["-DRAGVIT_HAVE_CUBLASLT", "-I" + join(blas, "include")]
-    return cmd + ([f'-DRAGVIT_CUBLASLT_PATH="{libs[-1]}"'] if libs else [])
+    return cmd + ([f'-DRAGVIT_CUBLASLT_PATH="{libs[-1]}"'] if libs else []), True
 
 
 class BuildExt(build_ext):
@@ -80,13 +99,14 @@ class BuildExt(build_ext):
         home = NVCC and os.path.dirname(os.path.dirname(os.path.realpath(NVCC)))
         roots = [env("CUDA_HOME"), env("CUDA_PATH"), home, *WHEELS, "/usr/local/cuda"]
         is_wanted = env("RAGVIT_NO_CUDA") != "1"
+        self.extensions[0].define_macros.append(("RAGVIT_BUILD_COMMIT", c_string(build_commit())))
         cuda = first_root(roots, "bin/nvcc", "include/cuda_runtime.h") if is_wanted else None
         if cuda is None:
             why = ("RAGVIT_NO_CUDA=1" if not is_wanted
                    else "nvcc not found (CUDA_HOME, CUDA_PATH, PATH)")
             print(f"ragvit: {why}: building a CPU-only module")
             return super().build_extensions()
-        nvcc, ext = nvcc_command(cuda), self.extensions[0]
+        (nvcc, has_cublaslt), ext = nvcc_command(cuda), self.extensions[0]
         sources = [s for s in sorted(glob.glob(join(ROOT, "csrc", "kernels", "*.cu")))
                    if "90" in ARCHS or os.path.basename(s) not in SM90A_ONLY]
         objects = [join(self.build_temp, os.path.basename(s) + ".o") for s in sources]
@@ -97,7 +117,9 @@ class BuildExt(build_ext):
             list(pool.map(run, sources, objects))
         ext.extra_objects += objects
         ext.depends += objects  # fresh kernel objects relink the module (a CPU-only .so goes)
-        ext.define_macros.append(("RAGVIT_WITH_CUDA", "1"))
+        ext.define_macros += [("RAGVIT_WITH_CUDA", "1"),
+                              ("RAGVIT_BUILD_CUDA_ARCHS", c_string(";".join(ARCHS))),
+                              ("RAGVIT_BUILD_CUBLASLT", "1" if has_cublaslt else "0")]
         libdirs = [join(cuda, "lib64"), join(cuda, "lib")]
         ext.library_dirs += [d for d in libdirs if os.path.isdir(d)]
         ext.libraries += ["cudart_static", "rt", "pthread", "dl", "stdc++"]

@@ -292,6 +292,9 @@ def topk_index(
         TypeError: scores' or out's dtype; k or prefix not an int (bool too).
     """
 
+def build_info() -> dict:
+    """What this build contains: commit, cuda, cuda_archs, cublaslt."""
+
 def cuda_is_compiled() -> bool:
     """True when the extension was built with nvcc."""
 

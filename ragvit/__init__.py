@@ -15,6 +15,7 @@ large calls without the GIL.
 
 from .ops import (
     attention,
+    build_info,
     cuda_available,
     cuda_device_count,
     cuda_is_compiled,
@@ -59,6 +60,7 @@ __all__ = [
     "UnsupportedModelError",
     "__version__",
     "attention",
+    "build_info",
     "cuda_available",
     "cuda_graph",
     "cuda_device_count",

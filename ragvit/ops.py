@@ -27,6 +27,25 @@ set_debug = _C.set_debug
 is_debug = _C.is_debug
 
 
+def build_info() -> dict:
+    """What the installed ragvit contains, and what this process sees of it.
+
+    Returns:
+        A dict: version; commit (the tree's short git commit at build time, "unknown" for a
+        build outside a checkout); cuda (CUDA kernels compiled in); cuda_archs (the
+        architectures they were built for, e.g. ["80", "90"]); cublaslt (CUDA linear compiled
+        in: without it ragvit.linear on CUDA tensors raises, and a patched model keeps
+        torch's Linear modules); cpu_only (no CUDA kernels); cuda_devices (CUDA devices
+        visible now, 0 without CUDA).
+    """
+    from . import __version__
+
+    info = {"version": __version__, **_C.build_info()}
+    info["cpu_only"] = not info["cuda"]
+    info["cuda_devices"] = _C.cuda_device_count() if info["cuda"] else 0
+    return info
+
+
 def cuda_available() -> bool:
     """Whether CUDA ops can run here.
 
@@ -38,6 +57,7 @@ def cuda_available() -> bool:
 
 
 __all__ = [
+    "build_info",
     "attention",
     "pack",
     "pack_into",

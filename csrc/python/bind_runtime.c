@@ -1,6 +1,7 @@
 /* bind_runtime.c — ragvit._C's functions about the build and the process
- * rather than an op: cuda_is_compiled, cuda_device_count, set_debug/is_debug
- * (the module state's debug flag) and _launch_empty, the benchmarks' floor.
+ * rather than an op: build_info, cuda_is_compiled, cuda_device_count,
+ * set_debug/is_debug (the module state's debug flag) and _launch_empty, the
+ * benchmarks' floor.
  * Decision: _launch_empty parses by hand instead of through an op_signature:
  * it must accept any further arguments, so it can be called with exactly the
  * call shape of the op it is compared with. */
@@ -10,6 +11,38 @@ PyObject *py_cuda_is_compiled(PyObject *module, PyObject *unused) {
     (void)module;
     (void)unused;
     return PyBool_FromLong(ragvit_cuda_is_compiled());
+}
+
+/* What setup.py compiled in (RAGVIT_BUILD_* macros; a build without them, e.g.
+ * by hand, reports an unknown commit). */
+#ifndef RAGVIT_BUILD_COMMIT
+#define RAGVIT_BUILD_COMMIT "unknown"
+#endif
+#ifndef RAGVIT_BUILD_CUDA_ARCHS
+#define RAGVIT_BUILD_CUDA_ARCHS ""
+#endif
+#ifndef RAGVIT_BUILD_CUBLASLT
+#define RAGVIT_BUILD_CUBLASLT 0
+#endif
+
+PyObject *py_build_info(PyObject *module, PyObject *unused) {
+    (void)module;
+    (void)unused;
+    PyObject *archs = PyUnicode_FromString(RAGVIT_BUILD_CUDA_ARCHS), *list = NULL;
+    if (archs == NULL) return NULL;
+    if (PyUnicode_GET_LENGTH(archs) == 0) {
+        list = PyList_New(0);
+    } else {
+        PyObject *sep = PyUnicode_FromString(";");
+        list = sep ? PyUnicode_Split(archs, sep, -1) : NULL;
+        Py_XDECREF(sep);
+    }
+    Py_DECREF(archs);
+    if (list == NULL) return NULL;
+    const int cuda = ragvit_cuda_is_compiled();
+    return Py_BuildValue("{s:s,s:O,s:N,s:O}", "commit", RAGVIT_BUILD_COMMIT, "cuda",
+                         cuda ? Py_True : Py_False, "cuda_archs", list, "cublaslt",
+                         (cuda && RAGVIT_BUILD_CUBLASLT) ? Py_True : Py_False);
 }
 
 PyObject *py_cuda_device_count(PyObject *module, PyObject *unused) {

@@ -339,6 +339,16 @@ PyDoc_STRVAR(topk_index_doc,
 
 /* ---- runtime ---- */
 
+PyDoc_STRVAR(build_info_doc,
+             "build_info() -> dict\n"
+             "\n"
+             "What this build of the extension contains: commit (the tree's short git commit\n"
+             "at build time, or RAGVIT_GIT_SHA; \"unknown\" outside a checkout), cuda (built\n"
+             "with nvcc), cuda_archs (the RAGVIT_CUDA_ARCHS it was built for, e.g. [\"80\",\n"
+             "\"90\"]; empty without CUDA) and cublaslt (CUDA linear compiled in; False:\n"
+             "ragvit.linear runs on the CPU only). ragvit.build_info() adds the version and\n"
+             "what the process sees.");
+
 PyDoc_STRVAR(cuda_is_compiled_doc,
              "cuda_is_compiled() -> bool\n\nTrue when the extension was built with nvcc.");
 

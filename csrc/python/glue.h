@@ -261,6 +261,7 @@ PyObject *py_layer_norm(FASTCALL_ARGS);
 PyObject *py_gelu(FASTCALL_ARGS);
 PyObject *py_topk_index(FASTCALL_ARGS);
 PyObject *py_launch_empty(FASTCALL_ARGS);
+PyObject *py_build_info(PyObject *module, PyObject *unused);
 PyObject *py_cuda_is_compiled(PyObject *module, PyObject *unused);
 PyObject *py_cuda_device_count(PyObject *module, PyObject *unused);
 PyObject *py_set_debug(PyObject *module, PyObject *flag);

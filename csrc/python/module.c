@@ -26,6 +26,7 @@ static PyMethodDef module_methods[] = {
     FASTCALL_METHOD(layer_norm),
     FASTCALL_METHOD(gelu),
     FASTCALL_METHOD(topk_index),
+    {"build_info", py_build_info, METH_NOARGS, build_info_doc},
     {"cuda_is_compiled", py_cuda_is_compiled, METH_NOARGS, cuda_is_compiled_doc},
     {"cuda_device_count", py_cuda_device_count, METH_NOARGS, cuda_device_count_doc},
     {"set_debug", py_set_debug, METH_O, set_debug_doc},
