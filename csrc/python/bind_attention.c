@@ -36,12 +36,10 @@ PyObject *py_attention(PyObject *module, PyObject *const *args, Py_ssize_t nargs
         out_obj = Py_NewRef(values[OUT]);
     }
     if (finish_streams(&cs)) goto done;
-    ragvit_status status;
-    CORE_CALL(&cs, status,
+    CORE_CALL(&cs, rc,
               ragvit_attention(&cs.st->ctx, &t[OUT], &t[CLS_ATTN], &t[Q], &t[K], &t[V],
                                &t[CU_SEQLENS], &t[BIAS], max_seqlen, values[SCALE] ? &scale : NULL,
                                cs.stream));
-    rc = raise_status(status);
 done:
     return call_end(&cs, out_obj, rc);
 }

@@ -80,11 +80,9 @@ PyObject *py_pack(PyObject *module, PyObject *const *args, Py_ssize_t nargs, PyO
     if (alloc_gathered(&cs, &t[X], t[X].shape[0], t[X].shape[2], "indices", objs, views)) {
         goto done;
     }
-    ragvit_status status;
-    CORE_CALL(&cs, status,
+    CORE_CALL(&cs, rc,
               ragvit_pack_gather(&cs.st->ctx, &views[RESULT_PACKED], &views[RESULT_INDEX], &t[X],
                                  &t[KEEP], &views[RESULT_CU_SEQLENS], cs.stream));
-    rc = raise_status(status);
 done:
     return end_gathered(&cs, objs, rc);
 }
@@ -101,14 +99,12 @@ PyObject *py_pack_into(PyObject *module, PyObject *const *args, Py_ssize_t nargs
     PyObject *values[NUM_ARGS];
     ragvit_tensor t[NUM_ARGS];
     call_state cs;
-    ragvit_status status = RAGVIT_STATUS_OK;
     int rc = call_begin(&cs, module, &sig, args, nargs, kwnames, values) ||
              call_import(&cs, values, t) || finish_streams(&cs);
     if (rc == 0) {
-        CORE_CALL(&cs, status,
+        CORE_CALL(&cs, rc,
                   ragvit_pack_into(&cs.st->ctx, &t[OUT], &t[INDICES], &t[CU_SEQLENS], &t[X],
                                    &t[KEEP], cs.stream));
-        rc = raise_status(status);
     }
     return call_end(&cs, rc ? NULL : Py_NewRef(Py_None), rc);
 }
@@ -157,11 +153,9 @@ PyObject *py_unpack(PyObject *module, PyObject *const *args, Py_ssize_t nargs, P
         goto done;
     }
     if (finish_streams(&cs)) goto done;
-    ragvit_status status;
-    CORE_CALL(&cs, status,
+    CORE_CALL(&cs, rc,
               ragvit_unpack(&cs.st->ctx, &t[OUT], &t[PACKED], &t[CU_SEQLENS], &t[INDICES], fill,
                             cs.stream));
-    rc = raise_status(status);
 done:
     return call_end(&cs, out_obj, rc);
 }
@@ -186,11 +180,9 @@ static PyObject *sequence_op(PyObject *module, PyObject *const *args, Py_ssize_t
     }
     const ragvit_tensor *out = &t[SEQ_OUT], *packed = &t[SEQ_PACKED], *cu = &t[SEQ_CU_SEQLENS];
     if (finish_streams(&cs)) goto done;
-    ragvit_status status;
-    CORE_CALL(&cs, status,
+    CORE_CALL(&cs, rc,
               is_prefix ? ragvit_gather_prefix(&cs.st->ctx, out, packed, cu, cs.stream)
                         : ragvit_segment_mean(&cs.st->ctx, out, packed, cu, count, cs.stream));
-    rc = raise_status(status);
 done:
     return call_end(&cs, out_obj, rc);
 }
@@ -237,12 +229,10 @@ PyObject *py_repack(PyObject *module, PyObject *const *args, Py_ssize_t nargs, P
                        views)) {
         goto done;
     }
-    ragvit_status status;
-    CORE_CALL(&cs, status,
+    CORE_CALL(&cs, rc,
               ragvit_repack_gather(&cs.st->ctx, &views[RESULT_PACKED], &views[RESULT_INDEX],
                                    &t[PACKED], &t[CU_SEQLENS], &t[KEEP], &t[FUSE_WEIGHTS],
                                    &views[RESULT_CU_SEQLENS], cs.stream));
-    rc = raise_status(status);
 done:
     return end_gathered(&cs, objs, rc);
 }
@@ -260,14 +250,12 @@ PyObject *py_repack_into(PyObject *module, PyObject *const *args, Py_ssize_t nar
     PyObject *values[NUM_ARGS];
     ragvit_tensor t[NUM_ARGS];
     call_state cs;
-    ragvit_status status = RAGVIT_STATUS_OK;
     int rc = call_begin(&cs, module, &sig, args, nargs, kwnames, values) ||
              call_import(&cs, values, t) || finish_streams(&cs);
     if (rc == 0) {
-        CORE_CALL(&cs, status,
+        CORE_CALL(&cs, rc,
                   ragvit_repack_into(&cs.st->ctx, &t[OUT], &t[SRC], &t[CU_SEQLENS_OUT], &t[PACKED],
                                      &t[CU_SEQLENS], &t[KEEP], &t[FUSE_WEIGHTS], cs.stream));
-        rc = raise_status(status);
     }
     return call_end(&cs, rc ? NULL : Py_NewRef(Py_None), rc);
 }

@@ -49,11 +49,9 @@ PyObject *py_linear(PyObject *module, PyObject *const *args, Py_ssize_t nargs, P
         goto done;
     }
     if (finish_streams(&cs)) goto done;
-    ragvit_status status;
     CORE_CALL(
-        &cs, status,
+        &cs, rc,
         ragvit_linear(&cs.st->ctx, &t[OUT], &t[X], &t[WEIGHT], &t[BIAS], &t[RESIDUAL], cs.stream));
-    rc = raise_status(status);
 done:
     return call_end(&cs, out_obj, rc);
 }
@@ -77,10 +75,8 @@ PyObject *py_layer_norm(PyObject *module, PyObject *const *args, Py_ssize_t narg
         goto done;
     }
     if (finish_streams(&cs)) goto done;
-    ragvit_status status;
-    CORE_CALL(&cs, status,
+    CORE_CALL(&cs, rc,
               ragvit_layer_norm(&cs.st->ctx, &t[OUT], &t[X], &t[WEIGHT], &t[BIAS], eps, cs.stream));
-    rc = raise_status(status);
 done:
     return call_end(&cs, out_obj, rc);
 }
@@ -101,9 +97,7 @@ PyObject *py_gelu(PyObject *module, PyObject *const *args, Py_ssize_t nargs, PyO
         goto done;
     }
     if (finish_streams(&cs)) goto done;
-    ragvit_status status;
-    CORE_CALL(&cs, status, ragvit_gelu(&cs.st->ctx, &t[OUT], &t[X], cs.stream));
-    rc = raise_status(status);
+    CORE_CALL(&cs, rc, ragvit_gelu(&cs.st->ctx, &t[OUT], &t[X], cs.stream));
 done:
     return call_end(&cs, out_obj, rc);
 }

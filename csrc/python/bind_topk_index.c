@@ -32,9 +32,7 @@ PyObject *py_topk_index(PyObject *module, PyObject *const *args, Py_ssize_t narg
         if (out_obj == NULL) goto done;
     }
     if (finish_streams(&cs)) goto done;
-    ragvit_status status;
-    CORE_CALL(&cs, status, ragvit_topk_index(&cs.st->ctx, &t[OUT], scores, k, prefix, cs.stream));
-    rc = raise_status(status);
+    CORE_CALL(&cs, rc, ragvit_topk_index(&cs.st->ctx, &t[OUT], scores, k, prefix, cs.stream));
 done:
     return call_end(&cs, out_obj, rc);
 }

@@ -220,18 +220,22 @@ static inline int finish_streams(call_state *cs) {
  * about as much as the op's whole glue (callgrind: ~2500 instructions). */
 #define GIL_RELEASE_MIN_ELEMENTS ((int64_t)1 << 15)
 
-/* Runs `status = call` (a core op), without the GIL when every array is on the
- * host and the call is large enough: the arguments are pinned by the call and the
- * views are plain memory. A CUDA call only enqueues work (a few us) and keeps it. */
-#define CORE_CALL(cs, status, call)                                                                \
+/* Runs call (a core op returning a ragvit_status) and sets rc as raise_status
+ * does, without the GIL when every array is on the host and the call is large
+ * enough: the arguments are pinned by the call and the views are plain memory
+ * (the exception is raised once the GIL is back). A CUDA call only enqueues work
+ * (a few us) and keeps it. */
+#define CORE_CALL(cs, rc, call)                                                                    \
     do {                                                                                           \
+        ragvit_status status_;                                                                     \
         if ((cs)->is_cuda || (cs)->max_numel < GIL_RELEASE_MIN_ELEMENTS) {                         \
-            (status) = (call);                                                                     \
+            status_ = (call);                                                                      \
         } else {                                                                                   \
             PyThreadState *saved_ = PyEval_SaveThread();                                           \
-            (status) = (call);                                                                     \
+            status_ = (call);                                                                      \
             PyEval_RestoreThread(saved_);                                                          \
         }                                                                                          \
+        (rc) = raise_status(status_);                                                              \
     } while (0)
 
 /* The one exit of an op wrapper: releases the imports, bumps the version of
