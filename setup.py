@@ -1,14 +1,15 @@
-"""Build ragvit._C: nvcc (CUDA_HOME, CUDA_PATH, PATH or the nvidia-cuda-nvcc wheel) compiles
-csrc/kernels/*.cu (the sm_90a-only files for sm_90a alone), then one Extension links them with
-the C sources of csrc/core, csrc/cpu and csrc/python; only PyInit__C is exported. Environment:
-RAGVIT_CUDA_ARCHS ("80;90": SASS targets, "90" as sm_90a, PTX of the last), RAGVIT_WERROR=1,
-RAGVIT_NO_CUDA=1 (CPU only), RAGVIT_CUBLAS_HOME (cuBLASLt; else the CUDA root or a wheel; none:
-linear on the CPU), RAGVIT_SANITIZE ("address,undefined": the C sources built with those
+"""Build ragvit._C: nvcc (CUDA_HOME, CUDA_PATH, PATH or the nvidia-cuda-nvcc wheel; the search
+is build_support/cuda_find.py's) compiles csrc/kernels/*.cu (the sm_90a-only files for sm_90a
+alone), then one Extension links them with the C sources of csrc/core, csrc/cpu and
+csrc/python; only PyInit__C is exported. Environment: RAGVIT_CUDA_ARCHS ("80;90": SASS
+targets, "90" as sm_90a, PTX of the last), RAGVIT_WERROR=1, RAGVIT_NO_CUDA=1 (CPU only),
+RAGVIT_CUBLAS_HOME (a root with include/cublasLt.h; else the CUDA root or an NVIDIA wheel; a
+CUDA build without it stops with the ways on), RAGVIT_NO_CUBLASLT=1 (CUDA without linear),
+RAGVIT_SANITIZE ("address,undefined": the C sources built with those
 -fsanitize checks, -O1 -g, aborting on the first report; the kernels are not instrumented; the
 runtime must be preloaded into Python: scripts/sanitize_cpu.sh)."""
 import glob
 import os
-import shutil
 import subprocess
 import sys
 from concurrent.futures import ThreadPoolExecutor
@@ -18,21 +19,15 @@ from setuptools import Extension, setup
 from setuptools.command.build_ext import build_ext
 
 ROOT, env, join = os.path.dirname(os.path.abspath(__file__)), os.environ.get, os.path.join
+sys.path.insert(0, join(ROOT, "build_support"))
+import cuda_find  # noqa: E402 (build_support/, put on sys.path just above)
+
 WARN = ["-Wall", "-Wextra"] + (["-Werror"] if env("RAGVIT_WERROR") == "1" else [])
-PYTHON = f"python{sys.version_info[0]}.{sys.version_info[1]}"
-SITE = [*sys.path, join(sys.prefix, "lib", PYTHON, "site-packages")]
-WHEELS = [w for p in SITE for w in sorted(glob.glob(join(p, "nvidia", "cu*")))]
-NVCC = shutil.which("nvcc")
 SANITIZE = env("RAGVIT_SANITIZE", "").replace(" ", "")
 # -O1 keeps the stacks of a report readable; UB aborts like an ASan error instead of printing
 # and going on, so a test run cannot pass over one.
 SANITIZE_FLAGS = [f"-fsanitize={SANITIZE}", "-fno-omit-frame-pointer", "-O1", "-g",
                   "-fno-sanitize-recover=all"] if SANITIZE else []
-
-
-def first_root(roots, *files):
-    """The first root that holds every one of files, or None."""
-    return next((r for r in roots if r and all(os.path.exists(join(r, f)) for f in files)), None)
 
 
 ARCHS = [a.strip().rstrip("a") for a in
@@ -72,21 +67,34 @@ def c_string(text):
 def nvcc_command(cuda):
     """nvcc and the flags every kernel file shares: RAGVIT_HAS_SM90A when the SM90A_ONLY files
     are built (the attention dispatcher calls them only then) and cuBLASLt's flags; and whether
-    cuBLASLt was found."""
+    cuBLASLt is built in. cuBLASLt is dlopen()ed at run time (linear.cu: the soname, through
+    the module's RUNPATH too, then the library found here): its header is all the build
+    needs."""
     cmd = [join(cuda, "bin", "nvcc"), "-std=c++17", "-O3", "-DRAGVIT_WITH_CUDA", "-Xcompiler",
            ",".join(["-fPIC", "-fvisibility=hidden", *WARN]), "-I" + join(ROOT, "csrc", "include"),
            "-I" + join(ROOT, "csrc"), "--expt-relaxed-constexpr",
            "--threads", "0"]
     cmd += ["-DRAGVIT_HAS_SM90A"] if "90" in ARCHS else []
-    cublas = [join(p, "nvidia", "cublas") for p in SITE]
-    blas = first_root([env("RAGVIT_CUBLAS_HOME"), cuda, *WHEELS, *cublas], "include/cublasLt.h")
-    if blas is None:
-        print("ragvit: cublasLt.h not found (CUDA root, nvidia-cublas wheel): "
-              "linear runs on the CPU only")
+    if not cuda_find.is_cublaslt_wanted():
+        print("ragvit: RAGVIT_NO_CUBLASLT=1: linear runs on CPU arrays only")
         return cmd, False
-    libs = sorted(glob.glob(join(blas, "lib*", "libcublasLt.so*")))
+    blas = cuda_find.cublas_root(cuda)
+    if blas is None:
+        sys.exit(cuda_find.missing_cublaslt_message(cuda))
+    # an in-place or editable build also tries the library found here; a wheel does not
+    # (backend.py): the path may not exist where the wheel is installed
+    libs = [] if env("RAGVIT_BUILDING_WHEEL") == "1" else \
+        sorted(glob.glob(join(blas, "lib*", "libcublasLt.so*")))
     cmd += ["-DRAGVIT_HAVE_CUBLASLT", "-I" + join(blas, "include")]
     return cmd + ([f'-DRAGVIT_CUBLASLT_PATH="{libs[-1]}"'] if libs else []), True
+
+
+def wheel_rpaths(cuda):
+    """Where dlopen("libcublasLt.so.N") also looks (the module's RUNPATH): the NVIDIA wheels'
+    library folders (CUDA 13 layout, CUDA 12 layout) in the site-packages the module is
+    installed into."""
+    return [f"$ORIGIN/../nvidia/cu{cuda_find.cuda_major(cuda) or 13}/lib",
+            "$ORIGIN/../nvidia/cublas/lib"]
 
 
 class BuildExt(build_ext):
@@ -96,11 +104,9 @@ class BuildExt(build_ext):
             # an uninstrumented Python cannot use: link the shared one (the one preloaded)
             for ext in self.extensions:
                 ext.extra_link_args.append("-shared-libsan")
-        home = NVCC and os.path.dirname(os.path.dirname(os.path.realpath(NVCC)))
-        roots = [env("CUDA_HOME"), env("CUDA_PATH"), home, *WHEELS, "/usr/local/cuda"]
-        is_wanted = env("RAGVIT_NO_CUDA") != "1"
+        is_wanted = cuda_find.is_cuda_wanted()
         self.extensions[0].define_macros.append(("RAGVIT_BUILD_COMMIT", c_string(build_commit())))
-        cuda = first_root(roots, "bin/nvcc", "include/cuda_runtime.h") if is_wanted else None
+        cuda = cuda_find.cuda_root() if is_wanted else None
         if cuda is None:
             why = ("RAGVIT_NO_CUDA=1" if not is_wanted
                    else "nvcc not found (CUDA_HOME, CUDA_PATH, PATH)")
@@ -123,6 +129,7 @@ class BuildExt(build_ext):
         libdirs = [join(cuda, "lib64"), join(cuda, "lib")]
         ext.library_dirs += [d for d in libdirs if os.path.isdir(d)]
         ext.libraries += ["cudart_static", "rt", "pthread", "dl", "stdc++"]
+        ext.runtime_library_dirs += wheel_rpaths(cuda) if has_cublaslt else []
         super().build_extensions()
 
 

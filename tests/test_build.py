@@ -72,3 +72,103 @@ def test_build_info_describes_this_build():
     assert all(isinstance(a, str) and a.isdigit() for a in info["cuda_archs"])
     assert bool(info["cuda_archs"]) == info["cuda"]
     assert not info["cublaslt"] or info["cuda"]
+
+
+# ---- the CUDA search and the isolated build's requirements (build_support/) ----
+
+def _cuda_find(monkeypatch, env: dict[str, str]):
+    """build_support/cuda_find.py with only env's RAGVIT_/CUDA_ variables, no nvcc on PATH
+    and no NVIDIA wheels (this interpreter's would otherwise be found)."""
+    monkeypatch.syspath_prepend(os.path.join(ROOT, "build_support"))
+    import cuda_find
+
+    for name in list(os.environ):
+        if name.startswith(("RAGVIT_", "CUDA_")):
+            monkeypatch.delenv(name)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.setattr(cuda_find.shutil, "which", lambda name: None)
+    monkeypatch.setattr(cuda_find, "wheel_roots", lambda: [])
+    return cuda_find
+
+
+def _toolkit(root, version: int, cublaslt: bool):
+    """A CUDA root as the search sees it: bin/nvcc, the runtime and driver headers, and
+    cublasLt.h when asked."""
+    (root / "bin").mkdir(parents=True)
+    (root / "include").mkdir()
+    (root / "bin" / "nvcc").write_text("")
+    (root / "include" / "cuda_runtime.h").write_text("")
+    (root / "include" / "cuda.h").write_text(f"#define CUDA_VERSION {version}\n")
+    if cublaslt:
+        (root / "include" / "cublasLt.h").write_text("")
+    return str(root)
+
+
+@pytest.mark.parametrize("version,wheel", [(13000, "nvidia-cublas>=13,<14"),
+                                           (12080, "nvidia-cublas-cu12")])
+def test_isolated_build_requires_the_cublas_wheel_matching_cuda(tmp_path, monkeypatch,
+                                                                version, wheel):
+    """nvcc without cuBLASLt's header: the build needs the cuBLAS wheel of that CUDA major."""
+    cuda = _toolkit(tmp_path / "cuda", version, cublaslt=False)
+    cuda_find = _cuda_find(monkeypatch, {"CUDA_HOME": cuda})
+    assert cuda_find.cuda_root() == cuda
+    assert cuda_find.cublas_root(cuda) is None
+    assert cuda_find.build_requires() == [wheel]
+
+
+@pytest.mark.parametrize("env", [{"RAGVIT_NO_CUDA": "1"}, {"RAGVIT_NO_CUBLASLT": "1"}],
+                         ids=["no_cuda", "no_cublaslt"])
+def test_isolated_build_requires_nothing_more_when_switched_off(tmp_path, monkeypatch, env):
+    cuda = _toolkit(tmp_path / "cuda", 13000, cublaslt=False)
+    assert _cuda_find(monkeypatch, {"CUDA_HOME": cuda, **env}).build_requires() == []
+
+
+def test_isolated_build_requires_nothing_more_with_cublaslt_or_without_cuda(tmp_path,
+                                                                            monkeypatch):
+    with_header = _toolkit(tmp_path / "full", 13000, cublaslt=True)
+    cuda_find = _cuda_find(monkeypatch, {"CUDA_HOME": with_header})
+    assert cuda_find.cublas_root(with_header) == with_header
+    assert cuda_find.build_requires() == []
+    monkeypatch.setenv("CUDA_HOME", str(tmp_path / "none"))
+    monkeypatch.setattr(cuda_find, "first_root", lambda roots, *files: None)
+    assert cuda_find.cuda_root() is None
+    assert cuda_find.build_requires() == []
+
+
+def test_cublas_home_names_where_the_header_is(tmp_path, monkeypatch):
+    cuda = _toolkit(tmp_path / "cuda", 13000, cublaslt=False)
+    blas = _toolkit(tmp_path / "blas", 13000, cublaslt=True)
+    cuda_find = _cuda_find(monkeypatch, {"CUDA_HOME": cuda, "RAGVIT_CUBLAS_HOME": blas})
+    assert cuda_find.cublas_root(cuda) == blas
+    assert cuda_find.build_requires() == []
+
+
+def test_missing_cublaslt_message_names_every_way_on(tmp_path, monkeypatch):
+    cuda = _toolkit(tmp_path / "cuda", 13000, cublaslt=False)
+    message = _cuda_find(monkeypatch, {}).missing_cublaslt_message(cuda)
+    for words in ("cublasLt.h not found", cuda, "pip install 'nvidia-cublas>=13,<14'",
+                  "RAGVIT_CUBLAS_HOME", "RAGVIT_NO_CUBLASLT=1"):
+        assert words in message, (words, message)
+
+
+def test_backend_adds_the_requirement_to_setuptools_own(monkeypatch):
+    """pyproject.toml's backend is setuptools' with cuda_find.build_requires() appended to
+    the wheel and editable requirements, and a wheel built without the build's own
+    libcublasLt path (RAGVIT_BUILDING_WHEEL)."""
+    cuda_find = _cuda_find(monkeypatch, {})
+    monkeypatch.setattr(cuda_find, "build_requires", lambda: ["nvidia-cublas>=13,<14"])
+    import backend
+    from setuptools import build_meta
+
+    monkeypatch.setattr(build_meta, "get_requires_for_build_wheel", lambda settings: ["a"])
+    monkeypatch.setattr(build_meta, "get_requires_for_build_editable", lambda settings: ["b"])
+    assert backend.get_requires_for_build_wheel() == ["a", "nvidia-cublas>=13,<14"]
+    assert backend.get_requires_for_build_editable() == ["b", "nvidia-cublas>=13,<14"]
+    monkeypatch.delenv("RAGVIT_BUILDING_WHEEL", raising=False)
+    monkeypatch.setattr(build_meta, "build_wheel", lambda *args: (
+        args, os.environ.get("RAGVIT_BUILDING_WHEEL")))
+    assert backend.build_wheel("dist") == (("dist", None, None), "1")
+    with open(os.path.join(ROOT, "pyproject.toml")) as f:
+        text = f.read()
+    assert 'build-backend = "backend"' in text and 'backend-path = ["build_support"]' in text

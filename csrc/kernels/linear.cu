@@ -1,7 +1,9 @@
 /* linear.cu — out (M, N) = x (M, K) . weight (N, K)^T + bias + residual through cuBLASLt (no
  * kernel of its own): column-major D (N, M) = op(A = weight, T) . B (= x), the BIAS epilogue, and
  * the residual epilogue: beta = 1 on C = residual (C == D, in place, is allowed). cuBLASLt is
- * dlopen()ed on first use, so the module imports and runs every other op without it. Decision:
+ * dlopen()ed on first use, so the module imports and runs every other op without it: its soname
+ * (already loaded by torch or CuPy, or found through LD_LIBRARY_PATH, the module's RUNPATH of
+ * NVIDIA wheel folders, the system's), then the library an in-place build found. Decision:
  * per device one handle, per-stream workspaces and a plan cache (descriptors + the heuristic's
  * first algorithm): a seen shape costs no descriptor or query; the heuristic's choice is taken as
  * is (timing its candidates: +1.7% on an H200 DeiT-S batch-1 graph, a host sync per new shape).
@@ -94,8 +96,9 @@ static ragvit_status linear_load_api(linear_api *api) {
         lib = dlopen(names[i], RTLD_NOW | RTLD_LOCAL);
     if (lib == NULL)
         return ragvit_fail(RAGVIT_STATUS_CUDA_ERROR,
-                           "linear: cuBLASLt must be loadable (libcublasLt.so.%d, e.g. from the "
-                           "nvidia-cublas wheel or LD_LIBRARY_PATH), got: %s",
+                           "linear: cuBLASLt must be loadable (libcublasLt.so.%d: the "
+                           "nvidia-cublas wheel beside ragvit, a library torch or CuPy loaded, "
+                           "LD_LIBRARY_PATH or the system's), got: %s",
                            (int)CUBLAS_VER_MAJOR, dlerror());
     linear_api a;
     memset(&a, 0, sizeof a);
