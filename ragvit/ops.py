@@ -34,9 +34,9 @@ def build_info() -> dict:
         A dict: version; commit (the tree's short git commit at build time, "unknown" for a
         build outside a checkout); cuda (CUDA kernels compiled in); cuda_archs (the
         architectures they were built for, e.g. ["80", "90"]); cublaslt (CUDA linear compiled
-        in: without it ragvit.linear on CUDA tensors raises, and a patched model keeps
-        torch's Linear modules); cpu_only (no CUDA kernels); cuda_devices (CUDA devices
-        visible now, 0 without CUDA).
+        in; libcublasLt is loaded on first use: without either, ragvit.linear on CUDA arrays
+        raises, and a patched model runs its linears through torch, with a RuntimeWarning);
+        cpu_only (no CUDA kernels); cuda_devices (CUDA devices visible now, 0 without CUDA).
     """
     from . import __version__
 

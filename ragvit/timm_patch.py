@@ -621,14 +621,53 @@ def _dense_sdpa(state: _PatchState, num_tokens: int) -> bool:
     return state.dense_until_pruning
 
 
+class _CudaRowOpsTorchLinear:
+    """ragvit's CUDA row ops with torch's linear, where CUDA linear cannot run (a build
+    without cuBLASLt, or no libcublasLt to load)."""
+
+    layer_norm = staticmethod(ops.layer_norm)
+    gelu = staticmethod(ops.gelu)
+    linear = staticmethod(_TorchRowOps.linear)
+
+
+# device index -> whether ragvit.linear runs there (probed once per process and device)
+_cuda_linear_runs: dict[int, bool] = {}
+
+
+def _cuda_linear_probe(rows: torch.Tensor) -> bool:
+    """Whether ragvit.linear runs on rows' CUDA device: one tiny GEMM the first time a
+    device is seen; False (and a RuntimeWarning, once) when cuBLASLt is not built in or
+    cannot be loaded, so a patched model runs its linears through torch instead."""
+    index = rows.device.index if rows.device.index is not None else \
+        torch.cuda.current_device()
+    runs = _cuda_linear_runs.get(index)
+    if runs is None:
+        try:
+            x = torch.zeros(1, 8, dtype=rows.dtype, device=rows.device)
+            ops.linear(x, torch.zeros(8, 8, dtype=rows.dtype, device=rows.device))
+            runs = True
+        except RuntimeError as e:
+            if "cuBLASLt" not in str(e):
+                raise
+            runs = False
+            warnings.warn(f"ragvit: CUDA linear is unavailable ({e}); patched models run "
+                          f"their linears through torch (ragvit.build_info() says what this "
+                          f"build holds)", RuntimeWarning, stacklevel=4)
+        _cuda_linear_runs[index] = runs
+    return runs
+
+
 def _use_row_ops(model, state: _PatchState, rows: torch.Tensor):
     """The row ops a forward runs, or None (torch's modules): where allowed, for rows of
-    the blocks' weight dtype with autocast off, ragvit's (CUDA rows, or row_ops=True) or
-    torch's functions in their structure (CPU rows by default, _TorchRowOps)."""
+    the blocks' weight dtype with autocast off, ragvit's (CUDA rows, or row_ops=True; with
+    torch's linear where CUDA linear cannot run) or torch's functions in their structure
+    (CPU rows by default, _TorchRowOps)."""
     if state.row_ops is False or not (rows.dtype == model.blocks[0].attn.qkv.weight.dtype
                                       and not torch.is_autocast_enabled(rows.device.type)):
         return None
-    return _TorchRowOps if state.row_ops is None and not rows.is_cuda else ops
+    if not rows.is_cuda:
+        return _TorchRowOps if state.row_ops is None else ops
+    return ops if _cuda_linear_probe(rows) else _CudaRowOpsTorchLinear
 
 
 def _forward(model, state: _PatchState, x: torch.Tensor, record: bool = False):

@@ -9,6 +9,7 @@ small img_size, one torch thread; GPU tests run fp16/bf16 DeiT-T/S/B 224 and B 3
 from __future__ import annotations
 
 import copy
+import warnings
 
 import pytest
 import torch
@@ -572,6 +573,60 @@ def test_gpu_row_ops_match_torch_modules(name, policy_name, gen, seed):
             errs[row_ops] = max_diff(got, exact)
     note = f" err vs fp32: row ops {errs[None]}, torch modules {errs[False]}"
     assert errs[None] <= 2 * errs[False] + ERROR_FLOOR[torch.float16], note + seed_note(seed)
+
+
+@pytest.mark.gpu
+@requires_cuda
+def test_gpu_runs_torch_linear_when_cuda_linear_cannot_load(gen, seed, monkeypatch):
+    """Where ragvit.linear cannot run on CUDA (no cuBLASLt built in or loadable; here its
+    loader's error, raised by a stand-in), the patched model runs its linears through torch,
+    says so once (RuntimeWarning) and stays within the row ops' own error of the fp32
+    reference."""
+    model = make_model("deit_small_patch16_224", gen, 224, dtype=torch.float16, device="cuda")
+    model32 = copy.deepcopy(model).float()
+    x = images(gen, 4, 224, dtype=torch.float16, device="cuda")
+    policy = POLICIES["fixed50_b4"]()
+    with torch.inference_mode():
+        patch(model, policy)
+        got, decided = timm_patch.forward_with_decisions(model, x)
+        unpatch(model)
+        exact = reference.vit_forward_reference(model32, x.float(), policy, decisions=decided)
+
+    def no_cublaslt(*args, **kwargs):
+        raise RuntimeError("linear: cuBLASLt must be loadable (libcublasLt.so.13), got: none")
+
+    monkeypatch.setattr(timm_patch.ops, "linear", no_cublaslt)
+    monkeypatch.setattr(timm_patch, "_cuda_linear_runs", {})
+    with torch.inference_mode():
+        patch(model, policy)
+        with pytest.warns(RuntimeWarning, match="CUDA linear is unavailable .*cuBLASLt"):
+            fallback, fallback_decided = timm_patch.forward_with_decisions(model, x)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            model(x)  # said once: no second warning
+        exact_fallback = reference.vit_forward_reference(model32, x.float(), policy,
+                                                         decisions=fallback_decided)
+    assert timm_patch._cuda_linear_runs == {x.device.index: False}
+    err_fallback = max_diff(fallback, exact_fallback)
+    err_row_ops = max_diff(got, exact)
+    note = f" err vs fp32: torch linear {err_fallback}, row ops {err_row_ops}"
+    assert err_fallback <= 2 * err_row_ops + ERROR_FLOOR[torch.float16], note + seed_note(seed)
+
+
+@pytest.mark.gpu
+@requires_cuda
+def test_gpu_cuda_linear_probe_raises_other_errors(monkeypatch):
+    """Only the loader's cuBLASLt error switches to torch's linear: any other error of the
+    probe GEMM reaches the caller."""
+    def broken(*args, **kwargs):
+        raise RuntimeError("linear: CUDA error: an illegal memory access was encountered")
+
+    monkeypatch.setattr(timm_patch.ops, "linear", broken)
+    monkeypatch.setattr(timm_patch, "_cuda_linear_runs", {})
+    rows = torch.zeros(2, 8, dtype=torch.float16, device="cuda")
+    with pytest.raises(RuntimeError, match="illegal memory access"):
+        timm_patch._cuda_linear_probe(rows)
+    assert timm_patch._cuda_linear_runs == {}
 
 
 @pytest.mark.gpu
