@@ -1,7 +1,8 @@
 /* device.cu — per-device state and the small host helpers every op shares: device count,
  * one-time device init (SM count, compute capability, opt-in shared memory, the PDL op mask, the
  * one-word error flag), error-flag and int32 read-back, cross-stream waits, the CUDA error ->
- * ragvit_status mapping, and an empty kernel for the launch-floor benchmark (grid = (1), 1 thread).
+ * ragvit_status mapping, and an empty kernel for the launch-floor benchmark (grid = (1), 1 thread,
+ * launched as attention is: cudaLaunchKernelEx with attention's PDL setting, waiting like it).
  * Decision: the error flag is a __device__ word, zero when the module loads, so init allocates
  * nothing and a first call inside graph capture works; every function that touches a device sets
  * it for the call and restores the caller's. Covered by tests/test_interop.py (devices, streams,
@@ -21,7 +22,7 @@ attention_init(const ragvit_device_info *dev);
 /* RAGVIT_ERROR_* bits that kernels OR in (one word per device). */
 static __device__ unsigned int device_error_flag;
 
-static __global__ void device_empty_kernel() {}
+static __global__ void device_empty_kernel() { cuda_pdl_wait(); }
 
 // ---- host helpers ----
 
@@ -176,7 +177,7 @@ extern "C" ragvit_status ragvit_cuda_stream_wait(int32_t device_id, void *consum
 extern "C" ragvit_status ragvit_cuda_launch_empty(const ragvit_device_info *dev, void *stream) {
     cuda_device_guard guard;
     RAGVIT_TRY(guard.enter(dev->device_id));
-    device_empty_kernel<<<1, 1, 0, (cudaStream_t)stream>>>();
-    CUDA_TRY(cudaGetLastError());
+    CUDA_TRY(cuda_launch(dev, RAGVIT_PDL_ATTENTION, device_empty_kernel, dim3(1), dim3(1), 0,
+                         (cudaStream_t)stream));
     return RAGVIT_STATUS_OK;
 }
