@@ -335,6 +335,15 @@ def test_bench_e2e_help():
         assert flag in r.stdout
 
 
+@pytest.mark.parametrize("flag", ["--batches", "--reps"])
+def test_bench_dense_sdpa_refuses_counts_below_one(flag):
+    """Usage error (exit 2) naming the flags, before any CUDA check."""
+    r = run_script("bench_dense_sdpa.py", flag, "0")
+    assert r.returncode == 2, r.stderr
+    assert "--batches and --reps must be >= 1" in r.stderr
+    assert "Traceback" not in r.stderr
+
+
 @pytest.mark.parametrize("flag", ["--block", "--ratio-calls", "--calls", "--reps", "--rounds"])
 def test_bench_attention_refuses_counts_below_one(flag):
     """A zero count is argparse's usage error (exit 2) naming the flags, before any CUDA
@@ -346,7 +355,8 @@ def test_bench_attention_refuses_counts_below_one(flag):
 
 
 @pytest.mark.parametrize("script", ["bench_attention.py", "bench_pack.py", "bench_interop.py",
-                                    "bench_host_ab.py", "profile_e2e.py", "run_notebook.py"])
+                                    "bench_host_ab.py", "bench_dense_sdpa.py", "profile_e2e.py",
+                                    "run_notebook.py"])
 def test_benchmark_scripts_help(script):
     """Every entry script imports (ragvit.bench, no path tricks) and prints its usage."""
     r = run_script(script, "--help")
