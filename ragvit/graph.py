@@ -114,11 +114,6 @@ class _Graph:
         for t in (self.keepalive or {}).values():
             t.record_stream(stream)
 
-    def result(self, clone: bool):
-        outs = tuple(t.clone() for t in self.outputs) if clone else self.outputs
-        if self.kind is None:
-            return outs[0]
-        return self.kind(outs)
 
 
 def _flatten(out):
@@ -157,6 +152,7 @@ class GraphedModel:
         self._side_streams: dict[int, torch.cuda.Stream] = {}
         self._forward = vars(model).get("forward")  # patch/unpatch replace it
         self._stream_key = None  # (device, raw stream) of the last replay
+        self._last_key = self._last_entry = None  # the last call's key and graph
         self._stream = None
         self._warned: set[str] = set()
         self._hits = self._captures = self._evictions = self._eager_calls = 0
@@ -177,7 +173,8 @@ class GraphedModel:
     def cached_keys(self) -> list:
         """(shape, dtype, device, autocast dtype or None) of the graphs held, least recently
         used first."""
-        return self._graphs.keys()
+        return [(shape, dtype, torch.device("cuda", index), amp)
+                for shape, dtype, index, amp in self._graphs.keys()]
 
     def clear(self) -> None:
         """Drops every graph (after their replays finish); the next call captures anew.
@@ -185,6 +182,7 @@ class GraphedModel:
         Call it after replacing the model's parameter tensors (`model.half()`, `.to()`,
         `load_state_dict(..., assign=True)`): graphs would read freed memory otherwise.
         """
+        self._last_key = self._last_entry = None
         self._drop(self._graphs.pop_all())
 
     def __call__(self, x: torch.Tensor):
@@ -205,21 +203,31 @@ class GraphedModel:
         if forward is not self._forward:  # patched, unpatched or re-patched since capture
             self.clear()
             self._forward = forward
-        key = (x.shape, x.dtype, x.device, _autocast_key())
-        entry = self._graphs.get(key)
-        if entry is None:
-            reason = self._capture_blocker()
-            if reason is not None:
-                return self._eager(x, reason)
-            entry = self._capture(key, x)
-        else:
+        # the device as its index: x.device builds a torch.device object on every call
+        key = (x.shape, x.dtype, x.get_device(), _autocast_key())
+        if key == self._last_key:  # the same input as the last call: already most recent
+            entry = self._last_entry
             self._hits += 1
+        else:
+            entry = self._graphs.get(key)
+            if entry is None:
+                reason = self._capture_blocker()
+                if reason is not None:
+                    return self._eager(x, reason)
+                entry = self._capture(key, x)
+            else:
+                self._hits += 1
+            self._last_key, self._last_entry = key, entry
         stream_key = (entry.device, _raw_stream(entry.device))
         if stream_key != self._stream_key:
             self._follow(stream_key)
         entry.static_x.copy_(x)
         entry.graph.replay()
-        return entry.result(self.clone_output)
+        if not self.clone_output:
+            return entry.outputs[0] if entry.kind is None else entry.kind(entry.outputs)
+        if entry.kind is None:
+            return entry.outputs[0].clone()
+        return entry.kind(t.clone() for t in entry.outputs)
 
     # ---- helpers ----
 
@@ -258,6 +266,7 @@ class GraphedModel:
         evicted.clear()
 
     def _capture(self, key, x: torch.Tensor) -> _Graph:
+        self._last_key = self._last_entry = None  # the last call's graph may be evicted
         evicted = self._graphs.reserve()
         self._evictions += len(evicted)
         self._drop(evicted)
