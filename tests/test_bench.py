@@ -537,27 +537,30 @@ def test_host_us_and_time_ms_on_the_cpu():
     assert timing.cuda_sync() is None  # no GPU here: nothing to wait for
 
 
-def test_interleaved_host_timer_pairs_rounds():
+def test_interleaved_host_timer_pairs_rounds(monkeypatch):
     """timing.host_us_interleaved: every fn is timed in each round and the ratio is per
-    round."""
+    round: on a simulated clock where every call of round r costs (1 + r) µs for fast and
+    2 or 3 times that (even / odd rounds) for slow, the drift cancels and the rounds' ratios
+    are 2 and 3 (median 2.5), where a ratio of the pooled medians would be 13 / 5.5."""
     from ragvit.bench import timing
 
     calls = {"fast": 0, "slow": 0}
+    now = [0]
 
-    def fast():
-        calls["fast"] += 1
+    def tick(name, factors):
+        def fn():
+            calls[name] += 1
+            r = max(0, calls[name] - 5 - 1) // 23  # the round of this call (after 5 warm-ups)
+            now[0] += factors[r % 2] * (1 + r) * 1000
+        return fn
 
-    def slow():
-        calls["slow"] += 1
-        sum(range(200))
-
+    monkeypatch.setattr(timing.time, "perf_counter_ns", lambda: now[0])
     stats, ratios = timing.host_us_interleaved(
-        {"fast": fast, "slow": slow}, {"slow": ("slow", "fast")}, calls=200, block=20,
-        warmup=5, sync=lambda: None)
+        {"fast": tick("fast", (1, 1)), "slow": tick("slow", (2, 3))}, {"slow": ("slow", "fast")},
+        calls=200, block=20, warmup=5, sync=lambda: None)
     assert calls == {"fast": 5 + 10 * 23, "slow": 5 + 10 * 23}  # warm-up + rounds × (3 + block)
-    assert stats["slow"].median > stats["fast"].median > 0
-    assert ratios["slow"].p10 <= ratios["slow"].median <= ratios["slow"].p90
-    assert ratios["slow"].median > 1
+    assert stats["fast"].median == 5.5 and stats["slow"].median == 13.0  # rounds' medians
+    assert (ratios["slow"].p10, ratios["slow"].median, ratios["slow"].p90) == (2.0, 2.5, 3.0)
 
 
 def test_interleaved_ms_times_every_fn_each_round():
@@ -639,8 +642,10 @@ def test_rotated_blocks_rotate_the_order_and_pool_every_round():
 @pytest.mark.gpu
 @requires_cuda
 def test_gpu_us_graphs_times_each_capturable_fn():
-    """timing.gpu_us_graphs on the GPU: a fn that sleeps 200x more cycles on the
-    device measures several times longer (the short one is mostly launch cost); a fn that
+    """timing.gpu_us_graphs on the GPU: a fn that sleeps 200x more cycles on the device
+    measures what the same sleep takes back to back in eager mode (CUDA events around 20
+    queued calls: the GPU never waits for the host there), give or take a tenth of it and
+    the short fn's figure (which bounds the per-call launch cost inside a replay); a fn that
     cannot be captured is left out, not raised, and leaves torch's CUDA generator usable."""
     import torch
 
@@ -649,11 +654,24 @@ def test_gpu_us_graphs_times_each_capturable_fn():
     def not_capturable():
         torch.cuda.synchronize()  # illegal while capturing
 
+    def long_sleep():
+        torch.cuda._sleep(200000)
+
     stats = timing.gpu_us_graphs(
-        {"short": lambda: torch.cuda._sleep(1000), "long": lambda: torch.cuda._sleep(200000),
+        {"short": lambda: torch.cuda._sleep(1000), "long": long_sleep,
          "bad": not_capturable}, rounds=2, reps=5, calls_per_graph=2, warmup_s=0.01)
     assert set(stats) == {"short", "long"}
-    assert stats["long"].median > 4 * stats["short"].median > 0
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    long_sleep()
+    start.record()
+    for _ in range(20):
+        long_sleep()
+    end.record()
+    end.synchronize()
+    eager_us = start.elapsed_time(end) * 1e3 / 20
+    long_us, short_us = stats["long"].median, stats["short"].median
+    assert 0 < short_us < long_us
+    assert abs(long_us - eager_us) <= 0.1 * eager_us + short_us, (long_us, eager_us, short_us)
     assert torch.randn(8, device="cuda").isfinite().all()  # not left in capture mode
 
 
