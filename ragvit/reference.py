@@ -12,6 +12,8 @@ per padded image, C channels.
 `vit_forward_reference` is the padded-masked ViT pipeline: the same pruning decisions
 as `ragvit.patch` (same policy object, or decisions replayed from a patched run) executed
 on dense padded (B, L, C) tensors with key-padding masks and SDPA in the model's dtype.
+`selection_agreement` sets a pruned forward's own decisions beside an independent selection:
+that pipeline deciding on its own activations in fp32.
 
 This module imports torch and is imported lazily by tests and benchmarks only;
 `ragvit.ops` never imports it.
@@ -29,6 +31,7 @@ __all__ = [
     "cls_attn_reference",
     "pack_reference",
     "padded_sdpa",
+    "selection_agreement",
     "unpack_reference",
     "vit_forward_reference",
 ]
@@ -569,3 +572,51 @@ def vit_forward_reference(model, x: torch.Tensor, policy=None, *, decisions=None
     else:
         logits = model.forward_head(model.norm(h[:, :P]))
     return (logits, made) if return_decisions else logits
+
+
+def selection_agreement(model, x: torch.Tensor, policy, logits: torch.Tensor, decisions,
+                        dtype: torch.dtype = torch.float32) -> dict:
+    """How a pruned forward's own decisions compare with an independent selection.
+
+    The independent selection is vit_forward_reference deciding on its own, on a copy of
+    the model in `dtype` (fp32: the scores come from its own fp32 activations) with the
+    images in `dtype`. Near-tied scores make the kept sets differ on some images for any
+    implementation that is not bit-identical to it, so this is a rate to report; where
+    the decisions are the same the logits must agree to the forward's precision.
+
+    Args:
+        model: the timm model the forward ran (patched or not: only its modules are used).
+        x: (B, 3, H, W) the images it ran on.
+        policy: its ragvit.pruning policy, or None (no decisions: every image agrees).
+        logits: (B, classes) its logits.
+        decisions: its decisions, as ragvit.timm_patch.forward_with_decisions returns them.
+        dtype: the independent selection's dtype.
+
+    Returns:
+        {"images": B, "images_differ": images whose decisions differ at some pruning
+        point (the kept set; for merging policies the merge map), "fraction_differ",
+        "max_dlogit_same": max |logits - the independent forward's logits| over the other
+        images, float64 (NaN when every image differs)}.
+    """
+    import copy
+
+    with torch.no_grad():
+        independent = copy.deepcopy(model).to(dtype)
+        if policy is None:
+            theirs, made = vit_forward_reference(independent, x.to(dtype)), []
+        else:
+            theirs, made = vit_forward_reference(independent, x.to(dtype), policy,
+                                                 return_decisions=True)
+        del independent
+    if len(made) != len(decisions):
+        raise ValueError(f"selection_agreement: decisions must hold one entry per pruning "
+                         f"point ({len(made)}), got {len(decisions)}")
+    differ = torch.zeros(logits.shape[0], dtype=torch.bool, device=logits.device)
+    for ours, own in zip(decisions, made, strict=True):
+        differ |= (ours.to(logits.device) != own.to(logits.device)).any(1)
+    same = ~differ
+    max_dlogit = float((logits[same].double() - theirs[same].to(logits.device).double())
+                       .abs().max()) if bool(same.any()) else math.nan
+    count = int(differ.sum())
+    return {"images": int(logits.shape[0]), "images_differ": count,
+            "fraction_differ": count / logits.shape[0], "max_dlogit_same": max_dlogit}

@@ -789,6 +789,50 @@ def test_paper_forward_refuses_other_policies(gen):
             pipelines.paper_forward(model, x, policy)
 
 
+@pytest.mark.parametrize("policy_name", ["l2_keep50_b4", "tome_r2_b3", "none"])
+def test_selection_agreement_counts_images_that_differ(policy_name, gen):
+    """reference.selection_agreement: ragvit's fp32 decisions on the CPU are the independent
+    selection's (no image differs, logits within fp32 tolerance); an image whose kept set is
+    edited counts as differing and its logits (shifted) are left out of max_dlogit_same; a
+    decision list of the wrong length is refused."""
+    import timm
+    import torch
+
+    from ragvit import reference, timm_patch
+    from ragvit.pruning import ThresholdL2, ToMe
+    from ragvit.timm_patch import patch, unpatch
+
+    policy = {"l2_keep50_b4": ThresholdL2(0.5, layers=(4,)), "tome_r2_b3": ToMe(2, layers=(3,)),
+              "none": None}[policy_name]
+    model = timm.create_model("deit_tiny_patch16_224", pretrained=False, img_size=64).eval()
+    x = torch.randn(3, 3, 64, 64, generator=gen)
+    with torch.no_grad():
+        patch(model, policy)
+        logits, decided = timm_patch.forward_with_decisions(model, x)
+        unpatch(model)
+        same = reference.selection_agreement(model, x, policy, logits, decided)
+    assert same["images"] == 3 and same["images_differ"] == 0 and same["fraction_differ"] == 0
+    assert 0 <= same["max_dlogit_same"] <= 1e-4
+    if policy is None:
+        return
+    edited = [d.clone() for d in decided]
+    kept = timm_patch.kept_mask(edited[0])[1].clone()
+    if edited[0].dtype == torch.bool:  # swap a kept patch token for a dropped one
+        edited[0][1, int(kept[1:].nonzero()[0]) + 1] = False
+        edited[0][1, int(kept.logical_not().nonzero()[0])] = True
+    else:  # merge a kept patch token into another kept one
+        src, dst = (kept[1:].nonzero()[:2, 0] + 1).tolist()
+        edited[0][1, src] = dst
+    shifted = logits.clone()
+    shifted[1] += 1.0
+    with torch.no_grad():
+        one = reference.selection_agreement(model, x, policy, shifted, edited)
+        with pytest.raises(ValueError, match="one entry per pruning point"):
+            reference.selection_agreement(model, x, policy, logits, [])
+    assert one["images_differ"] == 1 and one["fraction_differ"] == pytest.approx(1 / 3)
+    assert one["max_dlogit_same"] <= same["max_dlogit_same"]  # the shifted image left out
+
+
 def test_check_reports_not_fails_reference_decision_flips_in_half(monkeypatch, gen):
     """pipelines.check: the reference on its own decisions differing from it replaying ragvit's
     (an fp16 near-tie flipping a choice; simulated by shifting its logits) fails the row in
