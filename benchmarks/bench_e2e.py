@@ -34,6 +34,11 @@ Pipelines (ragvit.bench.pipelines.make_pipeline builds them; same process, same 
                n/a for ToMe (FA2 varlen takes no per-key bias for proportional attention)
   ragvit / ragvit_graph    ragvit.patch(model, policy), eager / as a CUDA graph
 
+The paper suite also checks ragvit.patch without a policy against timm's forward (lossless:
+within twice timm's own error against fp32, plus a floor, or the run fails). Every suite
+lists, per row, the images whose kept set differs from an independent fp32 selection and
+max |dlogit| on the others (ragvit.reference.selection_agreement).
+
 Run time on an H200 (60 calls per figure, the graph suite 3x that, plus checks and model
 set-up): paper ~2 min alone (--quick ~1 min), policies ~2.5 min alone, graph ~1 min, all
 three in one process ~3.5 min (model set-up shared). --budget-s (default 540) caps the
@@ -54,7 +59,7 @@ import time
 import torch
 
 import ragvit
-from ragvit import timm_patch
+from ragvit import reference, timm_patch
 from ragvit.bench import pipelines, report, timing
 from ragvit.bench.pipelines import GPU_ONLY, UNPRUNED, patched, timm_forward
 from ragvit.pruning import ATS, EViT, ThresholdL2, ToMe
@@ -213,8 +218,9 @@ def check_row(model, x, policy, pipeline_names, ctx) -> dict:
         if why:
             unavailable["fa2_packed"] = why
     with patched(model, policy):
-        _, decided = timm_patch.forward_with_decisions(model, x)
+        logits, decided = timm_patch.forward_with_decisions(model, x)
     final, per_block = kept_fractions(model, policy, decided)
+    selection = reference.selection_agreement(model, x, policy, logits, decided)
     # FA2 packed runs torch's modules like the reference: plain tolerance. Our own
     # pipelines were judged by pipelines.check (tolerance, or its fp32-relative rule).
     ok = c["ok"] and (err.get("fa2_packed") is None or err["fa2_packed"] <= tol)
@@ -230,15 +236,29 @@ def check_row(model, x, policy, pipeline_names, ctx) -> dict:
         "top1_agree": c["top1_agree"],
         "kept_fraction_last_stage": final,
         "kept_per_block": per_block,
+        "selection": selection,
         "tolerance": tol,
         "ok": ok,
     }
 
 
-def check_lossless(model, x) -> float:
+def check_lossless(model, x) -> dict:
+    """ragvit.patch(model) without a policy against timm's own forward on the same weights
+    and images: {"err", "err_timm", "bar", "ok"}. The bar comes from timm's own rounding
+    error in x's dtype (err_timm: against timm on copies of the weights and images in fp32, or
+    float64 for an fp32 run): two forwards each that far from the truth differ by at most
+    twice that, plus pipelines.EXACT_FLOOR (flash-attention's rule)."""
     with patched(model, None):
         ours = model(x)
-    return pipelines.max_err(ours, timm_forward(model, x))
+    theirs = timm_forward(model, x)
+    truth_dtype = torch.float64 if x.dtype == torch.float32 else torch.float32
+    truth = timm_forward(copy.deepcopy(model).to(truth_dtype), x.to(truth_dtype))
+    err, err_timm = pipelines.max_err(ours, theirs), pipelines.max_err(theirs, truth)
+    bar = 2 * err_timm + pipelines.EXACT_FLOOR[LOSSLESS_DTYPE[x.dtype]]
+    return {"err": err, "err_timm": err_timm, "bar": bar, "ok": err <= bar}
+
+
+LOSSLESS_DTYPE = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}
 
 
 # ---- one suite: check everything, then time what passed ----
@@ -255,7 +275,13 @@ def run_suite(suite, ctx, models, batches, policies_for, pipeline_names, remaini
     for label, (model, img_size) in loaded.items():
         for batch in batches:
             x = ctx.images(batch, img_size)
-            lossless_err = check_lossless(model, x) if lossless else None
+            lossless_check = check_lossless(model, x) if lossless else None
+            if lossless_check is not None and not lossless_check["ok"]:
+                lossless_failed = (
+                    f"lossless: ragvit.patch without a policy is {lossless_check['err']:.2e} "
+                    f"from timm's forward, over the bar {lossless_check['bar']:.2e} (2 x timm's "
+                    f"own error {lossless_check['err_timm']:.2e} + floor)")
+                print(f"{suite} | {label} BS {batch}: FAILED {lossless_failed}", flush=True)
             for key, (setting, policy) in configs[label].items():
                 row = {"suite": suite, "model": label, "policy": key, "setting": setting,
                        "batch": batch}
@@ -264,8 +290,12 @@ def run_suite(suite, ctx, models, batches, policies_for, pipeline_names, remaini
                     row["skipped"] = "budget"
                     continue
                 row["check"] = check_row(model, x, policy, pipeline_names, ctx)
-                if lossless_err is not None:
-                    row["lossless_err"] = lossless_err
+                if lossless_check is not None:
+                    row["lossless_err"], row["lossless_bar"] = (lossless_check["err"],
+                                                                lossless_check["bar"])
+                    if not lossless_check["ok"]:
+                        row["check"]["ok"] = False
+                        row["check"].setdefault("error", lossless_failed)
                 c = row["check"]
                 print(f"{suite} | {label} {key} BS {batch}: ragvit "
                       f"{c['err_ragvit_vs_reference']:.2e}, FA2 {c['err_fa2_vs_reference']:.2e}, "
@@ -490,6 +520,24 @@ def _target_line(what, results, unit="x") -> str:
     return f"- {what}: {sum(ok for ok, _, _ in results)}/{len(results)} {verdict}"
 
 
+def render_selection(rows) -> list[str]:
+    """ragvit's own decisions against an independent selection, one line per checked row."""
+    lines = ["Decisions against an independent selection (the reference deciding on its own "
+             "activations in fp32, same images; ragvit.reference.selection_agreement): images "
+             "whose kept set differs (near-tied scores), and max |dlogit| against that forward "
+             "on the other images.", "",
+             "| model | policy | BS | images differ | max dlogit where the same |",
+             "|---|---|---|---|---|"]
+    for r in rows:
+        a = r.get("check", {}).get("selection")
+        if a:
+            lines.append(f"| {r['model']} | {r['policy']} | {r['batch']} | "
+                         f"{a['images_differ']}/{a['images']} | "
+                         + ("–" if math.isnan(a["max_dlogit_same"])
+                            else f"{a['max_dlogit_same']:.1e}") + " |")
+    return lines
+
+
 RENDER = {"paper": render_paper, "policies": render_policies, "graph": render_graph}
 
 
@@ -507,6 +555,7 @@ def render(rows, env) -> str:
     for suite in env["suites"]:
         lines += [f"## Suite `{suite}`", ""]
         lines += RENDER[suite]([r for r in rows if r["suite"] == suite]) + [""]
+        lines += render_selection([r for r in rows if r["suite"] == suite]) + [""]
     return "\n".join(lines)
 
 

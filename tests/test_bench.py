@@ -431,6 +431,34 @@ def test_bench_e2e_tiny_all_suites(tmp_path):
     assert data["env"]["device"].startswith("CPU") and data["env"]["dtype"] == "fp32"
     assert len(report.load_results(prefix + ".json")) == sum(len(r["timing"])
                                                              for r in data["rows"])
+    # fp32 on the CPU: ragvit decides as the independent fp32 selection does on every image
+    assert md.count("| model | policy | BS | images differ | max dlogit where the same |") == 3
+    for row in data["rows"]:
+        sel = row["check"]["selection"]
+        assert sel["images"] == 2 and sel["images_differ"] == 0, row
+        assert sel["max_dlogit_same"] <= 1e-4
+    assert all(r["lossless_err"] <= r["lossless_bar"] for r in by_suite["paper"])
+
+
+def test_bench_e2e_lossless_bar_fails_the_run(monkeypatch, capsys):
+    """bench_e2e.check_lossless: within twice timm's own error against float64 plus the
+    floor on the CPU; a run whose lossless check misses its bar fails every row of that
+    model and batch, says why, and exits 1."""
+    import timm
+    import torch
+
+    bench_e2e = load_script("bench_e2e")
+    model = timm.create_model("deit_tiny_patch16_224", pretrained=False, img_size=64).eval()
+    with torch.no_grad():
+        got = bench_e2e.check_lossless(model, torch.randn(2, 3, 64, 64))
+    assert got["ok"] and got["err"] <= got["bar"] == 2 * got["err_timm"] + 1e-5
+    missed = {"err": 0.5, "err_timm": 1e-6, "bar": 1.2e-5, "ok": False}
+    monkeypatch.setattr(bench_e2e, "check_lossless", lambda model, x: missed)
+    assert bench_e2e.main(["--tiny", "--suite", "paper", "--batches", "1"]) == 1
+    out = capsys.readouterr().out
+    assert ("paper | DeiT-T 64 BS 1: FAILED lossless: ragvit.patch without a policy is "
+            "5.00e-01 from timm's forward, over the bar 1.20e-05") in out
+    assert "paper: 2 rows FAILED correctness (not timed)" in out
 
 
 def test_bench_e2e_budget_skips_rows(tmp_path, capsys):
