@@ -121,6 +121,9 @@ typedef struct {
     uint32_t pdl_ops;
     /* Device pointer to one zeroed word that kernels OR RAGVIT_ERROR_* bits into. */
     unsigned int *error_flag;
+    /* The stream-ordered memory pool of the outputs ragvit allocates (a cudaMemPool_t),
+     * created on the first allocation; NULL before. */
+    void *memory_pool;
 } ragvit_device_info;
 
 /* Process state owned by the Python module (module state, not a C global). */
@@ -167,6 +170,16 @@ ragvit_status ragvit_pointer_device(const void *ptr, int32_t *device_id);
 ragvit_status ragvit_launch_empty(ragvit_context *ctx, int32_t device_id, void *stream);
 /* Makes `consumer` wait for all work queued so far on `producer` (CAI streams). */
 ragvit_status ragvit_stream_wait(int32_t device_id, void *consumer, void *producer);
+
+/* ---- core/memory.c: the memory of outputs ragvit allocates itself ----
+ * *data: `bytes` (at least one byte is allocated) on a RAGVIT_DEVICE_* device: host memory
+ * aligned to 64 bytes, or CUDA memory allocated in order on `stream` from the device's pool,
+ * which keeps freed memory for the next allocation instead of returning it to the driver. */
+ragvit_status ragvit_memory_alloc(ragvit_context *ctx, int32_t device_type, int32_t device_id,
+                                  size_t bytes, void *stream, void **data);
+/* Frees data from ragvit_memory_alloc once the work queued on `stream` so far is done (CUDA;
+ * host memory at once). Needs no context: it may run after the module is gone. */
+ragvit_status ragvit_memory_free(int32_t device_type, int32_t device_id, void *data, void *stream);
 
 /* ---- core/attention.c ----
  * out: (T, H, D) of q's dtype; q, k, v: (T, H, D) float16/bfloat16/float32, head dim

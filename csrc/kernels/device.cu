@@ -1,12 +1,14 @@
 /* device.cu — per-device state and the small host helpers every op shares: device count,
  * one-time device init (SM count, compute capability, opt-in shared memory, the PDL op mask, the
- * one-word error flag), error-flag and int32 read-back, cross-stream waits, the CUDA error ->
- * ragvit_status mapping, and an empty kernel for the launch-floor benchmark (grid = (1), 1 thread,
- * launched as attention is: cudaLaunchKernelEx with attention's PDL setting, waiting like it).
+ * one-word error flag), error-flag and int32 read-back, cross-stream waits, the stream-ordered
+ * memory pool of the outputs ragvit allocates, the CUDA error -> ragvit_status mapping, and an
+ * empty kernel for the launch-floor benchmark (grid = (1), 1 thread, launched as attention is:
+ * cudaLaunchKernelEx with attention's PDL setting, waiting like it).
  * Decision: the error flag is a __device__ word, zero when the module loads, so init allocates
- * nothing and a first call inside graph capture works; every function that touches a device sets
- * it for the call and restores the caller's. Covered by tests/test_interop.py (devices, streams,
- * the launch floor) and the debug-mode error-flag cases of each op's tests. */
+ * nothing and a first call inside graph capture works (the pool, too, waits for the first
+ * allocation); every function that touches a device sets it for the call and restores the
+ * caller's. Covered by tests/test_interop.py (devices, streams, the launch floor),
+ * tests/test_array_types.py (allocation) and the debug-mode error-flag cases of each op's tests. */
 #include <stdlib.h>
 #include <string.h>
 
@@ -102,7 +104,9 @@ extern "C" ragvit_status ragvit_cuda_device_init(int32_t device_id, ragvit_devic
 }
 
 extern "C" void ragvit_cuda_device_release(ragvit_device_info *info) {
-    /* The flag is a module global: nothing to free. */
+    /* The flag is a module global: nothing to free. A pool with live allocations is destroyed
+     * by CUDA once the last of them is freed, so buffers may outlive the module. */
+    if (info->memory_pool != NULL) (void)cudaMemPoolDestroy((cudaMemPool_t)info->memory_pool);
     memset(info, 0, sizeof *info);
 }
 
@@ -171,6 +175,58 @@ extern "C" ragvit_status ragvit_cuda_stream_wait(int32_t device_id, void *consum
     const cudaError_t destroyed = cudaEventDestroy(event);
     if (e != cudaSuccess) return ragvit_cuda_fail((int)e, expr, __FILE__, __LINE__);
     CUDA_TRY(destroyed);
+    return RAGVIT_STATUS_OK;
+}
+
+/* A pool of its own rather than the device's default one: its release threshold keeps freed
+ * memory for the next call (the default pool's threshold 0 hands it back to the driver at
+ * each synchronization), without changing the default pool other libraries share. */
+static ragvit_status device_create_pool(int32_t device_id, cudaMemPool_t *pool) {
+    int is_supported = 0;
+    CUDA_TRY(cudaDeviceGetAttribute(&is_supported, cudaDevAttrMemoryPoolsSupported, device_id));
+    if (!is_supported)
+        return ragvit_fail(RAGVIT_STATUS_INVALID_VALUE,
+                           "ragvit: out must be given on CUDA device %d, got none (the device "
+                           "has no stream-ordered memory pools for ragvit to allocate from)",
+                           (int)device_id);
+    cudaMemPoolProps props;
+    memset(&props, 0, sizeof props);
+    props.allocType = cudaMemAllocationTypePinned;
+    props.handleTypes = cudaMemHandleTypeNone;
+    props.location.type = cudaMemLocationTypeDevice;
+    props.location.id = device_id;
+    CUDA_TRY(cudaMemPoolCreate(pool, &props));
+    uint64_t threshold = UINT64_MAX;
+    const cudaError_t e =
+        cudaMemPoolSetAttribute(*pool, cudaMemPoolAttrReleaseThreshold, &threshold);
+    if (e != cudaSuccess) {
+        (void)cudaMemPoolDestroy(*pool);
+        *pool = NULL;
+        return ragvit_cuda_fail((int)e, "cudaMemPoolSetAttribute(pool, ReleaseThreshold)", __FILE__,
+                                __LINE__);
+    }
+    return RAGVIT_STATUS_OK;
+}
+
+extern "C" ragvit_status ragvit_cuda_memory_alloc(ragvit_device_info *dev, size_t bytes,
+                                                  void *stream, void **data) {
+    *data = NULL;
+    cuda_device_guard guard;
+    RAGVIT_TRY(guard.enter(dev->device_id));
+    if (dev->memory_pool == NULL) {
+        cudaMemPool_t pool = NULL;
+        RAGVIT_TRY(device_create_pool(dev->device_id, &pool));
+        dev->memory_pool = (void *)pool;
+    }
+    CUDA_TRY(cudaMallocFromPoolAsync(data, bytes, (cudaMemPool_t)dev->memory_pool,
+                                     (cudaStream_t)stream));
+    return RAGVIT_STATUS_OK;
+}
+
+extern "C" ragvit_status ragvit_cuda_memory_free(int32_t device_id, void *data, void *stream) {
+    cuda_device_guard guard;
+    RAGVIT_TRY(guard.enter(device_id));
+    CUDA_TRY(cudaFreeAsync(data, (cudaStream_t)stream));
     return RAGVIT_STATUS_OK;
 }
 

@@ -30,6 +30,10 @@ ragvit_status ragvit_cuda_read_int32(int32_t device_id, const int32_t *src, void
 /* Device that owns a device pointer (cudaPointerGetAttributes). */
 ragvit_status ragvit_cuda_pointer_device(const void *ptr, int32_t *device_id);
 ragvit_status ragvit_cuda_stream_wait(int32_t device_id, void *consumer, void *producer);
+/* Stream-ordered allocation from dev's pool (created on first use) and its free. */
+ragvit_status ragvit_cuda_memory_alloc(ragvit_device_info *dev, size_t bytes, void *stream,
+                                       void **data);
+ragvit_status ragvit_cuda_memory_free(int32_t device_id, void *data, void *stream);
 /* Records a CUDA failure's string and expression; used by CUDA_TRY. */
 ragvit_status ragvit_cuda_fail(int error, const char *expr, const char *file, int line);
 
