@@ -12,6 +12,12 @@ Errors follow ``<op>: <arg> must be <rule>, got <actual>``: shape or value ->
 ValueError, dtype -> TypeError, unimportable object or device -> BufferError
 (TypeError for objects that offer no array protocol at all), out of memory ->
 MemoryError, CUDA failure -> RuntimeError. A rejected call writes nothing.
+
+Outputs left out are allocated in the caller's array type, the first array
+argument's: its library's DLPack exchange-API allocator (torch), NumPy for NumPy
+arguments, else a ``Buffer`` returned as
+``type(first).__array_namespace__().from_dlpack(buffer)`` (CuPy, JAX,
+array_api_strict) or as the ``Buffer`` itself when the type has no namespace.
 """
 
 from typing import Any
@@ -48,7 +54,8 @@ def attention(
             read from the device. Default: computed on the CPU, T on CUDA.
         scale: softmax scale, default 1/sqrt(D); must be finite and > 0 as the float32
             the kernels use (about 1.2e-38 to 2.4e38 once rounded).
-        out: (T, H, D) output of q's dtype; allocated like q when omitted.
+        out: (T, H, D) output of q's dtype; allocated in q's array type when
+            omitted (the module docs' rule).
         cls_attn: optional (T,) float32; for each sequence receives the
             head-mean softmax probabilities of its first query over its keys
             (bias included).
@@ -291,6 +298,35 @@ def topk_index(
             strides, aliasing, devices.
         TypeError: scores' or out's dtype; k or prefix not an int (bool too).
     """
+
+class Buffer:
+    """An output ragvit allocated itself (no allocator in the caller's library): a
+    compact array on a CPU or CUDA device, exported without a copy through DLPack,
+    the CUDA Array Interface v3 (CUDA) and the NumPy array interface (host). CUDA
+    memory is stream-ordered: freed, once unreferenced, on the stream it was last
+    handed to. Made by the ops only."""
+
+    shape: tuple[int, ...]
+    ndim: int
+    #: The element type's name: float16, bfloat16, float32, float64, int32, int64, uint8, bool.
+    dtype: str
+    __cuda_array_interface__: dict
+    __array_interface__: dict
+
+    def __dlpack__(
+        self,
+        *,
+        stream: int | None = None,
+        max_version: tuple[int, int] | None = None,
+        dl_device: tuple[int, int] | None = None,
+        copy: bool | None = None,
+    ) -> Any:
+        """A DLPack capsule (versioned when max_version[0] >= 1); the consumer's
+        stream (None/1 legacy default, 2 per-thread, a handle; -1 no sync) waits
+        on the buffer's."""
+
+    def __dlpack_device__(self) -> tuple[int, int]:
+        """(1, 0) on the host, (2, device id) on CUDA."""
 
 def build_info() -> dict:
     """What this build contains: commit, cuda, cuda_archs, cublaslt."""

@@ -10,10 +10,12 @@ when it is first used; policies live in ``ragvit.pruning``), and
 Every op follows the same rules for its arrays (docs/interop.md): outputs must not overlap
 themselves or an input; an array with elements must have data behind it; torch outputs the
 caller passes get their autograd version counter bumped in grad mode; the CPU backend runs
-large calls without the GIL.
+large calls without the GIL; outputs left out come back in the caller's array type (torch,
+NumPy, CuPy, JAX, any array API library; else a ``ragvit.Buffer``).
 """
 
 from .ops import (
+    Buffer,
     attention,
     build_info,
     cuda_available,
@@ -55,6 +57,7 @@ def __getattr__(name):
 
 
 __all__ = [
+    "Buffer",
     "CudaGraphFallbackWarning",
     "GraphedModel",
     "UnsupportedModelError",

@@ -3,11 +3,14 @@
 The array ops are the C entry points themselves (``ragvit._C``): a Python wrapper
 would add a frame to a call whose whole budget is a few microseconds. Their
 docstrings (``help(ragvit.attention)``) give shapes, dtypes and errors; the
-import rules and the stream rule are in the ``ragvit._C`` module docs.
+import rules and the stream rule are in the ``ragvit._C`` module docs. ``Buffer`` is the
+type of the outputs ragvit allocates itself when the caller's array library has no
+allocator (docs/interop.md).
 """
 
 from . import _C
 
+Buffer = _C.Buffer
 attention = _C.attention
 pack = _C.pack
 pack_into = _C.pack_into
@@ -57,6 +60,7 @@ def cuda_available() -> bool:
 
 
 __all__ = [
+    "Buffer",
     "build_info",
     "attention",
     "pack",

@@ -723,19 +723,15 @@ def test_objects_without_an_array_protocol_are_type_errors():
 
 @pytest.mark.parametrize("path", FAKE_PATHS)
 def test_host_fakes_without_out(path, gen, seed):
-    """A producer without an allocator on the host: either ragvit allocates a
-    NumPy array (the _C docs: "NumPy for host arrays") or it asks for out=."""
+    """A producer without an allocator or an array namespace on the host: ragvit
+    allocates a ragvit.Buffer and returns it (tests/test_array_types.py covers it)."""
     q, k, v, cu_seqlens, _, _ = _qkv_problem(gen, torch.float32, "cpu", tail=0)
     args = [wrap(path, t) for t in (q, k, v, cu_seqlens)]
-    try:
-        result = ragvit.attention(*args)
-    except ValueError as error:
-        assert "out" in str(error)
-        return
-    assert isinstance(result, np.ndarray) and result.dtype == np.float32
+    result = ragvit.attention(*args)
+    assert isinstance(result, ragvit.Buffer) and result.dtype == "float32"
     covered = covered_rows(cu_seqlens, q.shape[0])
     torch.testing.assert_close(
-        torch.from_numpy(result).double()[covered],
+        torch.from_dlpack(result).double()[covered],
         attention_reference(q, k, v, cu_seqlens)[covered],
         **TOL[torch.float32],
     )
@@ -749,14 +745,19 @@ def test_host_fakes_without_out(path, gen, seed):
 @pytest.mark.parametrize(
     "path", ["versioned_cuda", "legacy_cuda", "ctypes_versioned_cuda", "cai_v2", "cai_v3"]
 )
-def test_cuda_fakes_require_out(path, gen):
+def test_cuda_fakes_without_out_get_a_buffer(path, gen, seed):
+    """No allocator, no array namespace: the output is a CUDA ragvit.Buffer."""
     q, k, v, cu_seqlens, _, _ = _qkv_problem(gen, torch.float16, "cuda", tail=0)
     args = [wrap(path, t) for t in (q, k, v, cu_seqlens)]
-    with pytest.raises(ValueError, match=r"\bout\b"):
-        ragvit.attention(*args)
-    packed = torch.zeros((5, 6), device="cuda")
-    with pytest.raises(ValueError, match=r"\bout\b"):
-        ragvit.unpack(wrap(path, packed), wrap(path, make_cu_seqlens([2, 3], "cuda")), 4)
+    result = ragvit.attention(*args)
+    assert isinstance(result, ragvit.Buffer)
+    assert result.__dlpack_device__() == (kDLCUDA, q.device.index or 0)
+    check_attention(torch.from_dlpack(result), q, k, v, cu_seqlens, seed=seed)
+    packed = torch.arange(30, dtype=torch.float32, device="cuda").reshape(5, 6)
+    out = ragvit.unpack(wrap(path, packed), wrap(path, make_cu_seqlens([2, 3], "cuda")), 4)
+    assert isinstance(out, ragvit.Buffer) and out.shape == (2, 4, 6)
+    expected = ragvit.unpack(packed, make_cu_seqlens([2, 3], "cuda"), 4)
+    assert torch.equal(torch.from_dlpack(out), expected)
 
 
 @pytest.mark.gpu
@@ -1118,13 +1119,13 @@ _EXCHANGE_SILENT = _exchange_type("ExchangeFailsSilently", dltensor="dltensor_fa
 _EXCHANGE_MANAGED_SILENT = _exchange_type("ExchangeManagedFailsSilently", dltensor=None)
 
 
-def test_exchange_api_without_allocator_allocates_with_numpy_on_the_host(gen, seed):
+def test_exchange_api_without_allocator_allocates_a_buffer_on_the_host(gen, seed):
     q, k, v, cu_seqlens, _, _ = _qkv_problem(gen, torch.float32, "cpu", tail=0)
     args = [_EXCHANGE_OK(t) for t in (q, k, v, cu_seqlens)]
     result = ragvit.attention(*args)
-    assert isinstance(result, np.ndarray)
+    assert isinstance(result, ragvit.Buffer)
     covered = covered_rows(cu_seqlens, q.shape[0])
-    torch.testing.assert_close(torch.from_numpy(result).double()[covered],
+    torch.testing.assert_close(torch.from_dlpack(result).double()[covered],
                                attention_reference(q, k, v, cu_seqlens)[covered],
                                **TOL[torch.float32])
 

@@ -38,12 +38,17 @@ static int alloc_gathered(call_state *cs, const ragvit_tensor *like, int64_t las
     return objs[RESULT_INDEX] == NULL ? -1 : 0;
 }
 
-/* The exit of pack and repack: the tuple when rc is 0; objs are dropped either way. */
+/* The exit of pack and repack: the tuple when rc is 0, each output in the caller's
+ * array type; objs are dropped either way. */
 static PyObject *end_gathered(call_state *cs, PyObject **objs, int rc) {
+    release_slots(cs);
+    for (int i = 0; i < RESULT_COUNT && rc == 0 && cs->wrap_arg != NULL; i++) {
+        objs[i] = wrap_output(cs, objs[i]); /* steals objs[i] */
+        if (objs[i] == NULL) rc = -1;
+    }
     PyObject *result =
         rc == 0 ? PyTuple_Pack(3, objs[RESULT_PACKED], objs[RESULT_CU_SEQLENS], objs[RESULT_INDEX])
                 : NULL;
-    release_slots(cs);
     for (int i = 0; i < RESULT_COUNT; i++) Py_XDECREF(objs[i]);
     return result;
 }

@@ -11,6 +11,7 @@
 #include <stdint.h>
 
 #define RAGVIT_DLPACK_MAJOR 1
+#define RAGVIT_DLPACK_MINOR 3 /* the version ragvit.Buffer reports at most */
 #define RAGVIT_DLPACK_FLAG_READ_ONLY (1ull << 0)
 
 typedef struct {

@@ -1,7 +1,8 @@
 /* glue.h — the internal header of ragvit._C: module and call state, import
  * slots, the signature each op wrapper declares, and what each file of the glue
  * offers the others (errors.c raises, args.c parses, interop.c imports and
- * allocates, bind_<family>.c wrap the ops, module.c holds the lifecycle).
+ * allocates, buffer.c holds ragvit.Buffer, bind_<family>.c wrap the ops,
+ * module.c holds the lifecycle).
  * Decision: the helpers every call passes through (raise_status, keyword_index,
  * call_begin, finish_streams, call_end) are static inline here: each .c is its
  * own translation unit, and a call per helper would tax the ~4 us host path. */
@@ -17,6 +18,7 @@
 #include "ragvit.h"
 
 #define API_CACHE_SIZE 8
+#define NAMESPACE_CACHE_SIZE 8
 #define MAX_IMPORTS 8
 
 /* A type seen as an argument. Only types with an exchange API and static types
@@ -27,10 +29,22 @@ typedef struct {
     int is_torch;                 /* a subclass of torch's TensorBase: neg bit, version counter */
 } api_cache_entry;
 
+/* The array namespace of a type that allocated through ragvit.Buffer. The type is held
+ * weakly (a user's class is never kept alive): an entry whose type died is stale, even if
+ * a new type reuses the address. */
+typedef struct {
+    PyTypeObject *type;    /* identity only */
+    PyObject *type_ref;    /* weak reference to type */
+    PyObject *from_dlpack; /* type().__array_namespace__().from_dlpack; NULL: none */
+} namespace_cache_entry;
+
 typedef struct {
     ragvit_context ctx;
     api_cache_entry api_cache[API_CACHE_SIZE];
     int api_cache_count;
+    namespace_cache_entry namespace_cache[NAMESPACE_CACHE_SIZE];
+    int namespace_cache_next;          /* the entry the next miss replaces, round robin */
+    PyTypeObject *buffer_type;         /* ragvit.Buffer (a heap type of this module) */
     PyObject *torch_is_neg;            /* TensorBase.is_neg, once a torch tensor was seen */
     PyObject *torch_increment_version; /* torch._C._increment_version, on first use */
     int is_increment_version_iterable; /* it takes a tuple of tensors (else one tensor) */
@@ -42,10 +56,26 @@ typedef struct {
     PyObject *str_exchange_api;
     PyObject *str_stream;
     PyObject *str_max_version;
+    PyObject *str_array_namespace;
+    PyObject *str_from_dlpack;
     PyObject *max_version; /* (1, 0) */
 } module_state;
 
-enum import_kind { IMPORT_EXCHANGE = 1, IMPORT_NUMPY, IMPORT_DLPACK, IMPORT_CAI };
+enum import_kind { IMPORT_EXCHANGE = 1, IMPORT_NUMPY, IMPORT_DLPACK, IMPORT_CAI, IMPORT_BUFFER };
+
+/* ragvit.Buffer: an output ragvit allocated itself, exported through DLPack and the CUDA
+ * (or NumPy) array interface. Its fields never change after creation, except `stream`. */
+typedef struct {
+    PyObject_HEAD void *data; /* owned: ragvit_memory_alloc */
+    int32_t device_type;      /* RAGVIT_DEVICE_* */
+    int32_t device_id;
+    int32_t dtype;
+    int32_t ndim;
+    int64_t shape[RAGVIT_MAX_DIMS];
+    int64_t strides[RAGVIT_MAX_DIMS]; /* compact, in elements */
+    void *stream; /* the stream it was last handed to: its free is ordered there */
+    PyObject *weakreflist;
+} buffer_object;
 
 /* What one imported argument holds until the call ends. Phase 1 fills kind,
  * obj, api and capsule (every Python-level protocol); phase 2 the view. */
@@ -87,13 +117,14 @@ typedef struct {
     void *stream;
     import_slot slots[MAX_IMPORTS];
     int slot_count;
-    void *cai_streams[MAX_IMPORTS]; /* producer streams to wait on (CAI v3) */
+    void *cai_streams[MAX_IMPORTS]; /* producer streams to wait on (CAI v3, ragvit.Buffer) */
     int32_t cai_devices[MAX_IMPORTS];
     int cai_stream_count;
     int is_cuda;                    /* some imported array lives on a CUDA device */
     int64_t max_numel;              /* elements of the largest array imported or allocated */
     PyObject *written[MAX_IMPORTS]; /* borrowed: torch outputs given by the caller */
     int written_count;
+    PyObject *wrap_arg; /* borrowed: the first array argument, once a Buffer was allocated */
 } call_state;
 
 /* *result: obj.name, or NULL when obj has no such attribute (AttributeError
@@ -176,10 +207,32 @@ int call_import(call_state *cs, PyObject *const *values, ragvit_tensor *t);
 void release_slots(call_state *cs);
 /* Bumps the autograd version counter of the torch outputs the call wrote. */
 int bump_versions(call_state *cs);
-/* New array of `shape` on like's device in the library of the first imported
- * argument (slot 0); its view goes to *view. NULL with an exception. */
+/* New array of `shape` on like's device for the first imported argument (slot 0):
+ * through its type's exchange-API allocator, as a NumPy array for a NumPy argument, else
+ * a ragvit.Buffer that wrap_output turns into the argument's own type once the op ran.
+ * Its view goes to *view. NULL with an exception. */
 PyObject *alloc_like(call_state *cs, const ragvit_tensor *like, const char *name, int32_t dtype,
                      int ndim, const int64_t *shape, ragvit_tensor *view);
+/* obj (stolen) as the caller gets it: a Buffer alloc_like made goes through
+ * `type(arg).__array_namespace__().from_dlpack` (cached per type) when that exists;
+ * anything else is returned as it is. NULL with an exception. */
+PyObject *wrap_output(call_state *cs, PyObject *obj);
+
+/* ---- buffer.c ---- */
+
+/* A new Buffer of `shape` (compact) on a device, its memory allocated on cs->stream. */
+PyObject *buffer_new(call_state *cs, int32_t device_type, int32_t device_id, int32_t dtype,
+                     int ndim, const int64_t *shape);
+/* The slots of ragvit.Buffer (module.c's type spec). */
+void buffer_dealloc(PyObject *obj);
+PyObject *buffer_repr(PyObject *obj);
+PyObject *buffer_dlpack(PyObject *obj, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames);
+PyObject *buffer_dlpack_device(PyObject *obj, PyObject *unused);
+PyObject *buffer_get_shape(PyObject *obj, void *unused);
+PyObject *buffer_get_ndim(PyObject *obj, void *unused);
+PyObject *buffer_get_dtype(PyObject *obj, void *unused);
+PyObject *buffer_get_cai(PyObject *obj, void *unused);
+PyObject *buffer_get_array_interface(PyObject *obj, void *unused);
 
 /* ---- the call of every op wrapper ---- */
 
@@ -195,6 +248,7 @@ static inline void call_init(call_state *cs, PyObject *module, const char *op) {
     cs->is_cuda = 0;
     cs->max_numel = 0;
     cs->written_count = 0;
+    cs->wrap_arg = NULL;
 }
 
 /* Starts an op wrapper's call: the state, then sig's arguments into values. */
@@ -244,6 +298,7 @@ static inline int finish_streams(call_state *cs) {
 static inline PyObject *call_end(call_state *cs, PyObject *result, int rc) {
     release_slots(cs);
     if (rc == 0 && cs->written_count > 0) rc = bump_versions(cs);
+    if (rc == 0 && cs->wrap_arg != NULL) return wrap_output(cs, result);
     if (rc == 0) return result;
     Py_XDECREF(result);
     return NULL;

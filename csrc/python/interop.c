@@ -2,8 +2,10 @@
  * output ragvit allocates. Protocol per argument: (1) the type's DLPack C
  * exchange API (`__dlpack_c_exchange_api__`, cached per type; fills a stack
  * DLTensor with no allocation), (2) NumPy arrays, (3) `__dlpack__` (versioned
- * capsules, then legacy), (4) `__cuda_array_interface__` v2/v3. Outputs come
- * from the first argument's library (exchange-API allocator) or NumPy on the host.
+ * capsules, then legacy), (4) `__cuda_array_interface__` v2/v3; ragvit's own
+ * Buffer is read directly. Outputs come from the first argument's library
+ * (exchange-API allocator), NumPy for NumPy arguments, else a ragvit.Buffer handed
+ * back through the argument type's `__array_namespace__().from_dlpack` (cached).
  * Decision: two phases. Phase 1 runs every Python-level protocol of every argument
  * (it may run arbitrary producer code, which may free or resize another argument);
  * phase 2 then takes the raw views with C calls only. torch tensors cost one
@@ -480,6 +482,10 @@ static int prepare_arg(call_state *cs, PyObject *obj, int arg, const char *const
     slot->capsule = NULL;
     slot->legacy = NULL;
     slot->versioned = NULL;
+    if (Py_IS_TYPE(obj, st->buffer_type)) {
+        slot->kind = IMPORT_BUFFER;
+        return 0;
+    }
     api_cache_entry scratch;
     const api_cache_entry *entry = type_entry(st, Py_TYPE(obj), &scratch);
     if (entry == NULL) return -1;
@@ -591,6 +597,37 @@ static int view_numpy(call_state *cs, PyObject *obj, const char *name, ragvit_te
     return finish_view(cs, name, t);
 }
 
+static void view_buffer(ragvit_tensor *t, const buffer_object *b) {
+    t->data = b->data;
+    t->dtype = b->dtype;
+    t->ndim = b->ndim;
+    for (int i = 0; i < b->ndim; i++) {
+        t->shape[i] = b->shape[i];
+        t->strides[i] = b->strides[i];
+    }
+    t->device_type = b->device_type;
+    t->device_id = b->device_id;
+    t->is_read_only = 0;
+    t->is_present = 1;
+}
+
+/* Once the call's stream is known: it waits on each CUDA Buffer argument's stream
+ * (with the CAI producers), and the buffer's free is then ordered on the call's
+ * stream, the last one to use it. */
+static void finish_buffer_args(call_state *cs) {
+    for (int j = 0; j < cs->slot_count; j++) {
+        if (cs->slots[j].kind != IMPORT_BUFFER) continue;
+        buffer_object *b = (buffer_object *)cs->slots[j].obj;
+        if (b->device_type != RAGVIT_DEVICE_CUDA) continue;
+        if (b->stream != cs->stream && cs->cai_stream_count < MAX_IMPORTS) {
+            cs->cai_streams[cs->cai_stream_count] = b->stream;
+            cs->cai_devices[cs->cai_stream_count] = b->device_id;
+            cs->cai_stream_count++;
+        }
+        b->stream = cs->stream;
+    }
+}
+
 /* Checks and consumes the capsule phase 1 got; renamed only once accepted, so
  * a refused one is released by its own destructor. */
 static int view_dlpack(call_state *cs, import_slot *slot, const char *name, ragvit_tensor *t) {
@@ -646,6 +683,7 @@ int call_import(call_state *cs, PyObject *const *values, ragvit_tensor *t) {
         if (values[i] != NULL && prepare_arg(cs, values[i], i, names, &t[i])) return -1;
     }
     const int count = cs->slot_count;
+    int is_buffer_arg = 0;
     for (int j = 0; j < count; j++) {
         import_slot *slot = &cs->slots[j];
         const int i = slot->arg;
@@ -654,10 +692,16 @@ int call_import(call_state *cs, PyObject *const *values, ragvit_tensor *t) {
         case IMPORT_EXCHANGE: rc = view_exchange(cs, slot, names[i], &t[i]); break;
         case IMPORT_NUMPY: rc = view_numpy(cs, slot->obj, names[i], &t[i]); break;
         case IMPORT_DLPACK: rc = view_dlpack(cs, slot, names[i], &t[i]); break;
+        case IMPORT_BUFFER:
+            view_buffer(&t[i], (const buffer_object *)slot->obj);
+            rc = finish_view(cs, names[i], &t[i]);
+            is_buffer_arg = 1;
+            break;
         default: break; /* CAI: read in phase 1 */
         }
         if (rc) return -1;
     }
+    if (is_buffer_arg) finish_buffer_args(cs);
     return 0;
 }
 
@@ -812,7 +856,7 @@ PyObject *alloc_like(call_state *cs, const ragvit_tensor *like, const char *name
         }
         return (PyObject *)obj;
     }
-    if (like->device_type == RAGVIT_DEVICE_CPU) {
+    if (slot->kind == IMPORT_NUMPY && like->device_type == RAGVIT_DEVICE_CPU) {
         /* Every dtype NumPy has, so an op's own dtype check (which runs after this)
          * is what rejects an unsupported input, with its message. */
         int typenum = dtype == RAGVIT_DTYPE_F16    ? NPY_FLOAT16
@@ -823,28 +867,98 @@ PyObject *alloc_like(call_state *cs, const ragvit_tensor *like, const char *name
                       : dtype == RAGVIT_DTYPE_U8   ? NPY_UINT8
                       : dtype == RAGVIT_DTYPE_BOOL ? NPY_BOOL
                                                    : -1;
-        if (typenum < 0) {
-            raise_failure(
-                ragvit_fail(RAGVIT_STATUS_INVALID_DTYPE,
-                            "%s: %s must be given (out=) for bfloat16 host arrays, got none (NumPy "
-                            "has no bfloat16)",
-                            cs->op, name));
-            return NULL;
+        if (typenum >= 0) {
+            npy_intp dims[RAGVIT_MAX_DIMS];
+            for (int i = 0; i < ndim; i++) dims[i] = (npy_intp)shape[i];
+            PyObject *arr = PyArray_SimpleNew(ndim, dims, typenum);
+            if (arr == NULL) return NULL;
+            if (view_numpy(cs, arr, name, view) != 0) {
+                Py_DECREF(arr);
+                return NULL;
+            }
+            return arr;
         }
-        npy_intp dims[RAGVIT_MAX_DIMS];
-        for (int i = 0; i < ndim; i++) dims[i] = (npy_intp)shape[i];
-        PyObject *arr = PyArray_SimpleNew(ndim, dims, typenum);
-        if (arr == NULL) return NULL;
-        if (view_numpy(cs, arr, name, view) != 0) {
-            Py_DECREF(arr);
-            return NULL;
-        }
-        return arr;
     }
-    raise_failure(
-        ragvit_fail(RAGVIT_STATUS_INVALID_VALUE,
-                    "%s: %s must be given for CUDA inputs of type %s, got none (the type offers no "
-                    "DLPack exchange API allocator)",
-                    cs->op, name, Py_TYPE(slot->obj)->tp_name));
-    return NULL;
+    PyObject *buffer = buffer_new(cs, like->device_type, like->device_id, dtype, ndim, shape);
+    if (buffer == NULL) return NULL;
+    view_buffer(view, (const buffer_object *)buffer);
+    if (finish_view(cs, name, view)) {
+        Py_DECREF(buffer);
+        return NULL;
+    }
+    cs->wrap_arg = slot->obj;
+    return buffer;
+}
+
+/* ---- outputs in the caller's array type ---- */
+
+/* Whether entry still describes type: its weak reference is alive (a dead type's address
+ * may be reused by a new one). */
+static int namespace_entry_matches(const namespace_cache_entry *entry, PyTypeObject *type) {
+    if (entry->type != type || entry->type_ref == NULL) return 0;
+#if PY_VERSION_HEX >= 0x030D0000
+    PyObject *referent = NULL;
+    if (PyWeakref_GetRef(entry->type_ref, &referent) < 0) {
+        PyErr_Clear();
+        return 0;
+    }
+    Py_XDECREF(referent);
+    return referent == (PyObject *)type;
+#else
+    return PyWeakref_GET_OBJECT(entry->type_ref) == (PyObject *)type; /* borrowed */
+#endif
+}
+
+/* *from_dlpack (new reference, or NULL: the type has no __array_namespace__): the
+ * from_dlpack of obj's array namespace, cached per type. A namespace's own exception
+ * propagates (-1). */
+static int namespace_from_dlpack(module_state *st, PyObject *obj, PyObject **from_dlpack) {
+    PyTypeObject *type = Py_TYPE(obj);
+    *from_dlpack = NULL;
+    for (int i = 0; i < NAMESPACE_CACHE_SIZE; i++) {
+        const namespace_cache_entry *entry = &st->namespace_cache[i];
+        if (namespace_entry_matches(entry, type)) {
+            *from_dlpack = Py_XNewRef(entry->from_dlpack);
+            return 0;
+        }
+    }
+    PyObject *method = NULL, *ns = NULL, *fn = NULL;
+    if (lookup_optional(obj, st->str_array_namespace, &method) < 0) return -1;
+    if (method != NULL) {
+        ns = PyObject_CallNoArgs(method);
+        Py_DECREF(method);
+        if (ns == NULL) return -1;
+        const int found = lookup_optional(ns, st->str_from_dlpack, &fn);
+        Py_DECREF(ns);
+        if (found < 0) return -1;
+    }
+    PyObject *type_ref = PyWeakref_NewRef((PyObject *)type, NULL);
+    if (type_ref == NULL) {
+        PyErr_Clear(); /* not cached: looked up again next time */
+    } else {
+        namespace_cache_entry *entry = &st->namespace_cache[st->namespace_cache_next];
+        st->namespace_cache_next = (st->namespace_cache_next + 1) % NAMESPACE_CACHE_SIZE;
+        Py_XDECREF(entry->type_ref);
+        Py_XDECREF(entry->from_dlpack);
+        entry->type = type;
+        entry->type_ref = type_ref;
+        entry->from_dlpack = Py_XNewRef(fn);
+    }
+    *from_dlpack = fn;
+    return 0;
+}
+
+PyObject *wrap_output(call_state *cs, PyObject *obj) {
+    module_state *st = cs->st;
+    if (obj == NULL || !Py_IS_TYPE(obj, st->buffer_type) || cs->wrap_arg == NULL) return obj;
+    PyObject *from_dlpack = NULL;
+    if (namespace_from_dlpack(st, cs->wrap_arg, &from_dlpack) < 0) {
+        Py_DECREF(obj);
+        return NULL;
+    }
+    if (from_dlpack == NULL) return obj;
+    PyObject *wrapped = PyObject_Vectorcall(from_dlpack, &obj, 1, NULL);
+    Py_DECREF(from_dlpack);
+    Py_DECREF(obj);
+    return wrapped;
 }

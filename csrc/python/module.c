@@ -1,12 +1,16 @@
 /* module.c — ragvit._C's lifecycle: the method table, the PyModuleDef with
  * multi-phase init (Py_mod_exec), and the module state (core context, exchange
- * API cache, torch's is_neg and _increment_version once a torch tensor was seen,
- * interned attribute names) with its traverse/clear/free.
+ * API cache, the array-namespace cache, the ragvit.Buffer type, torch's is_neg
+ * and _increment_version once a torch tensor was seen, interned attribute names)
+ * with its traverse/clear/free.
  * Layout of the glue: errors.c raises, args.c parses, interop.c imports and
- * allocates, bind_<family>.c wrap the ops, docs.h holds every docstring.
+ * allocates, buffer.c holds ragvit.Buffer, bind_<family>.c wrap the ops, docs.h
+ * holds every docstring.
  * Decision: everything a call needs lives in the module state, not in C
  * globals, so each (sub)interpreter's module owns its own cache and context. */
 #include "glue.h"
+
+#include <structmember.h>
 
 #include "docs.h"
 
@@ -36,6 +40,48 @@ static PyMethodDef module_methods[] = {
     {NULL, NULL, 0, NULL},
 };
 
+/* ---- ragvit.Buffer (buffer.c) ---- */
+
+static PyMethodDef buffer_methods[] = {
+    {"__dlpack__", (PyCFunction)(void (*)(void))buffer_dlpack, METH_FASTCALL | METH_KEYWORDS,
+     buffer_dlpack_doc},
+    {"__dlpack_device__", buffer_dlpack_device, METH_NOARGS, buffer_dlpack_device_doc},
+    {NULL, NULL, 0, NULL},
+};
+
+static PyGetSetDef buffer_getset[] = {
+    {"shape", buffer_get_shape, NULL, "The shape, a tuple of ints.", NULL},
+    {"ndim", buffer_get_ndim, NULL, "The number of dimensions.", NULL},
+    {"dtype", buffer_get_dtype, NULL, "The element type's name, e.g. 'float32'.", NULL},
+    {"__cuda_array_interface__", buffer_get_cai, NULL, buffer_cai_doc, NULL},
+    {"__array_interface__", buffer_get_array_interface, NULL, buffer_array_interface_doc, NULL},
+    {NULL, NULL, NULL, NULL, NULL},
+};
+
+static PyMemberDef buffer_members[] = {
+    {"__weaklistoffset__", T_PYSSIZET, offsetof(buffer_object, weakreflist), READONLY, NULL},
+    {NULL, 0, 0, 0, NULL},
+};
+
+static PyType_Slot buffer_slots[] = {
+    {Py_tp_dealloc, (void *)buffer_dealloc},
+    {Py_tp_repr, (void *)buffer_repr},
+    {Py_tp_methods, buffer_methods},
+    {Py_tp_getset, buffer_getset},
+    {Py_tp_members, buffer_members},
+    {Py_tp_doc, (void *)buffer_doc},
+    {0, NULL},
+};
+
+/* Instances are made by the ops only (no constructor); the type is immutable. */
+static PyType_Spec buffer_spec = {
+    .name = "ragvit.Buffer",
+    .basicsize = sizeof(buffer_object),
+    .itemsize = 0,
+    .flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_DISALLOW_INSTANTIATION | Py_TPFLAGS_IMMUTABLETYPE,
+    .slots = buffer_slots,
+};
+
 static int module_exec(PyObject *module) {
     module_state *st = (module_state *)PyModule_GetState(module);
     if (import_numpy_api() < 0) return -1;
@@ -49,9 +95,17 @@ static int module_exec(PyObject *module) {
     st->str_exchange_api = PyUnicode_InternFromString("__dlpack_c_exchange_api__");
     st->str_stream = PyUnicode_InternFromString("stream");
     st->str_max_version = PyUnicode_InternFromString("max_version");
+    st->str_array_namespace = PyUnicode_InternFromString("__array_namespace__");
+    st->str_from_dlpack = PyUnicode_InternFromString("from_dlpack");
     st->max_version = Py_BuildValue("(ii)", 1, 0);
     if (!st->str_dlpack || !st->str_dlpack_device || !st->str_cai || !st->str_cuda_stream ||
-        !st->str_exchange_api || !st->str_stream || !st->str_max_version || !st->max_version) {
+        !st->str_exchange_api || !st->str_stream || !st->str_max_version ||
+        !st->str_array_namespace || !st->str_from_dlpack || !st->max_version) {
+        return -1;
+    }
+    st->buffer_type = (PyTypeObject *)PyType_FromModuleAndSpec(module, &buffer_spec, NULL);
+    if (st->buffer_type == NULL ||
+        PyModule_AddObjectRef(module, "Buffer", (PyObject *)st->buffer_type) < 0) {
         return -1;
     }
     if (PyModule_AddIntConstant(module, "TOPK_INDEX_MAX_COLS", RAGVIT_TOPK_MAX_COLS) < 0) {
@@ -64,6 +118,11 @@ static int module_traverse(PyObject *module, visitproc visit, void *arg) {
     module_state *st = (module_state *)PyModule_GetState(module);
     if (st == NULL) return 0;
     for (int i = 0; i < st->api_cache_count; i++) Py_VISIT(st->api_cache[i].type);
+    for (int i = 0; i < NAMESPACE_CACHE_SIZE; i++) {
+        Py_VISIT(st->namespace_cache[i].type_ref);
+        Py_VISIT(st->namespace_cache[i].from_dlpack);
+    }
+    Py_VISIT(st->buffer_type);
     Py_VISIT(st->torch_is_neg);
     Py_VISIT(st->torch_increment_version);
     Py_VISIT(st->torch_is_grad_enabled);
@@ -75,6 +134,12 @@ static int module_clear(PyObject *module) {
     if (st == NULL) return 0;
     for (int i = 0; i < st->api_cache_count; i++) Py_CLEAR(st->api_cache[i].type);
     st->api_cache_count = 0;
+    for (int i = 0; i < NAMESPACE_CACHE_SIZE; i++) {
+        st->namespace_cache[i].type = NULL;
+        Py_CLEAR(st->namespace_cache[i].type_ref);
+        Py_CLEAR(st->namespace_cache[i].from_dlpack);
+    }
+    Py_CLEAR(st->buffer_type);
     Py_CLEAR(st->str_dlpack);
     Py_CLEAR(st->str_dlpack_device);
     Py_CLEAR(st->str_cai);
@@ -82,6 +147,8 @@ static int module_clear(PyObject *module) {
     Py_CLEAR(st->str_exchange_api);
     Py_CLEAR(st->str_stream);
     Py_CLEAR(st->str_max_version);
+    Py_CLEAR(st->str_array_namespace);
+    Py_CLEAR(st->str_from_dlpack);
     Py_CLEAR(st->max_version);
     Py_CLEAR(st->torch_is_neg);
     Py_CLEAR(st->torch_increment_version);
