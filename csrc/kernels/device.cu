@@ -223,10 +223,19 @@ extern "C" ragvit_status ragvit_cuda_memory_alloc(ragvit_device_info *dev, size_
     return RAGVIT_STATUS_OK;
 }
 
+/* A stream destroyed since the buffer was handed to it is refused by CUDA: the device's work
+ * is then waited for (the destroyed stream's included) and the memory freed on the legacy
+ * stream. At exit the runtime may be unloading: the process frees everything. */
 extern "C" ragvit_status ragvit_cuda_memory_free(int32_t device_id, void *data, void *stream) {
     cuda_device_guard guard;
     RAGVIT_TRY(guard.enter(device_id));
-    CUDA_TRY(cudaFreeAsync(data, (cudaStream_t)stream));
+    const cudaError_t e = cudaFreeAsync(data, (cudaStream_t)stream);
+    if (e == cudaSuccess || e == cudaErrorCudartUnloading) return RAGVIT_STATUS_OK;
+    (void)cudaGetLastError();
+    if (stream == NULL)
+        return ragvit_cuda_fail((int)e, "cudaFreeAsync(data, stream)", __FILE__, __LINE__);
+    CUDA_TRY(cudaDeviceSynchronize());
+    CUDA_TRY(cudaFreeAsync(data, (cudaStream_t)NULL));
     return RAGVIT_STATUS_OK;
 }
 

@@ -1,6 +1,6 @@
 /* docs.h — every docstring of ragvit._C, grouped like the bind_<family>.c
- * files: the module, attention, the pack family, the row ops, topk_index, then
- * the runtime functions. Each op's text is a one-line signature, a summary,
+ * files: the module, attention, the pack family, the row ops, topk_index, the
+ * runtime functions, then ragvit.Buffer. Each op's text is a one-line signature, a summary,
  * then Args (shapes, dtypes), Returns and Raises.
  * Included by module.c only: PyDoc_STRVAR defines a static array, and a second
  * includer would hold a copy it never uses (an unused-variable warning). */
@@ -391,8 +391,8 @@ PyDoc_STRVAR(buffer_doc,
              "CUDA memory comes from a per-device stream-ordered pool: allocated on the call's\n"
              "stream and freed, once unreferenced, in order on the stream it was last handed to\n"
              "(the call's, then each DLPack consumer's stream), so dropping it while a kernel\n"
-             "still uses it is safe; that stream must still exist then. The pool keeps freed\n"
-             "memory for later calls. Passed back to a ragvit op, a Buffer is read directly\n"
+             "still uses it is safe (drop it before that stream is destroyed). The pool keeps\n"
+             "freed memory for later calls. Passed back to a ragvit op, a Buffer is read directly\n"
              "(the call's stream waits on the buffer's).\n"
              "\n"
              "Attributes: shape (tuple), ndim, dtype (name, e.g. 'float32').");
