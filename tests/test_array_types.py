@@ -1,0 +1,558 @@
+"""Outputs in the caller's array type, and ragvit.Buffer, the outputs ragvit allocates itself.
+
+Every op that allocates is called without out= on arrays of one library and must return that
+library's arrays with the values the NumPy path computes (the same C backend on the CPU, the
+float64 reference for attention): array_api_strict on the CPU; CuPy (on the default and on a
+non-default stream), JAX and Numba (through the CUDA Array Interface) on the GPU. NumPy stays
+NumPy. A producer with neither an allocator nor __array_namespace__ gets the ragvit.Buffer
+itself, which must round-trip through numpy.from_dlpack and torch.from_dlpack without a copy,
+honour stream=, max_version=, dl_device= and copy= as the array API standard says, outlive
+the inputs and be freed when its last consumer goes.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import gc
+import sys
+import tracemalloc
+import weakref
+
+import numpy as np
+import pytest
+import torch
+from support.checks import check_attention
+from support.devices import requires_cuda
+
+import ragvit
+
+kDLCPU, kDLCUDA = 1, 2
+
+# ---- the ops that allocate, on small float32 problems ----
+
+
+def _problems(rng, **kw) -> dict:
+    """op name -> (call(arrays) -> result, dict of NumPy inputs); kw goes to every op."""
+
+    def floats(*shape):
+        return rng.standard_normal(shape).astype(np.float32)
+
+    cu = np.array([0, 2, 5], np.int32)
+    q = floats(10, 2, 32)
+    return {
+        "attention": (lambda a: ragvit.attention(a["q"], a["k"], a["v"], a["cu_seqlens"], **kw),
+                      {"q": q, "k": floats(10, 2, 32), "v": floats(10, 2, 32),
+                       "cu_seqlens": np.array([0, 4, 10], np.int32)}),
+        "pack": (lambda a: ragvit.pack(a["x"], a["keep"], **kw),
+                 {"x": floats(2, 3, 4), "keep": np.array([[1, 0, 1], [1, 1, 0]], bool)}),
+        "unpack": (lambda a: ragvit.unpack(a["packed"], a["cu_seqlens"], 4, **kw),
+                   {"packed": floats(5, 4), "cu_seqlens": cu}),
+        "gather_prefix": (lambda a: ragvit.gather_prefix(a["packed"], a["cu_seqlens"], 1, **kw),
+                          {"packed": floats(5, 4), "cu_seqlens": cu}),
+        "segment_mean": (lambda a: ragvit.segment_mean(a["packed"], a["cu_seqlens"], **kw),
+                         {"packed": floats(5, 4), "cu_seqlens": cu}),
+        "repack": (lambda a: ragvit.repack(a["packed"], a["cu_seqlens"], a["keep"], **kw),
+                   {"packed": floats(5, 4), "cu_seqlens": cu,
+                    "keep": np.array([1, 0, 1, 1, 0], bool)}),
+        "linear": (lambda a: ragvit.linear(a["x"], a["weight"], a["bias"], **kw),
+                   {"x": floats(5, 8), "weight": floats(3, 8), "bias": floats(3)}),
+        "layer_norm": (lambda a: ragvit.layer_norm(a["x"], a["weight"], a["bias"], **kw),
+                       {"x": floats(5, 8), "weight": floats(8), "bias": floats(8)}),
+        "gelu": (lambda a: ragvit.gelu(a["x"], **kw), {"x": floats(5, 8)}),
+        "topk_index": (lambda a: ragvit.topk_index(a["scores"], 2, prefix=1, **kw),
+                       {"scores": floats(2, 6)}),
+    }
+
+
+OPS = list(_problems(np.random.default_rng(0)))
+
+
+def _rng(seed):
+    return np.random.default_rng(seed % 2**63)
+
+
+def _as_tuple(result):
+    return result if isinstance(result, tuple) else (result,)
+
+
+def _check_same(got, expected, *, exact: bool, note: str = ""):
+    """got (NumPy) equals expected: bit for bit when exact, else within fp32 rounding."""
+    assert got.dtype == expected.dtype and got.shape == expected.shape, note
+    if exact or expected.dtype.kind in "biu":
+        np.testing.assert_array_equal(got, expected, err_msg=note)
+    else:
+        np.testing.assert_allclose(got, expected, rtol=2e-5, atol=2e-5, err_msg=note)
+
+
+class DLPackOnly:
+    """A producer with __dlpack__ and nothing else: no allocator, no __array_namespace__."""
+
+    def __init__(self, array):
+        self.array = array
+
+    def __dlpack_device__(self):
+        return self.array.__dlpack_device__()
+
+    def __dlpack__(self, **kwargs):
+        return self.array.__dlpack__(**kwargs)
+
+
+def _host_buffer(shape=(5, 8), dtype=torch.float32):
+    """A host ragvit.Buffer holding gelu(x), and x."""
+    x = torch.randn(shape).to(dtype)
+    out = ragvit.gelu(DLPackOnly(x))
+    assert isinstance(out, ragvit.Buffer)
+    return out, x
+
+
+# ---- array_api_strict and NumPy on the CPU ----
+
+
+@pytest.mark.parametrize("op", OPS)
+def test_array_api_strict_inputs_get_array_api_strict_outputs(op, seed):
+    xp = pytest.importorskip("array_api_strict")
+    call, inputs = _problems(_rng(seed))[op]
+    expected = _as_tuple(call(inputs))
+    got = _as_tuple(call({name: xp.asarray(a) for name, a in inputs.items()}))
+    assert len(got) == len(expected)
+    for g, e in zip(got, expected, strict=True):
+        assert type(g) is type(xp.asarray(0)), f"{op}: got {type(g).__name__}"
+        _check_same(np.from_dlpack(g), e, exact=True, note=f"{op}, seed={seed}")
+
+
+@pytest.mark.parametrize("op", OPS)
+def test_numpy_inputs_get_numpy_outputs(op, seed):
+    call, inputs = _problems(_rng(seed))[op]
+    for result in _as_tuple(call(inputs)):
+        assert type(result) is np.ndarray, f"{op}: got {type(result).__name__}"
+
+
+def test_array_api_strict_attention_matches_the_reference(seed):
+    xp = pytest.importorskip("array_api_strict")
+    _, inputs = _problems(_rng(seed))["attention"]
+    args = [xp.asarray(inputs[n]) for n in ("q", "k", "v", "cu_seqlens")]
+    out = ragvit.attention(*args)
+    q, k, v, cu = (torch.from_numpy(inputs[n]) for n in ("q", "k", "v", "cu_seqlens"))
+    check_attention(torch.from_numpy(np.from_dlpack(out)), q, k, v, cu, seed=seed)
+
+
+@pytest.mark.parametrize("op", OPS)
+def test_producers_without_a_namespace_get_a_buffer(op, seed):
+    call, inputs = _problems(_rng(seed))[op]
+    expected = _as_tuple(call(inputs))
+    got = _as_tuple(call({name: DLPackOnly(a) for name, a in inputs.items()}))
+    for g, e in zip(got, expected, strict=True):
+        assert isinstance(g, ragvit.Buffer)
+        assert g.shape == e.shape and g.ndim == e.ndim and g.dtype == e.dtype.name
+        _check_same(np.from_dlpack(g), e, exact=True, note=f"{op}, seed={seed}")
+
+
+def test_a_buffer_is_read_back_directly_by_the_next_op():
+    x = torch.randn(5, 8)
+    h = ragvit.gelu(DLPackOnly(x))
+    y = ragvit.layer_norm(h)  # a Buffer argument: the first array decides the output type
+    assert isinstance(y, ragvit.Buffer)
+    expected = ragvit.layer_norm(ragvit.gelu(x))
+    assert torch.equal(torch.from_dlpack(y), expected)
+
+
+# ---- ragvit.Buffer: round trips, protocols, refusals ----
+
+
+def test_buffer_round_trips_through_numpy_without_a_copy():
+    buf, x = _host_buffer()
+    expected = ragvit.gelu(x).numpy()
+    a = np.from_dlpack(buf)
+    np.testing.assert_array_equal(a, expected)
+    interface = buf.__array_interface__
+    assert interface["version"] == 3 and interface["typestr"] == "<f4"
+    assert interface["shape"] == (5, 8) and interface["strides"] is None
+    assert a.ctypes.data == interface["data"][0], "numpy.from_dlpack copied"
+    b = np.asarray(buf)  # through __array_interface__
+    assert b.ctypes.data == interface["data"][0] and b.flags.writeable
+    a[0, 0] = 42.0
+    assert b[0, 0] == 42.0
+
+
+def test_buffer_round_trips_through_torch_without_a_copy():
+    buf, x = _host_buffer()
+    t = torch.from_dlpack(buf)
+    assert torch.equal(t, ragvit.gelu(x))
+    assert t.data_ptr() == buf.__array_interface__["data"][0], "torch.from_dlpack copied"
+    assert t.data_ptr() % 64 == 0, "host buffers are 64-byte aligned"
+
+
+def test_bfloat16_buffers_export_through_dlpack_only():
+    buf, x = _host_buffer(dtype=torch.bfloat16)
+    assert buf.dtype == "bfloat16"
+    assert not hasattr(buf, "__array_interface__")
+    assert not hasattr(buf, "__cuda_array_interface__")
+    assert torch.equal(torch.from_dlpack(buf), ragvit.gelu(x))
+
+
+def test_host_buffer_has_no_cuda_array_interface():
+    buf, _ = _host_buffer()
+    assert not hasattr(buf, "__cuda_array_interface__")
+    assert buf.__dlpack_device__() == (kDLCPU, 0)
+    assert repr(buf) == "ragvit.Buffer(shape=(5, 8), dtype=float32, device=cpu)"
+
+
+_capsule_name = ctypes.pythonapi.PyCapsule_GetName
+_capsule_name.restype, _capsule_name.argtypes = ctypes.c_char_p, [ctypes.py_object]
+_capsule_pointer = ctypes.pythonapi.PyCapsule_GetPointer
+_capsule_pointer.restype = ctypes.c_void_p
+_capsule_pointer.argtypes = [ctypes.py_object, ctypes.c_char_p]
+
+
+@pytest.mark.parametrize(
+    "max_version, name, version",
+    [
+        (None, b"dltensor", None),
+        ((0, 8), b"dltensor", None),
+        ((1, 0), b"dltensor_versioned", (1, 0)),
+        ((1, 1), b"dltensor_versioned", (1, 1)),
+        ((1, 9), b"dltensor_versioned", (1, 3)),
+        ((2, 0), b"dltensor_versioned", (1, 3)),
+    ],
+)
+def test_dlpack_capsule_follows_max_version(max_version, name, version):
+    buf, _ = _host_buffer()
+    kwargs = {} if max_version is None else {"max_version": max_version}
+    capsule = buf.__dlpack__(**kwargs)
+    assert _capsule_name(capsule) == name
+    if version is not None:  # DLManagedTensorVersioned opens with {uint32 major, minor}
+        pair = (ctypes.c_uint32 * 2).from_address(_capsule_pointer(capsule, name))
+        assert (pair[0], pair[1]) == version
+    ref = weakref.ref(buf)
+    del buf
+    gc.collect()
+    assert ref() is not None, "an unconsumed capsule must hold its buffer"
+    del capsule
+    gc.collect()
+    assert ref() is None, "an unconsumed capsule must release its buffer"
+
+
+def test_dlpack_accepts_the_standard_keywords_on_the_host():
+    buf, _ = _host_buffer()
+    for kwargs in ({"stream": None}, {"stream": -1}, {"dl_device": (kDLCPU, 0)},
+                   {"copy": False}, {"copy": None}, {"dl_device": None}):
+        assert _capsule_name(buf.__dlpack__(**kwargs)) == b"dltensor"
+
+
+@pytest.mark.parametrize(
+    "kwargs, error, match",
+    [
+        ({"stream": 0}, ValueError, r"stream must be None or -1 for a host buffer, got 0"),
+        ({"stream": 7}, ValueError, r"stream must be None or -1 for a host buffer, got 7"),
+        ({"stream": "s"}, TypeError, r"stream must be an int or None, got str"),
+        ({"stream": True}, TypeError, r"stream must be an int or None, got bool"),
+        ({"max_version": "1.0"}, TypeError, r"max_version must be None or a \(major, minor\)"),
+        ({"max_version": (1,)}, TypeError, r"max_version must be None or a \(major, minor\)"),
+        ({"max_version": (1, -1)}, TypeError, r"max_version must be None or a \(major, minor\)"),
+        ({"dl_device": (kDLCUDA, 0)}, BufferError, r"dl_device must be the buffer's own device"),
+        ({"dl_device": "cpu"}, BufferError, r"dl_device must be the buffer's own device"),
+        ({"copy": True}, BufferError, r"copy must be None or False, got True"),
+        ({"strean": None}, TypeError, r"unexpected keyword 'strean'"),
+    ],
+)
+def test_dlpack_refusals(kwargs, error, match):
+    buf, _ = _host_buffer()
+    with pytest.raises(error, match=match):
+        buf.__dlpack__(**kwargs)
+
+
+def test_dlpack_refuses_positional_arguments():
+    buf, _ = _host_buffer()
+    with pytest.raises(TypeError, match="keyword arguments only"):
+        buf.__dlpack__(None)
+
+
+def test_buffer_cannot_be_made_by_hand():
+    with pytest.raises(TypeError):
+        ragvit.Buffer()
+
+
+# ---- lifetimes ----
+
+
+def test_buffer_is_freed_when_its_last_consumer_goes():
+    buf, x = _host_buffer()
+    expected = ragvit.gelu(x)
+    ref = weakref.ref(buf)
+    t = torch.from_dlpack(buf)
+    a = np.from_dlpack(buf)
+    del buf
+    gc.collect()
+    assert ref() is not None
+    garbage = [torch.full((4096,), float("nan")) for _ in range(16)]  # reuse freed memory
+    assert torch.equal(t, expected) and np.array_equal(a, expected.numpy())
+    del t
+    gc.collect()
+    assert ref() is not None, "numpy's array still holds it"
+    del a, garbage
+    gc.collect()
+    assert ref() is None
+
+
+def test_output_outlives_its_inputs(seed):
+    xp = pytest.importorskip("array_api_strict")
+    call, inputs = _problems(_rng(seed))["attention"]
+    expected = call(inputs)
+    args = {name: xp.asarray(a.copy()) for name, a in inputs.items()}
+    refs = [weakref.ref(a) for a in args.values()]
+    result = call(args)
+    del args
+    gc.collect()
+    assert all(r() is None for r in refs), "ragvit kept an input alive"
+    garbage = [np.full(4096, np.nan, np.float32) for _ in range(16)]
+    np.testing.assert_array_equal(np.from_dlpack(result), expected)
+    del garbage
+
+
+def test_namespace_cache_keeps_no_class_alive():
+    xp = pytest.importorskip("array_api_strict")
+
+    class Strict:
+        """A user class whose namespace is array_api_strict's."""
+
+        def __init__(self, array):
+            self.array = xp.asarray(array)
+
+        def __dlpack_device__(self):
+            return self.array.__dlpack_device__()
+
+        def __dlpack__(self, **kwargs):
+            return self.array.__dlpack__(**kwargs)
+
+        def __array_namespace__(self, api_version=None):
+            return xp
+
+    out = ragvit.gelu(Strict(np.ones((2, 3), np.float32)))
+    assert type(out) is type(xp.asarray(0))
+    ref = weakref.ref(Strict)
+    del Strict
+    gc.collect()
+    assert ref() is None, "the namespace cache kept a user class alive"
+
+
+def test_a_namespace_error_propagates():
+    class Broken(DLPackOnly):
+        def __array_namespace__(self, api_version=None):
+            raise RuntimeError("no namespace today")
+
+    with pytest.raises(RuntimeError, match="no namespace today"):
+        ragvit.gelu(Broken(np.ones((2, 3), np.float32)))
+
+
+def test_many_types_through_the_namespace_cache(seed):
+    """More types than the cache holds, in turn: each still gets its own namespace."""
+    xp = pytest.importorskip("array_api_strict")
+    namespaces = []
+    for i in range(12):
+        fake = type(f"Fake{i}", (DLPackOnly,), {"__array_namespace__": lambda self, **k: xp})
+        namespaces.append(fake)
+    x = _rng(seed).standard_normal((3, 4)).astype(np.float32)
+    for _ in range(2):
+        for cls in namespaces + [DLPackOnly]:
+            out = ragvit.gelu(cls(x))
+            if cls is DLPackOnly:
+                assert isinstance(out, ragvit.Buffer)
+            else:
+                assert type(out) is type(xp.asarray(0))
+
+
+def test_ten_thousand_calls_leak_nothing(seed):
+    xp = pytest.importorskip("array_api_strict")
+    x = xp.asarray(_rng(seed).standard_normal((4, 8)).astype(np.float32))
+    fake = DLPackOnly(np.ones((4, 8), np.float32))
+    for _ in range(100):
+        ragvit.gelu(x)
+        ragvit.gelu(fake)
+    counts = (sys.getrefcount(x), sys.getrefcount(fake))
+    tracemalloc.start()
+    try:
+        before = tracemalloc.get_traced_memory()[0]
+        for _ in range(10_000):
+            ragvit.gelu(x)
+            ragvit.gelu(fake)
+        growth = tracemalloc.get_traced_memory()[0] - before
+    finally:
+        tracemalloc.stop()
+    assert (sys.getrefcount(x), sys.getrefcount(fake)) == counts
+    assert growth < 64 * 1024, f"traced memory grew by {growth} bytes over 10k calls"
+
+
+# ---- CUDA (GPU machine) ----
+
+
+def _cuda_problem_inputs(seed, to, **kw):
+    """op -> (call, inputs converted by `to`, the NumPy path's results); kw goes to the ops
+    on the converted inputs only."""
+    host = _problems(_rng(seed))
+    device = _problems(_rng(seed), **kw)
+    return {op: (device[op][0], {n: to(a) for n, a in inputs.items()}, _as_tuple(call(inputs)))
+            for op, (call, inputs) in host.items()}
+
+
+def _cupy():
+    cupy = pytest.importorskip("cupy")
+    try:
+        cupy.cuda.runtime.getDeviceCount()
+    except Exception as error:  # a wheel without a usable driver
+        pytest.skip(f"cupy has no CUDA device: {error}")
+    return cupy
+
+
+@pytest.mark.gpu
+@requires_cuda
+@pytest.mark.parametrize("stream_kind", ["default", "non_default", "non_default_given"])
+@pytest.mark.parametrize("op", OPS)
+def test_cupy_inputs_get_cupy_outputs(op, stream_kind, seed):
+    cupy = _cupy()
+    stream = cupy.cuda.Stream.null if stream_kind == "default" else cupy.cuda.Stream(
+        non_blocking=True)
+    kw = {"stream": stream.ptr} if stream_kind == "non_default_given" else {}
+    call, inputs, expected = _cuda_problem_inputs(seed, cupy.asarray, **kw)[op]
+    cupy.cuda.Device().synchronize()
+    with stream:
+        got = _as_tuple(call(inputs))
+    stream.synchronize()
+    cupy.cuda.Device().synchronize()
+    for g, e in zip(got, expected, strict=True):
+        assert type(g) is cupy.ndarray, f"{op}: got {type(g).__name__}"
+        _check_same(cupy.asnumpy(g), e, exact=op in ("pack", "repack", "unpack",
+                                                    "gather_prefix", "topk_index"),
+                    note=f"{op}, {stream_kind}, seed={seed}")
+    del got, g  # before the stream their free is ordered on
+
+
+@pytest.mark.gpu
+@requires_cuda
+@pytest.mark.sanitizer
+def test_cupy_attention_matches_the_reference_on_two_streams(gen, seed):
+    cupy = _cupy()
+    lengths = (197, 1, 64)
+    total, heads, dim = sum(lengths), 6, 64
+    q, k, v = (torch.randn(total, heads, dim, generator=gen).half() for _ in range(3))
+    cu = torch.tensor(np.concatenate([[0], np.cumsum(lengths)]), dtype=torch.int32)
+    args = [cupy.asarray(t.numpy()) for t in (q, k, v, cu)]
+    for stream in (cupy.cuda.Stream.null, cupy.cuda.Stream(non_blocking=True)):
+        with stream:
+            out = ragvit.attention(*args, max(lengths))
+        stream.synchronize()
+        assert type(out) is cupy.ndarray
+        check_attention(torch.from_numpy(cupy.asnumpy(out)), q, k, v, cu, seed=seed)
+        del out  # before the stream its free is ordered on
+
+
+@pytest.mark.gpu
+@requires_cuda
+@pytest.mark.sanitizer
+def test_deleting_an_output_while_its_kernel_runs_is_safe(gen, seed):
+    """The free is stream-ordered: the memory is reused only after the kernel that writes
+    it has run, so the next output's values stay right."""
+    cupy = _cupy()
+    x = torch.randn(4096, 256, generator=gen).cuda()
+    expected = torch.nn.functional.gelu(x)
+    stream = torch.cuda.Stream()
+    with torch.cuda.stream(stream):
+        cx = cupy.asarray(x)  # CAI v2 of torch: ready now (synchronized above)
+        torch.cuda.synchronize()
+        for _ in range(8):
+            torch.cuda._sleep(20_000_000)  # keeps the stream busy while outputs are dropped
+            out = ragvit.gelu(cx, stream=stream.cuda_stream)
+            del out
+        torch.cuda._sleep(20_000_000)
+        kept = ragvit.gelu(cx, stream=stream.cuda_stream)
+    stream.synchronize()
+    torch.testing.assert_close(torch.as_tensor(kept, device="cuda"), expected,
+                               rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.gpu
+@requires_cuda
+def test_cupy_ten_thousand_calls_keep_device_memory_flat(seed):
+    cupy = _cupy()
+    _, inputs = _problems(_rng(seed))["attention"]
+    args = [cupy.asarray(inputs[n]) for n in ("q", "k", "v", "cu_seqlens")]
+    for _ in range(100):
+        ragvit.attention(*args, 6)
+    cupy.cuda.Device().synchronize()
+    free_before = cupy.cuda.runtime.memGetInfo()[0]
+    for _ in range(10_000):
+        ragvit.attention(*args, 6)
+    cupy.cuda.Device().synchronize()
+    free_after = cupy.cuda.runtime.memGetInfo()[0]
+    assert free_before - free_after <= 2 * 2**20, (
+        f"device memory fell by {free_before - free_after} bytes over 10k calls")
+
+
+@pytest.mark.gpu
+@requires_cuda
+@pytest.mark.sanitizer
+def test_cuda_buffer_protocols(seed):
+    x = torch.randn(5, 8, device="cuda")
+    buf = ragvit.gelu(DLPackOnly(x))
+    assert isinstance(buf, ragvit.Buffer)
+    device = x.device.index or 0
+    assert buf.__dlpack_device__() == (kDLCUDA, device)
+    assert not hasattr(buf, "__array_interface__")
+    cai = buf.__cuda_array_interface__
+    assert cai["version"] == 3 and cai["typestr"] == "<f4" and cai["shape"] == (5, 8)
+    assert cai["stream"] == 1, "launched on the legacy default stream"
+    t = torch.from_dlpack(buf)  # torch's current stream: the legacy one here
+    assert t.data_ptr() == cai["data"][0], "torch.from_dlpack copied"
+    torch.testing.assert_close(t, torch.nn.functional.gelu(x), rtol=1e-5, atol=1e-5)
+    for stream in (None, -1, 1, 2):
+        buf.__dlpack__(stream=stream)
+    side = torch.cuda.Stream()
+    buf.__dlpack__(stream=side.cuda_stream)
+    assert buf.__cuda_array_interface__["stream"] == side.cuda_stream, "last used on side"
+    for bad in (0, -2):
+        with pytest.raises(ValueError, match=r"stream must be None, -1, 1 \(legacy default\)"):
+            buf.__dlpack__(stream=bad)
+    with pytest.raises(BufferError, match="dl_device must be the buffer's own device"):
+        buf.__dlpack__(dl_device=(kDLCPU, 0))
+    torch.cuda.synchronize()
+
+
+@pytest.mark.gpu
+@requires_cuda
+@pytest.mark.parametrize("op", OPS)
+def test_numba_cuda_arrays_get_buffers(op, seed):
+    numba_cuda = pytest.importorskip("numba.cuda")
+    if not numba_cuda.is_available():
+        pytest.skip("numba sees no CUDA device")
+    problems = _cuda_problem_inputs(seed, numba_cuda.to_device)
+    call, inputs, expected = problems[op]
+    got = _as_tuple(call(inputs))
+    torch.cuda.synchronize()
+    for g, e in zip(got, expected, strict=True):
+        assert isinstance(g, ragvit.Buffer), f"{op}: got {type(g).__name__}"
+        back = numba_cuda.as_cuda_array(g)  # through the buffer's CUDA Array Interface
+        _check_same(back.copy_to_host(), e, exact=op in ("pack", "repack", "unpack",
+                                                          "gather_prefix", "topk_index"),
+                    note=f"{op}, seed={seed}")
+
+
+@pytest.mark.gpu
+@requires_cuda
+@pytest.mark.parametrize("op", OPS)
+def test_jax_inputs_get_jax_outputs(op, seed):
+    jax = pytest.importorskip("jax")
+    try:
+        gpu = jax.devices("gpu")[0]
+    except RuntimeError as error:
+        pytest.skip(f"jax has no GPU backend: {error}")
+    from jax.experimental import enable_x64
+
+    with enable_x64():  # topk_index returns int64
+        problems = _cuda_problem_inputs(seed, lambda a: jax.device_put(a, gpu))
+        call, inputs, expected = problems[op]
+        got = _as_tuple(call(inputs))
+        for g, e in zip(got, expected, strict=True):
+            assert isinstance(g, jax.Array), f"{op}: got {type(g).__name__}"
+            assert g.devices() == {gpu}
+            _check_same(np.asarray(g), e, exact=op in ("pack", "repack", "unpack",
+                                                        "gather_prefix", "topk_index"),
+                        note=f"{op}, seed={seed}")
