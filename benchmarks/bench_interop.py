@@ -8,7 +8,10 @@ small torch allocation, the empty-kernel launch from C (`ragvit._C._launch_empty
 of any op that launches a kernel), and `ragvit.attention` on one token (five tensors imported
 through the DLPack C exchange API, the current stream, checks and one launch). The launch
 floor and the attention call are also timed side by side in alternating blocks, so their
-ratio is free of clock drift. Needs a CUDA GPU.
+ratio is free of clock drift. With CuPy installed, the same attention call on CuPy arrays with
+`out=` and without it (the output a ragvit.Buffer from ragvit's stream-ordered pool, returned
+as a CuPy array through `cupy.from_dlpack`), also timed side by side: their difference is the
+host cost of an output ragvit allocates for a library without an allocator. Needs a CUDA GPU.
 ``python benchmarks/bench_interop.py [--out PREFIX]`` writes PREFIX.md/.json.
 """
 
@@ -50,6 +53,25 @@ def calls(device: int) -> tuple[dict, torch.Tensor]:
     }, v
 
 
+def cupy_calls() -> tuple[dict, object] | None:
+    """The CuPy rows (None without CuPy): attention on CuPy arrays with and without out=."""
+    try:
+        import cupy
+    except ImportError:
+        return None
+    qkv = cupy.random.standard_normal((1, 3, 1, 64)).astype(cupy.float16)
+    q, k, v = qkv[:, 0], qkv[:, 1], qkv[:, 2]
+    out = cupy.empty_like(q)
+    cu = cupy.asarray([0, 1], dtype=cupy.int32)
+    attention = ragvit.attention
+    return {
+        "cupy_out": ("CuPy: `ragvit.attention(q, k, v, cu_seqlens, 1, out=out)`, T = 1",
+                     lambda: attention(q, k, v, cu, 1, out=out)),
+        "cupy_alloc": ("CuPy: the same call without `out=` (a CuPy array over a ragvit.Buffer, "
+                       "dropped)", lambda: attention(q, k, v, cu, 1)),
+    }, v
+
+
 def render(rows: list, env: dict) -> str:
     lines = [
         "# Host cost of the tensor hand-off",
@@ -63,7 +85,7 @@ def render(rows: list, env: dict) -> str:
         "| --- | --- |",
     ]
     for r in rows:
-        if r["name"] == "attention_over_floor":
+        if r["name"] in ("attention_over_floor", "cupy_alloc_over_out"):
             continue
         lines.append(f"| {r['what']} | {r['median']:.2f} ({r['p20']:.2f}-{r['p80']:.2f}) |")
     ratio = next(r for r in rows if r["name"] == "attention_over_floor")
@@ -71,6 +93,13 @@ def render(rows: list, env: dict) -> str:
               f"{ratio['median']:.2f} (p10-p90 {ratio['p10']:.2f}-{ratio['p90']:.2f}); "
               f"the blocks' medians: attention {ratio['attention_us']:.2f} µs, floor "
               f"{ratio['floor_us']:.2f} µs.", ""]
+    cupy_pair = next((r for r in rows if r["name"] == "cupy_alloc_over_out"), None)
+    if cupy_pair is not None:
+        c = cupy_pair
+        lines += [f"CuPy `ragvit.attention` without / with `out=`, timed in alternating blocks: "
+                  f"{c['median']:.2f} (p10-p90 {c['p10']:.2f}-{c['p90']:.2f}); the blocks' "
+                  f"medians: without {c['alloc_us']:.2f} µs, with {c['out_us']:.2f} µs, "
+                  f"difference {c['alloc_us'] - c['out_us']:.2f} µs.", ""]
     return "\n".join(lines)
 
 
@@ -91,6 +120,17 @@ def main(argv=None) -> int:
     if not torch.equal(got, v):
         print("ragvit.attention on one token differs from its value row")
         return 1
+    cupy_fns = cupy_calls()
+    if cupy_fns is not None:
+        cupy_fns, cupy_v = cupy_fns
+        for name, (_, fn) in cupy_fns.items():
+            got = fn()
+            if type(got) is not type(cupy_v) or not bool((got == cupy_v).all()):
+                print(f"{name}: the CuPy call returned {type(got).__name__}, not its value row")
+                return 1
+        fns.update(cupy_fns)
+    else:
+        print("CuPy is not installed: no CuPy rows")
     print("all results match")
     rows = []
     for name, (what, fn) in fns.items():
@@ -104,6 +144,14 @@ def main(argv=None) -> int:
     rows.append({"name": "attention_over_floor", "what": "ratio", "median": r.median,
                  "p10": r.p10, "p90": r.p90, "attention_us": stats["attention"].median,
                  "floor_us": stats["floor"].median})
+    if cupy_fns is not None:
+        stats, ratios = timing.host_us_interleaved(
+            {"alloc": fns["cupy_alloc"][1], "out": fns["cupy_out"][1]},
+            {"ratio": ("alloc", "out")}, calls=args.calls)
+        r = ratios["ratio"]
+        rows.append({"name": "cupy_alloc_over_out", "what": "ratio", "median": r.median,
+                     "p10": r.p10, "p90": r.p90, "alloc_us": stats["alloc"].median,
+                     "out_us": stats["out"].median})
     return report.publish(rows, 0, render, args.out, device="cuda", calls=args.calls)
 
 
