@@ -544,9 +544,9 @@ def test_jax_inputs_get_jax_outputs(op, seed):
         gpu = jax.devices("gpu")[0]
     except RuntimeError as error:
         pytest.skip(f"jax has no GPU backend: {error}")
-    from jax.experimental import enable_x64
-
-    with enable_x64():  # topk_index returns int64
+    was_x64 = jax.config.jax_enable_x64
+    jax.config.update("jax_enable_x64", True)  # topk_index returns int64
+    try:
         problems = _cuda_problem_inputs(seed, lambda a: jax.device_put(a, gpu))
         call, inputs, expected = problems[op]
         got = _as_tuple(call(inputs))
@@ -556,3 +556,5 @@ def test_jax_inputs_get_jax_outputs(op, seed):
             _check_same(np.asarray(g), e, exact=op in ("pack", "repack", "unpack",
                                                         "gather_prefix", "topk_index"),
                         note=f"{op}, seed={seed}")
+    finally:
+        jax.config.update("jax_enable_x64", was_x64)
