@@ -66,8 +66,9 @@ enum import_kind { IMPORT_EXCHANGE = 1, IMPORT_NUMPY, IMPORT_DLPACK, IMPORT_CAI,
 /* ragvit.Buffer: an output ragvit allocated itself, exported through DLPack and the CUDA
  * (or NumPy) array interface. Its fields never change after creation, except `stream`. */
 typedef struct {
-    PyObject_HEAD void *data; /* owned: ragvit_memory_alloc */
-    int32_t device_type;      /* RAGVIT_DEVICE_* */
+    PyObject ob_base;    /* PyObject_HEAD, spelled out so clang-format keeps one field a line */
+    void *data;          /* owned: ragvit_memory_alloc */
+    int32_t device_type; /* RAGVIT_DEVICE_* */
     int32_t device_id;
     int32_t dtype;
     int32_t ndim;
