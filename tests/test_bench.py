@@ -23,6 +23,7 @@ import sys
 
 import pytest
 from support.devices import CUDA_OK, requires_cuda
+from support.inputs import seed_note
 
 pytest.importorskip("timm")
 
@@ -815,6 +816,79 @@ def test_paper_forward_refuses_other_policies(gen):
         with pytest.raises(ValueError, match="the paper's pipeline prunes once with a fixed "
                                              "keep ratio"):
             pipelines.paper_forward(model, x, policy)
+
+
+@pytest.mark.parametrize("name", ["deit_tiny_patch16_224", "deit_tiny_distilled_patch16_224"])
+@pytest.mark.parametrize("layers,keep", [((4,), 0.5), ((2, 5, 8), 0.3)], ids=["one", "three"])
+def test_dense_gather_matches_reference_and_ragvit(name, layers, keep, gen, seed):
+    """pipelines.dense_gather_forward (timm's blocks on the gathered kept tokens): logits
+    equal the padded-masked reference replaying its decisions, and its decisions equal
+    ragvit's and the reference's own at every pruning point (fp32, CPU)."""
+    import timm
+    import torch
+
+    import ragvit
+    from ragvit import reference
+    from ragvit.bench import pipelines
+    from ragvit.pruning import ThresholdL2
+
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = timm.create_model(name, pretrained=False, img_size=64).eval()
+    x = torch.randn(3, 3, 64, 64, generator=gen)
+    policy = ThresholdL2(keep, layers=layers)
+    with torch.inference_mode():
+        got, decided = pipelines.dense_gather_forward(model, x, policy, return_decisions=True)
+        replayed = reference.vit_forward_reference(model, x, policy, decisions=decided)
+        _, own = reference.vit_forward_reference(model, x, policy, return_decisions=True)
+        with pipelines.patched(model, policy):
+            _, ours = ragvit.forward_with_decisions(model, x)
+        plain = pipelines.dense_gather_forward(model, x, policy)
+    assert pipelines.max_err(got, replayed) <= 1e-4, seed_note(seed)
+    assert torch.equal(plain, got)
+    assert len(decided) == len(layers)
+    for mine, theirs, ragvits in zip(decided, own, ours, strict=True):
+        assert mine.dtype == torch.bool and mine.shape == theirs.shape
+        assert torch.equal(mine, theirs) and torch.equal(mine, ragvits), seed_note(seed)
+
+
+def test_dense_gather_refuses_data_dependent_policies(gen):
+    """Only fixed keep counts make a dense batch; check() lists the pipeline as
+    unavailable for the others instead of failing."""
+    import timm
+    import torch
+
+    from ragvit.bench import pipelines
+    from ragvit.pruning import EViT, ThresholdL2
+
+    model = timm.create_model("deit_tiny_patch16_224", pretrained=False, img_size=64).eval()
+    x = torch.randn(2, 3, 64, 64, generator=gen)
+    cases = [(ThresholdL2(threshold=1.0), "not ThresholdL2 with a threshold"),
+             (EViT(0.7, layers=(3,)), "not EViT")]
+    for policy, words in cases:
+        assert words in pipelines.dense_gather_unsupported(policy)
+        with pytest.raises(ValueError, match="dense_gather_forward: dense_gather runs fixed keep "
+                                             "counts"):
+            pipelines.dense_gather_forward(model, x, policy)
+        with torch.inference_mode():
+            result = pipelines.check(model, x, policy, ("dense_gather", "ragvit"))
+        assert result["err"]["dense_gather"] is None and result["ok"]
+        assert "fixed keep counts" in result["unavailable"]["dense_gather"]
+
+
+def test_compile_mode_and_default_pipelines():
+    """reduce-overhead (CUDA graphs) up to batch 16, default above; on the CPU the sweep's
+    default pipelines leave the compiled ones out (named, they run)."""
+    from ragvit.bench import pipelines, sweep
+
+    assert [pipelines.compile_mode(b) for b in (1, 16, 17, 256)] == [
+        "reduce-overhead", "reduce-overhead", "default", "default"]
+    assert set(pipelines.COMPILED) <= set(pipelines.PIPELINES)
+    config = sweep.BenchConfig(device="cpu").resolve()
+    assert not set(config.pipelines) & set(pipelines.COMPILED)
+    assert "dense_gather" in config.pipelines
+    named = sweep.BenchConfig(device="cpu", pipelines=("dense_gather_compiled",)).resolve()
+    assert named.pipelines == ("dense_gather_compiled",)
 
 
 @pytest.mark.parametrize("policy_name", ["l2_keep50_b4", "tome_r2_b3", "none"])

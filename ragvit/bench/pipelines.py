@@ -14,11 +14,12 @@ import contextlib
 import math
 
 __all__ = [
-    "DTYPES", "EXACT_FLOOR", "GPU_ONLY", "MODELS", "PIPELINES", "TOLERANCE", "UNPRUNED",
-    "check", "fa2_attention", "fa2_attention_cls", "fa2_attention_for", "fa2_unsupported",
-    "graphed", "load_model", "make_pipeline", "make_policy", "max_err", "model_problem",
-    "own_decisions_err",
-    "paper_forward", "patched", "timm_forward", "torch_dtype",
+    "COMPILED", "DTYPES", "EXACT_FLOOR", "GPU_ONLY", "MODELS", "PIPELINES", "TOLERANCE",
+    "UNPRUNED", "check", "compile_mode", "compiled", "dense_gather_forward",
+    "dense_gather_unsupported", "fa2_attention", "fa2_attention_cls", "fa2_attention_for",
+    "fa2_unsupported", "graphed", "load_model", "make_pipeline", "make_policy", "max_err",
+    "model_problem", "own_decisions_err", "paper_forward", "patched", "timm_forward",
+    "torch_dtype",
 ]
 
 # Aliases for the timm names (any other timm VisionTransformer name works as well).
@@ -28,20 +29,32 @@ MODELS = {
     "deit_b": "deit_base_patch16_224",
     "deit_b384": "deit_base_patch16_384",
 }
-# timm_eager    the unpruned timm model (its own forward)
-# timm_graph    the same, replayed as one CUDA graph (GPU only)
-# reference     ragvit.reference.vit_forward_reference: the same pruning on padded tensors with
-#               key-padding masks and SDPA (what users write without ragvit)
-# paper_fa2     the paper's pipeline (paper_forward): its syncing packer and FA2 varlen on
-#               torch's modules (GPU only; ThresholdL2 with a fixed keep, one pruning point)
-# fa2_packed    ragvit's packed pipeline with torch's FA2 varlen as attention (GPU only)
-# ragvit        ragvit.patch(model, policy), eager
-# ragvit_graph  the same through ragvit.cuda_graph, one CUDA graph per batch size (GPU only;
-#               data-dependent policies, e.g. a ThresholdL2 threshold, run in capacity mode)
-PIPELINES = ("timm_eager", "timm_graph", "reference", "paper_fa2", "fa2_packed", "ragvit",
+# timm_eager        the unpruned timm model (its own forward)
+# timm_graph        the same, replayed as one CUDA graph (GPU only)
+# timm_compiled     the same under torch.compile (compile_mode: reduce-overhead at batch <= 16)
+# reference         ragvit.reference.vit_forward_reference: the same pruning on padded tensors
+#                   with key-padding masks and SDPA (what users write without ragvit)
+# dense_gather      fixed keep counts only: timm's own blocks on the kept tokens gathered
+#                   into a dense (B, P + k, C) batch (dense_gather_forward)
+# dense_gather_compiled  the same under torch.compile: the strongest alternative for fixed
+#                   counts (reduce-overhead at batch <= 16, default above)
+# paper_fa2         the paper's FA2-varlen baseline pipeline (paper_forward), not the paper's
+#                   Triton method: its syncing packer (three host syncs) and FA2 varlen on
+#                   torch's modules (GPU only; ThresholdL2 with a fixed keep, one pruning point)
+# fa2_packed        ragvit's packed pipeline with torch's FA2 varlen as attention and torch's
+#                   modules (GPU only)
+# fa2_packed_graph  the same replayed as one CUDA graph (GPU only; fixed counts)
+# ragvit            ragvit.patch(model, policy), eager
+# ragvit_graph      the same through ragvit.cuda_graph, one CUDA graph per batch size (GPU
+#                   only; data-dependent policies, e.g. a ThresholdL2 threshold, run in
+#                   capacity mode)
+PIPELINES = ("timm_eager", "timm_graph", "timm_compiled", "reference", "dense_gather",
+             "dense_gather_compiled", "paper_fa2", "fa2_packed", "fa2_packed_graph", "ragvit",
              "ragvit_graph")
-GPU_ONLY = ("timm_graph", "paper_fa2", "fa2_packed", "ragvit_graph")
-UNPRUNED = ("timm_eager", "timm_graph")
+GPU_ONLY = ("timm_graph", "paper_fa2", "fa2_packed", "fa2_packed_graph", "ragvit_graph")
+UNPRUNED = ("timm_eager", "timm_graph", "timm_compiled")
+# compiled once per model and batch before timing (tens of seconds each): run when named
+COMPILED = ("timm_compiled", "dense_gather_compiled")
 DTYPES = ("fp32", "fp16", "bf16")
 # max |dlogit| allowed against the reference (fp16: a patched DeiT on the GPU).
 TOLERANCE = {"fp32": 1e-4, "fp16": 4e-3, "bf16": 3e-2}
@@ -173,9 +186,12 @@ def fa2_attention_for(policy):
 def paper_forward(model, x, policy, attention=None, *, return_decisions: bool = False):
     """The paper's pruned pipeline, as its code runs it: timm's blocks on the padded batch up
     to the pruning point, then the paper's packer (counts, cumsum, ``.item()`` for the total
-    and for max_seqlen, ``nonzero``, ``index_select``: two host syncs, data-dependent shapes,
-    so no CUDA graph) and the remaining blocks on packed rows with torch's modules and FA2
-    varlen attention. Its decisions equal ThresholdL2's (ties keep the earlier token).
+    and for max_seqlen, ``nonzero``, ``index_select``: three host syncs, data-dependent
+    shapes, so no CUDA graph) and the remaining blocks on packed rows with torch's modules
+    and FA2 varlen attention: the paper's FA2-varlen baseline, not its Triton method (which
+    the paper measures at the same throughput). Its decisions equal ThresholdL2's (ties
+    keep the earlier token); the paper's own code scores all N tokens, CLS included, keeps
+    int(N * r) and then forces CLS in, which can keep one token more or fewer.
 
     Args:
         model: a timm VisionTransformer with a class token, in eval.
@@ -215,6 +231,7 @@ def paper_forward(model, x, policy, attention=None, *, return_decisions: bool = 
     cu_seqlens = torch.nn.functional.pad(torch.cumsum(counts, 0, dtype=torch.int32), (1, 0))
     total = int(cu_seqlens[-1].item())  # host sync 1
     max_seqlen = int(counts.max().item())  # host sync 2
+    # host sync 3: nonzero sizes its output from the device
     rows = h.reshape(B * N, C).index_select(0, keep.reshape(-1).nonzero().squeeze(1))
     for blk in model.blocks[layer:]:
         attn = blk.attn
@@ -227,6 +244,85 @@ def paper_forward(model, x, policy, attention=None, *, return_decisions: bool = 
     first = cu_seqlens[:-1].long()[:, None] + torch.arange(P, device=rows.device)
     logits = model.forward_head(model.norm(rows[first]))
     return (logits, [keep]) if return_decisions else logits
+
+
+def dense_gather_unsupported(policy) -> str | None:
+    """Why dense_gather cannot run `policy`, or None: it needs the same kept count in every
+    image (ThresholdL2 with a keep ratio, pruning at block inputs)."""
+    from ..pruning import ThresholdL2
+
+    if isinstance(policy, ThresholdL2) and policy.keep is not None:
+        return None
+    return (f"dense_gather runs fixed keep counts (ThresholdL2(keep=...)), not "
+            f"{type(policy).__name__}" + (" with a threshold" if isinstance(
+                policy, ThresholdL2) else ""))
+
+
+def dense_gather_forward(model, x, policy, *, return_decisions: bool = False):
+    """The strongest pruned forward a torch user writes for fixed keep counts: timm's own
+    blocks (SDPA, cuDNN) on a dense (B, P + k, C) batch, the kept tokens gathered at each
+    pruning point by ThresholdL2's rule (the L2 norm of the block input, top-k, ties to the
+    earlier token, kept tokens in position order). Nothing is ragged, nothing syncs the
+    host: CUDA graphs and torch.compile take it whole.
+
+    Args:
+        model: a timm VisionTransformer with a class token, in eval.
+        x: (B, 3, H, W) images.
+        policy: ThresholdL2 with a keep ratio (dense_gather_unsupported says why not).
+        return_decisions: also return the decisions in forward_with_decisions' format (per
+            pruning point, (B, N) bool over the embedded tokens still held).
+
+    Returns:
+        (B, num_classes) logits, or (logits, decisions) with return_decisions.
+    """
+    import torch
+
+    from ..pruning import kept_count
+
+    why = dense_gather_unsupported(policy)
+    if why is not None:
+        raise ValueError(f"dense_gather_forward: {why}")
+    P = int(model.num_prefix_tokens)
+    h = model.norm_pre(model.patch_drop(model._pos_embed(model.patch_embed(x))))
+    B, N, C = h.shape
+    origin = torch.arange(N, device=h.device).expand(B, N)
+    decisions, stage = [], 0
+    for i, blk in enumerate(model.blocks):
+        if stage < len(policy.layers) and policy.layers[stage] == i:
+            scores = torch.linalg.vector_norm(h[:, P:], dim=-1, dtype=torch.float32)
+            k = kept_count(policy.keep[stage], h.shape[1] - P)
+            top = torch.sort(torch.topk(scores, k, dim=1, sorted=False).indices, dim=1).values
+            index = torch.cat([torch.arange(P, device=h.device).expand(B, P), top + P], 1)
+            h = torch.gather(h, 1, index[:, :, None].expand(-1, -1, C))
+            origin = torch.gather(origin, 1, index)
+            if return_decisions:
+                decisions.append(torch.zeros(B, N, dtype=torch.bool, device=h.device)
+                                 .scatter_(1, origin, True))
+            stage += 1
+        h = blk(h)
+    logits = model.forward_head(model.norm(h))
+    return (logits, decisions) if return_decisions else logits
+
+
+def compile_mode(batch: int) -> str:
+    """torch.compile's mode for the compiled pipelines: reduce-overhead (CUDA graphs)
+    where the host bounds the forward (batch <= 16); default above. max-autotune would
+    autotune every GEMM shape of the model, minutes per model and batch on an H200, beyond
+    what one benchmark run spends on a baseline's compile."""
+    return "reduce-overhead" if batch <= 16 else "default"
+
+
+def compiled(fn, x, mode: str):
+    """torch.compile(fn, mode=mode, fullgraph=True), compiled and warmed up on x before any
+    timed call (compile time is not the forward's)."""
+    import torch
+
+    run = torch.compile(fn, mode=mode, fullgraph=True, dynamic=False)
+    for _ in range(3):
+        run(x)
+    if x.is_cuda:
+        torch.cuda.synchronize()
+    return run
 
 
 @contextlib.contextmanager
@@ -284,11 +380,23 @@ def make_pipeline(name: str, model, policy, x):
         yield lambda: timm_forward(model, x)
     elif name == "timm_graph":
         yield graphed(lambda inp: timm_forward(model, inp), x)
+    elif name == "timm_compiled":
+        run = compiled(lambda inp: timm_forward(model, inp), x, compile_mode(x.shape[0]))
+        yield lambda: run(x)
+    elif name == "dense_gather":
+        yield lambda: dense_gather_forward(model, x, policy)
+    elif name == "dense_gather_compiled":
+        run = compiled(lambda inp: dense_gather_forward(model, inp, policy), x,
+                       compile_mode(x.shape[0]))
+        yield lambda: run(x)
     elif name == "reference":
         yield lambda: reference.vit_forward_reference(model, x, policy)
     elif name == "fa2_packed":
         with patched(model, policy, attention=fa2_attention_for(policy)):
             yield lambda: model(x)
+    elif name == "fa2_packed_graph":
+        with patched(model, policy, attention=fa2_attention_for(policy)):
+            yield graphed(model, x)
     elif name == "paper_fa2":
         yield lambda: paper_forward(model, x, policy)
     elif name == "ragvit":
@@ -318,14 +426,19 @@ def _replay_err(model, x, policy, logits, decided) -> float:
     return max_err(logits, reference.vit_forward_reference(model, x, policy, decisions=decided))
 
 
-def own_decisions_err(model, x, policy, attention) -> float:
-    """max |dlogit| of ragvit's packed pipeline with a replacement attention (an FA2
-    pipeline) against the reference replaying that pipeline's own decisions."""
+def own_decisions(model, x, policy, attention):
+    """(logits, decisions) of ragvit's packed pipeline with a replacement attention (an FA2
+    pipeline)."""
     from .. import timm_patch
 
     with patched(model, policy, attention=attention):
-        logits, decided = timm_patch.forward_with_decisions(model, x)
-    return _replay_err(model, x, policy, logits, decided)
+        return timm_patch.forward_with_decisions(model, x)
+
+
+def own_decisions_err(model, x, policy, attention) -> float:
+    """max |dlogit| of ragvit's packed pipeline with a replacement attention (an FA2
+    pipeline) against the reference replaying that pipeline's own decisions."""
+    return _replay_err(model, x, policy, *own_decisions(model, x, policy, attention))
 
 
 def check(model, x, policy, pipelines, dtype: str = "fp32") -> dict:
@@ -333,8 +446,9 @@ def check(model, x, policy, pipelines, dtype: str = "fp32") -> dict:
 
     Pruned pipelines compare with the reference replaying their decisions (so numerical
     noise cannot flip a choice): ragvit's for ragvit and ragvit_graph, their own for
-    paper_fa2 and fa2_packed (torch's modules may rank a near-tie the other way in
-    fp16); unpruned ones with the unpruned reference.
+    paper_fa2, fa2_packed and dense_gather (torch's modules may rank a near-tie the other
+    way in fp16), their eager form's for the graphed and compiled forms; unpruned ones
+    with the unpruned reference.
 
     Returns:
         {"err": {pipeline: float or None}, "unavailable": {pipeline: reason},
@@ -370,6 +484,16 @@ def check(model, x, policy, pipelines, dtype: str = "fp32") -> dict:
             if name == "paper_fa2":
                 logits, own = paper_forward(model, x, policy, return_decisions=True)
                 err[name] = _replay_err(model, x, policy, logits, own)
+                continue
+            # the graphed and compiled forms against the reference replaying the decisions
+            # of their eager form (the same computation)
+            if name == "fa2_packed_graph":
+                _, own = own_decisions(model, x, policy, fa2_attention_for(policy))
+            elif name in ("dense_gather", "dense_gather_compiled"):
+                _, own = dense_gather_forward(model, x, policy, return_decisions=True)
+            if name in ("fa2_packed_graph", "dense_gather", "dense_gather_compiled"):
+                with make_pipeline(name, model, policy, x) as fn:
+                    err[name] = _replay_err(model, x, policy, fn(), own)
                 continue
             with make_pipeline(name, model, policy, x) as fn:
                 logits = fn()
