@@ -21,14 +21,21 @@ Suites:
             fixed keep 50% and ragged threshold 1.0); kept-token fractions.
   graph     DeiT-S/B 224, batch 1/4/16, ThresholdL2 keep 50% after block 4: ragvit_graph vs
             ragvit eager, timm unpruned eager and graph, paper_fa2 and fa2_packed.
+  baselines DeiT-S/B 224, batch 1/16/256, ThresholdL2 keep 50% after block 4: ragvit eager and
+            as a graph against the strongest alternatives for fixed counts (dense_gather eager
+            and compiled, paper_fa2, fa2_packed_graph); not in `all` (its compiles take
+            minutes).
 Pipelines (ragvit.bench.pipelines.make_pipeline builds them; same process, same inputs):
   timm_eager / timm_graph  the unpruned timm model, eager / replayed as one CUDA graph
   reference    ragvit.reference.vit_forward_reference: the same pruning on padded tensors,
                key-padding masks, SDPA (what users write without ragvit)
-  paper_fa2    the paper's pipeline (ragvit.bench.pipelines.paper_forward): timm's blocks, its
-               packer with two host syncs (.item(), nonzero), then torch's modules and FA2
-               varlen on the packed rows (graph suite; checked against the reference replaying
-               its own decisions)
+  paper_fa2    the paper's FA2-varlen baseline pipeline (ragvit.bench.pipelines.paper_forward;
+               not its Triton method): timm's blocks, its packer with three host syncs (two
+               .item(), a nonzero), then torch's modules and FA2 varlen on the packed rows
+               (checked against the reference replaying its own decisions)
+  dense_gather / dense_gather_compiled   fixed counts: timm's blocks on the gathered kept
+               tokens, eager / under torch.compile
+  fa2_packed_graph   fa2_packed replayed as one CUDA graph
   fa2_packed   ragvit's packed pipeline with torch's FA2 varlen as attention; for EViT/ATS
                plus the head-mean CLS attention row in torch ops (FA2 does not return it);
                n/a for ToMe (FA2 varlen takes no per-key bias for proportional attention)
@@ -70,13 +77,15 @@ MODELS = {
     "DeiT-B 384": ("deit_base_patch16_384", 384),
     "DeiT-T 64": ("deit_tiny_patch16_224", 64),  # --tiny (CPU smoke test)
 }
-SUITE_MINUTES = {"paper": 2.0, "policies": 2.7, "graph": 1.0}  # H200 measurements
+# H200 measurements; baselines: an estimate dominated by torch.compile (two models, three
+# batch sizes, one compile each)
+SUITE_MINUTES = {"paper": 2.0, "policies": 2.7, "graph": 1.0, "baselines": 6.0}
 SUITES = tuple(SUITE_MINUTES)
 # Calls per pipeline per timing round, the last one timed (timing.interleaved_ms): the graph
 # suite's replays are GPU-bound and short, so each is timed after two more of its own, with
 # its model's weights back in L2 (DeiT-S's fit) as when a model is served alone; the eager
 # suites are host-bound and take one call per round.
-BURST = {"paper": 1, "policies": 1, "graph": 3}
+BURST = {"paper": 1, "policies": 1, "graph": 3, "baselines": 3}
 
 
 class Context:
@@ -92,7 +101,10 @@ class Context:
         self.suite_end = self.end
 
     def pipelines(self, names):
-        return tuple(n for n in names if self.device == "cuda" or n not in GPU_ONLY)
+        """names that run here: on the CPU (--tiny) neither the GPU-only pipelines nor the
+        compiled ones (inductor's CPU compile of a ViT takes minutes)."""
+        return tuple(n for n in names
+                     if self.device == "cuda" or n not in GPU_ONLY + pipelines.COMPILED)
 
     def start_suite(self, suite, remaining):
         """This suite's deadline: its estimate's share of the budget that is left."""
@@ -538,7 +550,45 @@ def render_selection(rows) -> list[str]:
     return lines
 
 
-RENDER = {"paper": render_paper, "policies": render_policies, "graph": render_graph}
+BASELINES = ("dense_gather", "dense_gather_compiled", "paper_fa2", "fa2_packed_graph")
+OURS = ("ragvit", "ragvit_graph")
+
+
+def render_baselines(rows) -> list[str]:
+    """ragvit's best form against the fastest correct alternative of the same row."""
+    names = BASELINES + OURS
+    head = ("| model | BS | img/s: " + " / ".join(names) + " | fastest alternative | "
+            "ragvit's best | ragvit's best / fastest alternative |")
+    lines = ["ThresholdL2 keep 50% after block 4, fixed counts: every pipeline a competent "
+             "user could write for them. dense_gather: timm's own blocks on the gathered kept "
+             "tokens (dense_gather_compiled: the same under torch.compile, reduce-overhead at "
+             "batch <= 16, default above); paper_fa2: the paper's FA2-varlen baseline pipeline "
+             "(three host syncs); fa2_packed_graph: ragvit's packed pipeline on FA2 varlen and "
+             "torch's modules, replayed as a CUDA graph.", "",
+             head, "|" + "---|" * (head.count("|") - 1)]
+    targets = []
+    for r in rows:
+        start = f"| {r['model']} | {r['batch']} | "
+        if _status(r):
+            lines.append(start + f"{_status(r)} | | | |")
+            continue
+        ips = {n: _ips(r, n) for n in names}
+        alt = max((n for n in BASELINES if ips[n]), key=lambda n: ips[n], default=None)
+        best = max((n for n in OURS if ips[n]), key=lambda n: ips[n], default=None)
+        lines.append(start + " / ".join(f"{v:.0f}" if v else "–" for v in ips.values())
+                     + f" | {alt or '–'} | {best or '–'} | "
+                     f"{_ratio(ips.get(best), ips.get(alt))} |")
+        if alt and best and ips["dense_gather_compiled"]:
+            need = 1.5 if r["batch"] <= 16 else 1.3
+            ratio = ips[best] / ips["dense_gather_compiled"]
+            targets.append((ratio >= need, f"{r['model']} BS {r['batch']} (>= {need}x)", ratio))
+    lines += ["", "Targets:", _target_line(
+        "ragvit's best >= 1.5x compiled dense_gather at batch 1-16, >= 1.3x at 256", targets)]
+    return lines
+
+
+RENDER = {"paper": render_paper, "policies": render_policies, "graph": render_graph,
+          "baselines": render_baselines}
 
 
 def render(rows, env) -> str:
@@ -585,7 +635,8 @@ def main(argv=None):
     parser.add_argument("--out", default=None, help="write PREFIX.md and PREFIX.json")
     args = parser.parse_args(argv)
     report.start_run()  # the host-speed probe at the run's start
-    suites = list(SUITES) if "all" in args.suite else list(dict.fromkeys(args.suite))
+    suites = ([s for s in SUITES if s != "baselines"] if "all" in args.suite
+              else list(dict.fromkeys(args.suite)))
     args.warmup = args.warmup if args.warmup is not None else (1 if args.tiny else 10)
     args.reps = args.reps if args.reps is not None else (3 if args.tiny else 50)
     if not args.tiny and (args.warmup < 10 or args.reps < 50):
@@ -632,6 +683,11 @@ def suite_plan(suite, args, ctx):
         models, batches = list(MODELS)[:2], [1, 16, 256]
         policies = lambda model: policy_configs(model, args.seed)  # noqa: E731
         pipeline_names = ("timm_eager", "reference", "fa2_packed", "ragvit")
+        lossless = False
+    elif suite == "baselines":
+        models, batches = list(MODELS)[:2], [1, 16, 256]
+        policies = lambda model: {"l2_keep50_b4": ("paper", ThresholdL2(0.5, layers=(4,)))}  # noqa: E731
+        pipeline_names = BASELINES + OURS
         lossless = False
     else:
         models, batches = list(MODELS)[:2], [1, 4, 16]

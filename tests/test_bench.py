@@ -441,6 +441,27 @@ def test_bench_e2e_tiny_all_suites(tmp_path):
     assert all(r["lossless_err"] <= r["lossless_bar"] for r in by_suite["paper"])
 
 
+def test_bench_e2e_tiny_baselines_suite(tmp_path):
+    """The baselines suite (not in all) checks dense_gather against the reference on its own
+    decisions and times it beside ragvit on the CPU; its table names the fastest
+    alternative and ragvit's best per row."""
+    prefix = str(tmp_path / "e2e")
+    r = run_script("bench_e2e.py", "--tiny", "--suite", "baselines", "--batches", "2", "--reps",
+                   "2", "--warmup", "0", "--out", prefix)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "baselines: all results match" in r.stdout
+    with open(prefix + ".json") as f:
+        data = json.load(f)
+    assert data["env"]["suites"] == ["baselines"]
+    [row] = data["rows"]
+    assert row["check"]["ok"] and row["check"]["err"]["dense_gather"] <= 1e-4
+    assert set(row["timing"]) == {"dense_gather", "ragvit"}  # the CPU runs neither graphs
+    with open(prefix + ".md") as f:                           # nor compiles
+        md = f.read()
+    assert "| fastest alternative | ragvit's best |" in md
+    assert "| DeiT-T 64 | 2 | " in md and "| dense_gather | ragvit |" in md
+
+
 def test_bench_e2e_lossless_bar_fails_the_run(monkeypatch, capsys):
     """bench_e2e.check_lossless: within twice timm's own error against float64 plus the
     floor on the CPU; a run whose lossless check misses its bar fails every row of that
