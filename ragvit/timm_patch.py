@@ -18,7 +18,9 @@ attention call; merged tokens (ToMe) carry sizes, and attention then adds log(si
 every key's logits through ragvit.attention's bias. On CPU rows the default forward
 runs attention as torch's SDPA on views of the qkv rows (`_cpu_attention`) and the row ops
 through torch's functions (`_TorchRowOps`): ragvit's C backend is single-threaded scalar
-C, slower there than torch.
+C, slower there than torch. Under torch.compile and torch.export the forward runs with a
+traced copy of its state (`_traced_state`: capacity mode, no host reads) and ragvit's ops
+trace as torch.ops.ragvit (ragvit.library); eager calls still go straight to C.
 
 Only eval-mode inference without autograd is supported (ragvit.attention has no
 backward; drop-path and dropout are identities in eval).
@@ -27,13 +29,15 @@ backward; drop-path and dropout are identities in eval).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import functools
 import warnings
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
-from . import ops
+from . import library, ops
 from .pruning import PruningPolicy, Selection, TokenBatch
 
 __all__ = ["UnsupportedModelError", "forward_with_decisions", "graph_capture", "is_patched",
@@ -64,7 +68,7 @@ class _PatchState:
 
     policy: PruningPolicy | None
     capacity: bool
-    attention: Any
+    attention: Any  # patch's attention=; None: ragvit.attention, looked up at each call
     saved_forward: Any  # an instance-level forward that existed before patch, or None
     had_forward: bool
     num_prefix: int
@@ -74,7 +78,8 @@ class _PatchState:
     row_ops: bool | None = None  # None: on CUDA; True: on any device; False: never
     gemm_embed: bool = False  # the patch embedding is a plain strided conv (_embed_is_gemm)
     direct_pos_embed: bool = False  # timm's own _pos_embed, static size (_pos_embed_is_direct)
-    cu_cache: dict = field(default_factory=dict)
+    cu_cache: dict | None = field(default_factory=dict)  # None: no cache (traced)
+    traced: bool = False  # the state a traced forward runs with (_traced_state)
 
 
 # ---- support checks ----
@@ -169,10 +174,12 @@ def _embed_is_gemm(model) -> bool:
             and not getattr(pe, "dynamic_img_pad", False))
 
 
-def _embed_patches(pe, x: torch.Tensor, as_gemm: bool, linear=None) -> torch.Tensor:
+def _embed_patches(pe, x: torch.Tensor, as_gemm: bool, linear=None,
+                   traced: bool = False) -> torch.Tensor:
     """model.patch_embed(x), as one GEMM on the patches (`linear`, default ragvit.linear)
     when as_gemm and x has the size the model was built for (the conv otherwise; cuDNN's
-    default algorithm for this stride-p conv is slow at small batch)."""
+    default algorithm for this stride-p conv is slow at small batch); traced: see
+    _patch_rows."""
     if not as_gemm or x.ndim != 4 or tuple(x.shape[-2:]) != tuple(pe.img_size):
         return pe(x)
     conv = pe.proj
@@ -180,23 +187,25 @@ def _embed_patches(pe, x: torch.Tensor, as_gemm: bool, linear=None) -> torch.Ten
     ph, pw = conv.kernel_size
     # (B, C, H/ph, ph, W/pw, pw) -> (B, H/ph, W/pw, C, ph, pw): rows in token order, columns
     # in the conv weight's (C, ph, pw) order.
-    patches = _patch_rows(x, ph, pw)
+    patches = _patch_rows(x, ph, pw, as_words=not traced)
     linear = ops.linear if linear is None else linear
     rows = linear(patches, conv.weight.reshape(conv.out_channels, -1), conv.bias)
     return rows.view(B, (H // ph) * (W // pw), conv.out_channels)
 
 
-def _patch_rows(x: torch.Tensor, ph: int, pw: int) -> torch.Tensor:
+def _patch_rows(x: torch.Tensor, ph: int, pw: int, as_words: bool = True) -> torch.Tensor:
     """(B, C, H, W) images -> (B * H/ph * W/pw, C * ph * pw) patch rows, the conv weight's
     (C, ph, pw) order in each row. A permuted copy; for a contiguous x whose patch rows are
     whole 8-byte words (pw * itemsize % 8 == 0: fp16/bf16/fp32 at pw = 16) it moves int64
     words, 4x fewer elements for 16-bit types (torch's copy of the 6-d permute is
-    index-bound: DeiT-B at batch 256 took 147 us); the bytes are the same either way."""
+    index-bound: DeiT-B at batch 256 took 147 us); the bytes are the same either way.
+    as_words=False (a traced forward: no data pointer to test, and the compiler generates its
+    own copy) always permutes elements."""
     B, C, H, W = x.shape
     h, w = H // ph, W // pw
     words = pw * x.element_size() // 8
-    if (x.is_contiguous() and pw * x.element_size() % 8 == 0 and (H, W) == (h * ph, w * pw)
-            and x.data_ptr() % 8 == 0 and x.numel() > 0):
+    if (as_words and x.is_contiguous() and pw * x.element_size() % 8 == 0
+            and (H, W) == (h * ph, w * pw) and x.data_ptr() % 8 == 0 and x.numel() > 0):
         x64 = x.view(torch.int64).view(B, C, h, ph, w, words)
         return x64.permute(0, 2, 4, 1, 3, 5).contiguous().view(x.dtype).view(
             B * h * w, C * ph * pw)
@@ -251,7 +260,11 @@ def patch(model, policy: PruningPolicy | None = None, *, capacity: bool = False,
             every block through ragvit.attention).
         capacity: for data-dependent policies, keep packed buffers at their worst-case
             size instead of reading the new total from the device after each pruning
-            point (no host sync; garbage rows past cu_seqlens[B] cost compute).
+            point (no host sync; garbage rows past cu_seqlens[B] cost compute). A forward
+            traced by torch.compile or torch.export always runs in capacity mode (a total
+            read on the host would break the graph), as ragvit.cuda_graph's captures do;
+            fixed-count policies are unaffected, data-dependent ones (ThresholdL2
+            threshold=, ATS) give the same logits either way. docs/compile.md.
         attention: a replacement for ragvit.attention with its signature (benchmarks
             use it to run the same pipeline on other attention ops). The default,
             ragvit.attention, runs on CPU rows as torch's SDPA on views of the qkv rows
@@ -283,7 +296,9 @@ def patch(model, policy: PruningPolicy | None = None, *, capacity: bool = False,
         fused_ops: the former name of row_ops, still accepted (DeprecationWarning).
 
     Returns:
-        model itself. Call it under torch.no_grad() or torch.inference_mode(), in eval.
+        model itself. Call it under torch.no_grad() or torch.inference_mode(), in eval
+        (also to compile or export it: torch.compile(model, fullgraph=True) and
+        torch.export.export(model, (x,)), strict or not, trace with no graph break).
 
     Raises:
         UnsupportedModelError (a ValueError and a TypeError): the model cannot be
@@ -323,7 +338,7 @@ def patch(model, policy: PruningPolicy | None = None, *, capacity: bool = False,
     state = _PatchState(
         policy=policy,
         capacity=capacity,
-        attention=attention if attention is not None else ops.attention,
+        attention=None if attention is ops.attention else attention,
         saved_forward=vars(model).get("forward"),
         had_forward=had_forward,
         num_prefix=int(model.num_prefix_tokens),
@@ -337,14 +352,31 @@ def patch(model, policy: PruningPolicy | None = None, *, capacity: bool = False,
         direct_pos_embed=_pos_embed_is_direct(model),
     )
 
+    traced = _traced_state(state)
+
     def forward(x: torch.Tensor) -> torch.Tensor:
-        return _forward(model, state, x)[0]
+        if not (torch.compiler.is_compiling() or torch.compiler.is_exporting()):
+            return _forward(model, state, x)[0]
+        if torch.compiler.is_dynamo_compiling():  # ragvit's C ops trace as torch.ops.ragvit
+            return _forward(model, traced, x)[0]
+        with library.routed_ops():  # tracing without Dynamo (non-strict torch.export)
+            return _forward(model, traced, x)[0]
 
     # object.__setattr__: nn.Module.__setattr__ would be fine for a function, but the
     # state must not become a submodule or buffer even if a policy is an nn.Module.
     object.__setattr__(model, _STATE_ATTR, state)
     object.__setattr__(model, "forward", forward)
     return model
+
+
+def _traced_state(state: _PatchState) -> _PatchState:
+    """The state a traced forward (torch.compile, torch.export) runs with: capacity mode
+    (a pruned total read on the host would break the graph), no cu_seqlens cache (a traced
+    graph makes its own constants), timm's own position embedding (_pos_embed's adds into
+    views of one buffer are what the compiler fuses anyway, and Dynamo cannot trace an out=
+    view) and the traced variants of the other host-side shortcuts (state.traced)."""
+    return dataclasses.replace(state, capacity=True, cu_cache=None, direct_pos_embed=False,
+                               traced=True)
 
 
 def unpatch(model):
@@ -439,7 +471,10 @@ class _Rows:
 
 
 def _uniform_cu(state: _PatchState, num_seqs: int, seq_len: int, device) -> torch.Tensor:
-    """(B+1,) int32 cu_seqlens of B images of seq_len tokens, cached per shape/device."""
+    """(B+1,) int32 cu_seqlens of B images of seq_len tokens, cached per shape/device (in
+    state.cu_cache; made afresh when it is None)."""
+    if state.cu_cache is None:
+        return torch.arange(num_seqs + 1, dtype=torch.int32, device=device) * seq_len
     key = (num_seqs, seq_len, device)
     cu = state.cu_cache.get(key)
     if cu is None:
@@ -459,14 +494,15 @@ def _check_mode(model) -> None:
 
 
 def _attention_half(blk, cur: _Rows, attention, cls_attn=None, want_value_norm=False,
-                    want_keys=False, dense=False, row_ops=None):
+                    want_keys=False, dense=False, row_ops=None, traced=False):
     """rows + ls1(attn(norm1(rows))) on packed rows (T, C); attention reads views of qkv,
     with bias log(size) per key once tokens have been merged (ToMe's proportional attention);
     dense: the rows are B whole images of seq_len tokens, attention is SDPA on (B, H, N, D)
     views instead (no cls_attn, no bias); row_ops (ragvit.ops or _TorchRowOps, or None for
     torch's modules): norm1, qkv and proj (with the residual add, in place on cur.rows)
-    through those row ops. On CPU rows the default attention runs through torch's SDPA
-    (_cpu_attention).
+    through those row ops. attention None is ragvit.attention: on CPU rows it runs through
+    torch's SDPA (_cpu_attention), except for ragged rows in a traced forward (traced), where
+    _cpu_attention's host read of cu_seqlens would break the graph.
 
     Returns:
         (rows, value_norm, keys): value_norm (T,) float32 head-mean L2 norm of the value
@@ -490,11 +526,12 @@ def _attention_half(blk, cur: _Rows, attention, cls_attn=None, want_value_norm=F
             2, 0, 3, 1, 4).unbind(0)  # (B, H, N, D) each, as timm's Attention
         o = torch.nn.functional.scaled_dot_product_attention(q, k, v, scale=attn.scale)
         o = o.transpose(1, 2).reshape(-1, attn.num_heads, attn.head_dim)
-    elif attention is ops.attention and not qkv.is_cuda:
+    elif attention is None and not qkv.is_cuda and (cur.seq_len is not None or not traced):
         o = _cpu_attention(qkv, cur.cu_seqlens, cur.seq_len, attn.scale, **kwargs)
     else:
         q, k, v = qkv.unbind(1)  # one op for the three views (host time at small batch)
-        o = attention(q, k, v, cur.cu_seqlens, cur.max_seqlen, scale=attn.scale, **kwargs)
+        o = (attention or ops.attention)(q, k, v, cur.cu_seqlens, cur.max_seqlen,
+                                         scale=attn.scale, **kwargs)
     value_norm = keys = None
     if want_value_norm:
         value_norm = torch.linalg.vector_norm(qkv[:, 2].float(), dim=-1).mean(dim=1)
@@ -674,7 +711,7 @@ def _forward(model, state: _PatchState, x: torch.Tensor, record: bool = False):
     _check_mode(model)
     row_ops = _use_row_ops(model, state, x)
     tokens = _embed_patches(model.patch_embed, x, row_ops and state.gemm_embed,
-                            row_ops and row_ops.linear)
+                            row_ops and row_ops.linear, state.traced)
     h = _pos_embed(model, tokens) if row_ops and state.direct_pos_embed else \
         model._pos_embed(tokens)
     h = model.norm_pre(model.patch_drop(h))
@@ -704,7 +741,7 @@ def _forward(model, state: _PatchState, x: torch.Tensor, record: bool = False):
                  and _dense_sdpa(state, B * N))
         cur.rows, value_norm, keys = _attention_half(
             blk, cur, state.attention, cls_attn, feeds and policy.needs_value_norm,
-            feeds and policy.needs_keys, dense, row_ops)
+            feeds and policy.needs_keys, dense, row_ops, state.traced)
         if mid and feeds:
             cur = _prune(state, cur, i, stage, cls_attn, value_norm, keys)
             if record:
@@ -736,6 +773,8 @@ def _prune(state: _PatchState, cur: _Rows, layer: int, stage: int, cls_attn,
                        seq_len=cur.seq_len, max_seqlen=cur.max_seqlen, layer=layer, stage=stage,
                        cls_attn=cls_attn, value_norm=value_norm, keys=keys, sizes=cur.sizes,
                        num_tokens=cur.num_tokens)
+    if state.traced:
+        _fill_cached_properties(batch)
     sel = state.policy.select(batch)
     if not isinstance(sel, Selection):
         raise TypeError(f"{type(state.policy).__name__}.select must return a Selection, got "
@@ -762,6 +801,20 @@ def _prune(state: _PatchState, cur: _Rows, layer: int, stage: int, cls_attn,
     if not state.capacity:
         new = _trim(new)
     return new
+
+
+# TokenBatch's derived fields (seq_ids, positions, ...): functools.cached_property.
+_TOKEN_BATCH_CACHED = tuple(name for name, value in vars(TokenBatch).items()
+                            if isinstance(value, functools.cached_property))
+
+
+def _fill_cached_properties(batch: TokenBatch) -> None:
+    """Computes every cached property of batch up front, in a traced forward: on Python
+    3.11 functools.cached_property's first access takes a lock, which Dynamo cannot trace;
+    a value already in the instance dict is returned without one. Unused ones cost the
+    compiled graph nothing (dead code)."""
+    for name in _TOKEN_BATCH_CACHED:
+        vars(batch)[name] = getattr(TokenBatch, name).func(batch)
 
 
 def _decision(cur: _Rows, num_seqs: int, num_tokens: int) -> torch.Tensor:
