@@ -84,3 +84,13 @@ def one_cpu_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(before)
+
+
+@pytest.fixture
+def fresh_dynamo():
+    """Dynamo's caches emptied before and after the test: every patched model shares its
+    forward's code, and past torch._dynamo.config.recompile_limit compiled versions of one
+    code object Dynamo quietly runs it eagerly, which would hide a tracing failure."""
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
