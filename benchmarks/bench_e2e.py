@@ -1,17 +1,17 @@
 """End-to-end images/s of pruned DeiTs: ragvit vs the pipelines PyTorch users have.
 
-``python benchmarks/bench_e2e.py [--suite paper policies graph | all] [--quick] [--budget-s S]
-[--out PREFIX]`` runs one or more suites in one process and writes one PREFIX.md (a section
-per suite, each ending with its targets, met or missed) and one PREFIX.json (env + every
-row, each tagged with its suite); set RAGVIT_GIT_SHA where the tree has no .git. Models are
-random-init (pretrained=False: nothing is downloaded, and speed does not depend on the
+``python benchmarks/bench_e2e.py [--suite paper policies graph compiled | all] [--quick]
+[--budget-s S] [--out PREFIX]`` runs one or more suites in one process and writes one PREFIX.md
+(a section per suite, each ending with its targets, met or missed) and one PREFIX.json (env +
+every row, each tagged with its suite); set RAGVIT_GIT_SHA where the tree has no .git. Models
+are random-init (pretrained=False: nothing is downloaded, and speed does not depend on the
 weights), fp16, random images; the same inputs are checked and timed. Correctness first in
 every suite (max |dlogit| vs the padded-masked reference replaying the pipeline's own
 decisions, top-1 agreement with ragvit.bench.pipelines.check's near-tie rule; "all results
-match" is printed before any number), then images/s from ragvit.bench.timing.interleaved_ms:
-a row's pipelines (each patched pipeline on its own copy of the model) timed call by call in
-rotating order, CUDA events around each forward, median of >= 50 after >= 10 warm-ups each,
-so host noise hits every pipeline of a row alike.
+match" is printed before any number), then images/s from ragvit.bench.timing.interleaved_ms: a
+row's pipelines (each patched pipeline on its own copy of the model) timed call by call in
+rotating order, CUDA events around each forward, median of >= 50 after >= 10 warm-ups each, so
+host noise hits every pipeline of a row alike.
 
 Suites:
   paper     (default) ThresholdL2 keep 50% after block 4 (`l2_keep50_b4`, the paper's) and
@@ -25,6 +25,9 @@ Suites:
             as a graph against the strongest alternatives for fixed counts (dense_gather eager
             and compiled, paper_fa2, fa2_packed_graph); not in `all` (its compiles take
             minutes).
+  compiled  DeiT-S/B 224, batch 1/16/256, ThresholdL2 keep 50% after block 4: ragvit_compiled
+            (torch.compile of the patched model; reduce-overhead at batch <= 16, default
+            above) vs ragvit_graph and ragvit eager.
 Pipelines (ragvit.bench.pipelines.make_pipeline builds them; same process, same inputs):
   timm_eager / timm_graph  the unpruned timm model, eager / replayed as one CUDA graph
   reference    ragvit.reference.vit_forward_reference: the same pruning on padded tensors,
@@ -40,6 +43,7 @@ Pipelines (ragvit.bench.pipelines.make_pipeline builds them; same process, same 
                plus the head-mean CLS attention row in torch ops (FA2 does not return it);
                n/a for ToMe (FA2 varlen takes no per-key bias for proportional attention)
   ragvit / ragvit_graph    ragvit.patch(model, policy), eager / as a CUDA graph
+  ragvit_compiled          torch.compile(patched model, fullgraph=True), compiled before timing
 
 The paper suite also checks ragvit.patch without a policy against timm's forward (lossless:
 within twice timm's own error against fp32, plus a floor, or the run fails). Every suite
@@ -48,7 +52,9 @@ max |dlogit| on the others (ragvit.reference.selection_agreement).
 
 Run time on an H200 (60 calls per figure, the graph suite 3x that, plus checks and model
 set-up): paper ~2 min alone (--quick ~1 min), policies ~2.5 min alone, graph ~1 min, all
-three in one process ~3.5 min (model set-up shared). --budget-s (default 540) caps the
+three in one process ~3.5 min (model set-up shared); compiled is estimated at ~5 min, most of
+it compilation (one graph per model and batch size, compiled again from Inductor's cache for
+timing). --budget-s (default 540) caps the
 process: each suite gets a share of what is left in proportion to those figures
 (SUITE_MINUTES); rows past a suite's share are reported as skipped (budget), never
 half-timed, and the results are still written. --tiny runs every suite on the CPU with
@@ -77,15 +83,15 @@ MODELS = {
     "DeiT-B 384": ("deit_base_patch16_384", 384),
     "DeiT-T 64": ("deit_tiny_patch16_224", 64),  # --tiny (CPU smoke test)
 }
-# H200 measurements; baselines: an estimate dominated by torch.compile (two models, three
-# batch sizes, one compile each)
-SUITE_MINUTES = {"paper": 2.0, "policies": 2.7, "graph": 1.0, "baselines": 6.0}
+# H200 measurements; baselines and compiled: estimates dominated by torch.compile (two models,
+# three batch sizes, one compile each)
+SUITE_MINUTES = {"paper": 2.0, "policies": 2.7, "graph": 1.0, "baselines": 6.0, "compiled": 5.0}
 SUITES = tuple(SUITE_MINUTES)
 # Calls per pipeline per timing round, the last one timed (timing.interleaved_ms): the graph
 # suite's replays are GPU-bound and short, so each is timed after two more of its own, with
 # its model's weights back in L2 (DeiT-S's fit) as when a model is served alone; the eager
 # suites are host-bound and take one call per round.
-BURST = {"paper": 1, "policies": 1, "graph": 3, "baselines": 3}
+BURST = {"paper": 1, "policies": 1, "graph": 3, "baselines": 3, "compiled": 3}
 
 
 class Context:
@@ -102,9 +108,11 @@ class Context:
 
     def pipelines(self, names):
         """names that run here: on the CPU (--tiny) neither the GPU-only pipelines nor the
-        compiled ones (inductor's CPU compile of a ViT takes minutes)."""
+        compiled baselines (inductor's CPU compile of a ViT takes minutes); ragvit_compiled
+        does run, the compiled suite's smoke test of its own path."""
+        baselines = tuple(n for n in pipelines.COMPILED if n != "ragvit_compiled")
         return tuple(n for n in names
-                     if self.device == "cuda" or n not in GPU_ONLY + pipelines.COMPILED)
+                     if self.device == "cuda" or n not in GPU_ONLY + baselines)
 
     def start_suite(self, suite, remaining):
         """This suite's deadline: its estimate's share of the budget that is left."""
@@ -524,6 +532,42 @@ def render_graph(rows) -> list[str]:
     return lines
 
 
+def render_compiled(rows, on_cpu: bool = False) -> list[str]:
+    names = ("ragvit", "ragvit_graph", "ragvit_compiled")
+    head = ("| model | BS | compile mode | kept | max dlogit ragvit / compiled | img/s: "
+            + " / ".join(names) + " | compiled / graph | compiled / ragvit eager |")
+    lines = ["ThresholdL2 keep 50% after block 4; compiled = torch.compile(patched model, "
+             "fullgraph=True) in ragvit.bench.pipelines.compile_mode (reduce-overhead up to "
+             f"batch {pipelines.COMPILE_REDUCE_OVERHEAD_MAX_BATCH}, default above).", "",
+             head, "|" + "---|" * (head.count("|") - 1)]
+    targets = {"graph": [], "eager": []}
+    for r in rows:
+        c = r.get("check", {})
+        mode = pipelines.compile_mode(r["batch"], "cpu" if on_cpu else "cuda")
+        start = (f"| {r['model']} | {r['batch']} | {mode} | "
+                 f"{_fmt(c.get('kept_fraction_last_stage'))} | "
+                 f"{_fmt(c.get('err_ragvit_vs_reference'))} / "
+                 f"{_fmt(c.get('err', {}).get('ragvit_compiled'))}")
+        if _status(r):
+            lines.append(start + f" {_status(r)} | | |")
+            continue
+        ips = {n: _ips(r, n) for n in names}
+        cc = ips["ragvit_compiled"]
+        lines.append(start + " | " + " / ".join(f"{v:.0f}" if v else "n/a" for v in ips.values())
+                     + f" | {_ratio(cc, ips['ragvit_graph'])} | {_ratio(cc, ips['ragvit'])} |")
+        what = f"{r['model']} BS {r['batch']}"
+        if cc and r["batch"] <= 16 and ips["ragvit_graph"]:
+            targets["graph"].append((cc >= 0.95 * ips["ragvit_graph"], what,
+                                     cc / ips["ragvit_graph"]))
+        if cc and r["batch"] >= 256 and ips["ragvit"]:
+            targets["eager"].append((cc >= ips["ragvit"], what, cc / ips["ragvit"]))
+    lines += ["", "Targets:",
+              _target_line("batch 1-16: compiled (reduce-overhead) >= 0.95x ragvit graph",
+                           targets["graph"]),
+              _target_line("batch 256: compiled (default) >= ragvit eager", targets["eager"])]
+    return lines
+
+
 def _target_line(what, results, unit="x") -> str:
     if not results:
         return f"- {what}: not measured"
@@ -551,7 +595,7 @@ def render_selection(rows) -> list[str]:
 
 
 BASELINES = ("dense_gather", "dense_gather_compiled", "paper_fa2", "fa2_packed_graph")
-OURS = ("ragvit", "ragvit_graph")
+OURS = ("ragvit", "ragvit_graph", "ragvit_compiled")
 
 
 def render_baselines(rows) -> list[str]:
@@ -588,7 +632,7 @@ def render_baselines(rows) -> list[str]:
 
 
 RENDER = {"paper": render_paper, "policies": render_policies, "graph": render_graph,
-          "baselines": render_baselines}
+          "baselines": render_baselines, "compiled": render_compiled}
 
 
 def render(rows, env) -> str:
@@ -604,8 +648,10 @@ def render(rows, env) -> str:
              "images whose reference top-2 margin is within 2x the tolerance (near-ties).", ""]
     for suite in env["suites"]:
         lines += [f"## Suite `{suite}`", ""]
-        lines += RENDER[suite]([r for r in rows if r["suite"] == suite]) + [""]
-        lines += render_selection([r for r in rows if r["suite"] == suite]) + [""]
+        mine = [r for r in rows if r["suite"] == suite]
+        lines += (render_compiled(mine, env["device"].startswith("CPU")) if suite == "compiled"
+                  else RENDER[suite](mine)) + [""]
+        lines += render_selection(mine) + [""]
     return "\n".join(lines)
 
 
@@ -617,7 +663,7 @@ def main(argv=None):
         "estimated H200 minutes: " + ", ".join(f"{k} {v:g}" for k, v in SUITE_MINUTES.items())
         + " (paper --quick: 1)"))
     parser.add_argument("--suite", nargs="+", choices=SUITES + ("all",), default=["paper"],
-                        help="suites to run, in order (all: paper policies graph)")
+                        help="suites to run, in order (all: paper policies graph compiled)")
     parser.add_argument("--quick", action="store_true",
                         help="paper suite: DeiT-S/B 224, batch 1 and 64, l2_keep50_b4 only")
     parser.add_argument("--models", nargs="+", choices=[m for m in MODELS if "T 64" not in m],
@@ -689,11 +735,16 @@ def suite_plan(suite, args, ctx):
         policies = lambda model: {"l2_keep50_b4": ("paper", ThresholdL2(0.5, layers=(4,)))}  # noqa: E731
         pipeline_names = BASELINES + OURS
         lossless = False
-    else:
+    elif suite == "graph":
         models, batches = list(MODELS)[:2], [1, 4, 16]
         policies = lambda model: {"l2_keep50_b4": ("paper", ThresholdL2(0.5, layers=(4,)))}  # noqa: E731
         pipeline_names = ("timm_eager", "timm_graph", "paper_fa2", "fa2_packed", "ragvit",
                      "ragvit_graph")
+        lossless = False
+    else:
+        models, batches = list(MODELS)[:2], [1, 16, 256]
+        policies = lambda model: {"l2_keep50_b4": ("paper", ThresholdL2(0.5, layers=(4,)))}  # noqa: E731
+        pipeline_names = ("ragvit", "ragvit_graph", "ragvit_compiled")
         lossless = False
     if args.tiny:
         models, batches = ["DeiT-T 64"], [1, 2]

@@ -7,8 +7,9 @@ CPU smoke modes (bench_e2e.py --tiny) and argument checks. The notebook executes
 bottom headless with RAGVIT_NB_TINY=1, so it cannot rot, prints no absolute path, saves
 its figures into a scratch folder (never benchmarks/results) and names each one's data. The
 timer's scheduling (rotation, interleaving, bursts) is checked with counting callables on
-the CPU. Budget: about four minutes on two slow cores, most of it in the subprocesses that
-import torch and the notebook and bench_e2e.py runs.
+the CPU; ragvit_compiled is compiled on the CPU twice (the sweep, in-process, and
+bench_e2e.py's compiled suite). Budget: about five minutes on two slow cores, most of it in
+the subprocesses that import torch, the notebook, bench_e2e.py and the two compilations.
 """
 
 from __future__ import annotations
@@ -410,23 +411,26 @@ def test_bench_e2e_tiny_all_suites(tmp_path):
     r = run_script("bench_e2e.py", "--tiny", "--suite", "all", "--batches", "2", "--reps", "2",
                    "--warmup", "0", "--out", prefix)
     assert r.returncode == 0, r.stdout + r.stderr
-    for suite in ("paper", "policies", "graph"):
+    for suite in ("paper", "policies", "graph", "compiled"):
         assert f"{suite}: all results match" in r.stdout
         first_timing = next(i for i, line in enumerate(r.stdout.splitlines())
                             if line.startswith(f"{suite} | ") and "img/s" in line)
         assert r.stdout.splitlines().index(f"{suite}: all results match") < first_timing
     with open(prefix + ".md") as f:
         md = f.read()
-    assert md.count("## Suite") == 3 and md.count("\nTargets:\n") == 3
+    assert md.count("## Suite") == 4 and md.count("\nTargets:\n") == 4
     with open(prefix + ".json") as f:
         data = json.load(f)
-    assert [s for s in ("paper", "policies", "graph")] == data["env"]["suites"]
+    assert ["paper", "policies", "graph", "compiled"] == data["env"]["suites"]
     by_suite = {}
     for row in data["rows"]:
         by_suite.setdefault(row["suite"], []).append(row)
         assert row["check"]["ok"] and row["check"]["err_ragvit_vs_reference"] <= 1e-4
-        assert {"ragvit", "timm_eager"} <= set(row["timing"])
+        assert {"ragvit", "timm_eager" if row["suite"] != "compiled" else "ragvit_compiled"} \
+            <= set(row["timing"])
     assert len(by_suite["policies"]) == 10 and len(by_suite["graph"]) == 1
+    (compiled,) = by_suite["compiled"]  # torch.compile of the patched model, on the CPU too
+    assert compiled["check"]["err"]["ragvit_compiled"] <= 1e-4
     kinds = {row["policy"].split("_")[0] for row in by_suite["policies"]}
     assert kinds == {"l2", "evit", "ats", "tome", "dynvit"}
     assert data["env"]["device"].startswith("CPU") and data["env"]["dtype"] == "fp32"
@@ -771,6 +775,28 @@ def test_max_err_is_float64_max_abs_difference(gen):
     assert pipelines.max_err(big, -big) == 120000.0  # overflows fp16, not float64
     b[0, 0] = float("nan")
     assert torch.isnan(torch.tensor(pipelines.max_err(a, b)))
+
+
+def test_compiled_pipeline_on_the_cpu_when_named(one_cpu_thread, capsys):
+    """ragvit_compiled (torch.compile of the patched model) is left out of the CPU default
+    (compiling takes tens of seconds there) and runs when named: checked against the
+    reference, timed, and set against ragvit eager in the table. In-process."""
+    import dataclasses
+
+    from ragvit.bench import pipelines, report, sweep
+
+    assert "ragvit_compiled" not in sweep.BenchConfig(device="cpu").resolve().pipelines
+    assert pipelines.compile_mode(16, "cuda") == "reduce-overhead"
+    assert pipelines.compile_mode(17, "cuda") == pipelines.compile_mode(1, "cpu") == "default"
+    config = dataclasses.replace(sweep.CONFIGS["tiny"], batches=(2,), threads=None, reps=2,
+                                 warmup=0, pipelines=("ragvit", "ragvit_compiled"))
+    result = sweep.run(config, progress=False, log=lambda *a: None)
+    assert result["failed"] == 0
+    (row,) = result["rows"]
+    assert row["check"]["ok"] and row["check"]["err"]["ragvit_compiled"] <= 1e-4
+    assert set(row["timing"]) == {"ragvit", "ragvit_compiled"}
+    table = report.render_table(result)
+    assert "| ragvit_compiled img/s | compiled / ragvit |" in table, table
 
 
 def test_bench_patched_row_ops():

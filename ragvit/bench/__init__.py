@@ -3,7 +3,7 @@
     timing     the one timer: host µs (perf_counter_ns medians, interleaved pairs), GPU µs
                (CUDA-graph replay, L2 flushed, rotated blocks), end-to-end ms (CUDA events)
     pipelines  timm eager / graph, the padded-masked reference, the paper's FA2 pipeline,
-               FA2 packed, ragvit eager / graph; `check` against the reference
+               FA2 packed, ragvit eager / graph / compiled; `check` against the reference
     sweep      BenchConfig, the named CONFIGS, `run` (check, then time, one configuration)
     report     environment(), tables, JSON/CSV/Markdown writers, load_results
     cli        `python -m ragvit.bench`

@@ -65,7 +65,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--layers", type=int, nargs="+", help="pruning points (block indices)")
     p.add_argument("--batches", type=_positive_int, nargs="+", help="batch sizes")
     p.add_argument("--pipelines", nargs="+", choices=PIPELINES,
-                   help="default: all that the device runs")
+                   help="default: all that the device runs (on the CPU ragvit_compiled only "
+                        "when named: compiling takes tens of seconds there)")
     p.add_argument("--device", choices=("auto", "cpu", "cuda"))
     p.add_argument("--warmup", type=int, help="warm-up calls per figure")
     p.add_argument("--reps", type=_positive_int, help="timed calls per figure")

@@ -2,10 +2,11 @@
 
 Each pipeline is one forward of a timm VisionTransformer on (B, 3, H, W) images: timm's own
 (eager or one CUDA graph), ragvit.reference's padded-masked one, the paper's syncing packer
-with FA2 varlen, ragvit's packed pipeline with FA2 varlen as attention, ragvit.patch (eager
-or ragvit.cuda_graph). `check` compares each with the reference replaying that pipeline's own
-pruning decisions, so rounding cannot flip a choice between the two. torch and timm are
-imported inside the functions: importing ragvit.bench needs neither.
+with FA2 varlen, ragvit's packed pipeline with FA2 varlen as attention, ragvit.patch (eager,
+through ragvit.cuda_graph, or compiled by torch.compile). `check` compares each with the
+reference replaying that pipeline's own pruning decisions, so rounding cannot flip a choice
+between the two. torch and timm are imported inside the functions: importing ragvit.bench
+needs neither.
 """
 
 from __future__ import annotations
@@ -14,12 +15,12 @@ import contextlib
 import math
 
 __all__ = [
-    "COMPILED", "DTYPES", "EXACT_FLOOR", "GPU_ONLY", "MODELS", "PIPELINES", "TOLERANCE",
-    "UNPRUNED", "check", "compile_mode", "compiled", "dense_gather_forward",
-    "dense_gather_unsupported", "fa2_attention", "fa2_attention_cls", "fa2_attention_for",
-    "fa2_unsupported", "graphed", "load_model", "make_pipeline", "make_policy", "max_err",
-    "model_problem", "own_decisions_err", "paper_forward", "patched", "timm_forward",
-    "torch_dtype",
+    "COMPILED", "COMPILE_REDUCE_OVERHEAD_MAX_BATCH", "DTYPES", "EXACT_FLOOR", "GPU_ONLY",
+    "MODELS", "PIPELINES", "TOLERANCE", "UNPRUNED", "check", "compile_mode", "compiled",
+    "dense_gather_forward", "dense_gather_unsupported", "fa2_attention", "fa2_attention_cls",
+    "fa2_attention_for", "fa2_unsupported", "graphed", "load_model", "make_pipeline",
+    "make_policy", "max_err", "model_problem", "own_decisions_err", "paper_forward", "patched",
+    "timm_forward", "torch_dtype",
 ]
 
 # Aliases for the timm names (any other timm VisionTransformer name works as well).
@@ -48,13 +49,18 @@ MODELS = {
 # ragvit_graph      the same through ragvit.cuda_graph, one CUDA graph per batch size (GPU
 #                   only; data-dependent policies, e.g. a ThresholdL2 threshold, run in
 #                   capacity mode)
+# ragvit_compiled   torch.compile(patched model, fullgraph=True), in compile_mode(batch):
+#                   capacity mode as ragvit_graph
 PIPELINES = ("timm_eager", "timm_graph", "timm_compiled", "reference", "dense_gather",
              "dense_gather_compiled", "paper_fa2", "fa2_packed", "fa2_packed_graph", "ragvit",
-             "ragvit_graph")
+             "ragvit_graph", "ragvit_compiled")
 GPU_ONLY = ("timm_graph", "paper_fa2", "fa2_packed", "fa2_packed_graph", "ragvit_graph")
 UNPRUNED = ("timm_eager", "timm_graph", "timm_compiled")
-# compiled once per model and batch before timing (tens of seconds each): run when named
-COMPILED = ("timm_compiled", "dense_gather_compiled")
+# compiled once per model and batch before timing (tens of seconds each): on the CPU, run
+# only when named
+COMPILED = ("timm_compiled", "dense_gather_compiled", "ragvit_compiled")
+# torch.compile's mode: reduce-overhead (CUDA graphs) up to this batch on CUDA (compile_mode)
+COMPILE_REDUCE_OVERHEAD_MAX_BATCH = 16
 DTYPES = ("fp32", "fp16", "bf16")
 # max |dlogit| allowed against the reference (fp16: a patched DeiT on the GPU).
 TOLERANCE = {"fp32": 1e-4, "fp16": 4e-3, "bf16": 3e-2}
@@ -304,27 +310,6 @@ def dense_gather_forward(model, x, policy, *, return_decisions: bool = False):
     return (logits, decisions) if return_decisions else logits
 
 
-def compile_mode(batch: int) -> str:
-    """torch.compile's mode for the compiled pipelines: reduce-overhead (CUDA graphs)
-    where the host bounds the forward (batch <= 16); default above. max-autotune would
-    autotune every GEMM shape of the model, minutes per model and batch on an H200, beyond
-    what one benchmark run spends on a baseline's compile."""
-    return "reduce-overhead" if batch <= 16 else "default"
-
-
-def compiled(fn, x, mode: str):
-    """torch.compile(fn, mode=mode, fullgraph=True), compiled and warmed up on x before any
-    timed call (compile time is not the forward's)."""
-    import torch
-
-    run = torch.compile(fn, mode=mode, fullgraph=True, dynamic=False)
-    for _ in range(3):
-        run(x)
-    if x.is_cuda:
-        torch.cuda.synchronize()
-    return run
-
-
 @contextlib.contextmanager
 def patched(model, policy, attention=None):
     """ragvit.patch for the duration of a with block. With a replacement attention (the
@@ -371,6 +356,32 @@ def graphed(fn, x):
     return run
 
 
+def compile_mode(batch: int, device: str) -> str:
+    """The compiled pipelines' torch.compile mode: "reduce-overhead" (CUDA graphs: the
+    forward is host-bound) on CUDA up to COMPILE_REDUCE_OVERHEAD_MAX_BATCH images, else
+    "default" (max-autotune would autotune every GEMM shape of the model, minutes per model
+    and batch on an H200, beyond what one benchmark run spends on a baseline's compile)."""
+    small = batch <= COMPILE_REDUCE_OVERHEAD_MAX_BATCH
+    return "reduce-overhead" if device == "cuda" and small else "default"
+
+
+def compiled(fn, x):
+    """torch.compile(fn, fullgraph=True, dynamic=False) in compile_mode, compiled on x now
+    and called twice more (reduce-overhead records its CUDA graph on the second call and
+    replays it from the third), so no timed call includes compilation. Dynamo's caches are
+    reset first: every patched model shares its forward's code, and past the recompile
+    limit Dynamo would quietly run that code eagerly; compiled artifacts of an earlier
+    identical graph come back from Inductor's cache in seconds."""
+    import torch
+
+    torch._dynamo.reset()
+    run = torch.compile(fn, fullgraph=True, dynamic=False,
+                        mode=compile_mode(x.shape[0], x.device.type))
+    for _ in range(3):
+        run(x)
+    return run
+
+
 @contextlib.contextmanager
 def make_pipeline(name: str, model, policy, x):
     """Yields a no-argument callable running pipeline `name` on x (patching inside the block)."""
@@ -381,13 +392,12 @@ def make_pipeline(name: str, model, policy, x):
     elif name == "timm_graph":
         yield graphed(lambda inp: timm_forward(model, inp), x)
     elif name == "timm_compiled":
-        run = compiled(lambda inp: timm_forward(model, inp), x, compile_mode(x.shape[0]))
+        run = compiled(lambda inp: timm_forward(model, inp), x)
         yield lambda: run(x)
     elif name == "dense_gather":
         yield lambda: dense_gather_forward(model, x, policy)
     elif name == "dense_gather_compiled":
-        run = compiled(lambda inp: dense_gather_forward(model, inp, policy), x,
-                       compile_mode(x.shape[0]))
+        run = compiled(lambda inp: dense_gather_forward(model, inp, policy), x)
         yield lambda: run(x)
     elif name == "reference":
         yield lambda: reference.vit_forward_reference(model, x, policy)
@@ -409,6 +419,10 @@ def make_pipeline(name: str, model, policy, x):
             # clone_output=False: the static output, like timm_graph (`graphed`) returns.
             run = cuda_graph(model, clone_output=False)
             run(x)  # capture now, as `graphed` does, so no timed call includes it
+            yield lambda: run(x)
+    elif name == "ragvit_compiled":
+        with patched(model, policy):
+            run = compiled(model, x)
             yield lambda: run(x)
     else:
         raise ValueError(f"unknown pipeline {name!r}; choose from {', '.join(PIPELINES)}")
@@ -445,10 +459,10 @@ def check(model, x, policy, pipelines, dtype: str = "fp32") -> dict:
     """Every pipeline's max |dlogit| against the padded-masked reference, before timing.
 
     Pruned pipelines compare with the reference replaying their decisions (so numerical
-    noise cannot flip a choice): ragvit's for ragvit and ragvit_graph, their own for
-    paper_fa2, fa2_packed and dense_gather (torch's modules may rank a near-tie the other
-    way in fp16), their eager form's for the graphed and compiled forms; unpruned ones
-    with the unpruned reference.
+    noise cannot flip a choice): ragvit's for ragvit, ragvit_graph and ragvit_compiled,
+    their own for paper_fa2, fa2_packed and dense_gather (torch's modules may rank a
+    near-tie the other way in fp16), their eager form's for the other graphed and compiled
+    forms; unpruned ones with the unpruned reference.
 
     Returns:
         {"err": {pipeline: float or None}, "unavailable": {pipeline: reason},

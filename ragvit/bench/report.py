@@ -110,12 +110,16 @@ def environment(device: str | None = None, **extra) -> dict:
 
 
 def render_table(result: dict) -> str:
-    """Markdown: one row per batch size, images/s per pipeline and ragvit's speedups."""
+    """Markdown: one row per batch size, images/s per pipeline and ragvit's speedups (and
+    ragvit_compiled's over ragvit_graph and ragvit eager when it ran)."""
     c, env = result["config"], result["env"]
     names = list(c["pipelines"])
     head = ["BS", "kept", "max dlogit ragvit", "top-1 agree"] + [f"{n} img/s" for n in names]
     base = [n for n in ("timm_eager", "fa2_packed", "reference") if n in names and n != "ragvit"]
     head += [f"ragvit / {n}" for n in base if "ragvit" in names]
+    # torch.compile of the patched model against ragvit's own eager and CUDA-graph runs
+    versus = [n for n in ("ragvit_graph", "ragvit") if n in names and "ragvit_compiled" in names]
+    head += [f"compiled / {n}" for n in versus]
     lines = [f"{c['model']} {c['img_size']}px {c['dtype']}, {c['policy']}, on {env['device']} "
              f"(torch {env['torch']}, ragvit {env['ragvit']} @ {env['git_sha']}); median of "
              f"{c['reps']} after {c['warmup']} warm-ups",
@@ -130,6 +134,8 @@ def render_table(result: dict) -> str:
         if "ragvit" in names:
             cells += [f"{ips['ragvit'] / ips[n]:.2f}" if "ragvit" in ips and n in ips else "–"
                       for n in base]
+        cells += [f"{ips['ragvit_compiled'] / ips[n]:.2f}" if "ragvit_compiled" in ips
+                  and n in ips else "–" for n in versus]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
 

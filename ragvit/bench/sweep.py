@@ -85,8 +85,8 @@ class BenchConfig:
             c.img_size = 384 if "_384" in c.model else 224
         c.dtype = c.dtype or ("fp16" if gpu else "fp32")
         c.batches = tuple(c.batches or ((1, 16, 64) if gpu else (1, 2)))
-        # by default the compiled pipelines run on the GPU only (inductor's CPU compile of a
-        # ViT takes minutes on a small machine); named ones run anywhere they can
+        # on the CPU the compiled pipelines run only when named (inductor's CPU compile of a
+        # ViT takes tens of seconds to minutes on a small machine)
         default = PIPELINES if gpu else tuple(p for p in PIPELINES if p not in COMPILED)
         c.pipelines = tuple(p for p in (c.pipelines or default) if gpu or p not in GPU_ONLY)
         c.warmup = c.warmup if c.warmup is not None else (10 if gpu else 1)
