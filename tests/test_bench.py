@@ -53,8 +53,8 @@ def test_tiny_cpu_sweep(tmp_path):
     assert r.returncode == 0, r.stdout + r.stderr
     # stderr is a pipe, not a terminal: progress comes as plain lines, no bar redraws
     assert "\r" not in r.stderr and "\r" not in r.stdout
-    assert "ragvit.bench [1/8] check BS 1" in r.stderr.splitlines(), r.stderr
-    assert "ragvit.bench [8/8] ragvit BS 2" in r.stderr.splitlines(), r.stderr
+    assert "ragvit.bench [1/10] check BS 1" in r.stderr.splitlines(), r.stderr
+    assert "ragvit.bench [10/10] ragvit BS 2" in r.stderr.splitlines(), r.stderr
     out = r.stdout
     assert "all results match" in out
     assert out.index("max |dlogit|") < out.index("all results match") < out.index("img/s")
@@ -66,12 +66,13 @@ def test_tiny_cpu_sweep(tmp_path):
     assert [row["batch"] for row in result["rows"]] == [1, 2]
     for row in result["rows"]:
         assert row["check"]["ok"] and row["check"]["err"]["ragvit"] <= 1e-4
-        assert set(row["timing"]) == {"timm_eager", "reference", "ragvit"}  # CPU pipelines
+        # the CPU's default pipelines
+        assert set(row["timing"]) == {"timm_eager", "reference", "dense_gather", "ragvit"}
         assert all(t["images_per_s"] > 0 for t in row["timing"].values())
     with open(prefix + ".csv") as f:
         rows = list(csv.DictReader(f))
-    assert len(rows) == 6 and {r["pipeline"] for r in rows} == {"timm_eager", "reference",
-                                                                   "ragvit"}
+    assert len(rows) == 8 and {r["pipeline"] for r in rows} == {"timm_eager", "reference",
+                                                                   "dense_gather", "ragvit"}
 
 
 def child_env():
@@ -437,7 +438,7 @@ def test_bench_e2e_tiny_all_suites(tmp_path):
     assert len(report.load_results(prefix + ".json")) == sum(len(r["timing"])
                                                              for r in data["rows"])
     # fp32 on the CPU: ragvit decides as the independent fp32 selection does on every image
-    assert md.count("| model | policy | BS | images differ | max dlogit where the same |") == 3
+    assert md.count("| model | policy | BS | images differ | max dlogit where the same |") == 4
     for row in data["rows"]:
         sel = row["check"]["selection"]
         assert sel["images"] == 2 and sel["images_differ"] == 0, row
@@ -459,11 +460,12 @@ def test_bench_e2e_tiny_baselines_suite(tmp_path):
     assert data["env"]["suites"] == ["baselines"]
     [row] = data["rows"]
     assert row["check"]["ok"] and row["check"]["err"]["dense_gather"] <= 1e-4
-    assert set(row["timing"]) == {"dense_gather", "ragvit"}  # the CPU runs neither graphs
-    with open(prefix + ".md") as f:                           # nor compiles
+    # the CPU runs no graphs and compiles ragvit alone (the compiled baselines take minutes)
+    assert set(row["timing"]) == {"dense_gather", "ragvit", "ragvit_compiled"}
+    with open(prefix + ".md") as f:
         md = f.read()
     assert "| fastest alternative | ragvit's best |" in md
-    assert "| DeiT-T 64 | 2 | " in md and "| dense_gather | ragvit |" in md
+    assert "| DeiT-T 64 | 2 | " in md and "| dense_gather | ragvit" in md
 
 
 def test_bench_e2e_lossless_bar_fails_the_run(monkeypatch, capsys):
@@ -928,8 +930,9 @@ def test_compile_mode_and_default_pipelines():
     default pipelines leave the compiled ones out (named, they run)."""
     from ragvit.bench import pipelines, sweep
 
-    assert [pipelines.compile_mode(b) for b in (1, 16, 17, 256)] == [
+    assert [pipelines.compile_mode(b, "cuda") for b in (1, 16, 17, 256)] == [
         "reduce-overhead", "reduce-overhead", "default", "default"]
+    assert pipelines.compile_mode(1, "cpu") == "default"
     assert set(pipelines.COMPILED) <= set(pipelines.PIPELINES)
     config = sweep.BenchConfig(device="cpu").resolve()
     assert not set(config.pipelines) & set(pipelines.COMPILED)
