@@ -704,6 +704,8 @@ def _use_row_ops(model, state: _PatchState, rows: torch.Tensor):
         return None
     if not rows.is_cuda:
         return _TorchRowOps if state.row_ops is None else ops
+    if state.traced:  # no probe GEMM in a traced graph: what an eager call found, if any
+        return ops if all(_cuda_linear_runs.values()) else _CudaRowOpsTorchLinear
     return ops if _cuda_linear_probe(rows) else _CudaRowOpsTorchLinear
 
 
