@@ -303,8 +303,8 @@ class Buffer:
     """An output ragvit allocated itself (no allocator in the caller's library): a
     compact array on a CPU or CUDA device, exported without a copy through DLPack,
     the CUDA Array Interface v3 (CUDA) and the NumPy array interface (host). CUDA
-    memory is stream-ordered: freed, once unreferenced, on the stream it was last
-    handed to. Made by the ops only."""
+    memory is stream-ordered: freed, once unreferenced, on ragvit's own stream after
+    the buffer's last known use. Made by the ops only."""
 
     shape: tuple[int, ...]
     ndim: int

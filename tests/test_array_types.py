@@ -190,6 +190,31 @@ def test_bfloat16_buffers_export_through_dlpack_only():
     assert torch.equal(torch.from_dlpack(buf), ragvit.gelu(x))
 
 
+def test_outputs_come_back_through_the_defining_package_without_a_namespace(monkeypatch):
+    """A type without __array_namespace__ whose package has from_dlpack (CuPy's ndarray):
+    the output comes back through that package's from_dlpack; a package without one gives
+    the Buffer itself."""
+    import sys
+    import types
+
+    package = types.ModuleType("ragvit_fakepkg")
+    received = []
+
+    def from_dlpack(buffer):
+        received.append(buffer)
+        return ("wrapped", buffer)
+
+    package.from_dlpack = from_dlpack
+    monkeypatch.setitem(sys.modules, "ragvit_fakepkg", package)
+    Wrapped = type("Wrapped", (DLPackOnly,), {"__module__": "ragvit_fakepkg.core"})
+    Plain = type("Plain", (DLPackOnly,), {"__module__": "ragvit_fakepkg_missing.core"})
+    x = torch.randn(3, 4)
+    tag, buf = ragvit.gelu(Wrapped(x))
+    assert tag == "wrapped" and received == [buf] and isinstance(buf, ragvit.Buffer)
+    torch.testing.assert_close(torch.from_dlpack(buf), torch.nn.functional.gelu(x))
+    assert isinstance(ragvit.gelu(Plain(x)), ragvit.Buffer)
+
+
 def test_host_buffer_has_no_cuda_array_interface():
     buf, _ = _host_buffer()
     assert not hasattr(buf, "__cuda_array_interface__")
@@ -499,7 +524,8 @@ def test_cuda_buffer_protocols(seed):
     assert not hasattr(buf, "__array_interface__")
     cai = buf.__cuda_array_interface__
     assert cai["version"] == 3 and cai["typestr"] == "<f4" and cai["shape"] == (5, 8)
-    assert cai["stream"] == 1, "launched on the legacy default stream"
+    own = cai["stream"]  # ragvit's own stream, waiting on the launch: it outlives any caller's
+    assert isinstance(own, int) and own not in (0, 1, 2)
     t = torch.from_dlpack(buf)  # torch's current stream: the legacy one here
     assert t.data_ptr() == cai["data"][0], "torch.from_dlpack copied"
     torch.testing.assert_close(t, torch.nn.functional.gelu(x), rtol=1e-5, atol=1e-5)
@@ -507,13 +533,42 @@ def test_cuda_buffer_protocols(seed):
         buf.__dlpack__(stream=stream)
     side = torch.cuda.Stream()
     buf.__dlpack__(stream=side.cuda_stream)
-    assert buf.__cuda_array_interface__["stream"] == side.cuda_stream, "last used on side"
+    assert buf.__cuda_array_interface__["stream"] == own, "one stream of ragvit's per device"
     for bad in (0, -2):
         with pytest.raises(ValueError, match=r"stream must be None, -1, 1 \(legacy default\)"):
             buf.__dlpack__(stream=bad)
     with pytest.raises(BufferError, match="dl_device must be the buffer's own device"):
         buf.__dlpack__(dl_device=(kDLCPU, 0))
     torch.cuda.synchronize()
+
+
+@pytest.mark.gpu
+@requires_cuda
+@pytest.mark.sanitizer
+def test_buffers_outlive_the_streams_they_were_made_and_read_on(seed):
+    """A caller's stream destroyed before the output goes: the output is still read right
+    (through DLPack and the CUDA Array Interface) and freed without touching that stream."""
+    cupy = _cupy()
+    gen = np.random.default_rng(seed % 2**32)
+    x = gen.standard_normal((64, 32)).astype(np.float32)
+    expected = torch.nn.functional.gelu(torch.from_numpy(x)).numpy()
+    made = cupy.cuda.Stream(non_blocking=True)
+    with made:
+        buf = ragvit.gelu(DLPackOnly(cupy.asarray(x)), stream=made.ptr)
+    made.synchronize()
+    del made  # cudaStreamDestroy
+    reader = cupy.cuda.Stream(non_blocking=True)
+    with reader:
+        got = cupy.from_dlpack(buf)
+        again = ragvit.gelu(got)  # reads a Buffer-backed array on another stream
+    reader.synchronize()
+    del reader
+    np.testing.assert_allclose(cupy.asnumpy(got), expected, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(cupy.asnumpy(again), torch.nn.functional.gelu(
+        torch.from_numpy(expected)).numpy(), rtol=1e-5, atol=1e-5)
+    assert buf.__cuda_array_interface__["stream"] not in (0, 1, 2)
+    del got, again, buf
+    cupy.cuda.Device().synchronize()
 
 
 @pytest.mark.gpu

@@ -44,17 +44,55 @@ ragvit_status ragvit_memory_alloc(ragvit_context *ctx, int32_t device_type, int3
 #endif
 }
 
-ragvit_status ragvit_memory_free(int32_t device_type, int32_t device_id, void *data, void *stream) {
+ragvit_status ragvit_memory_mark(int32_t device_type, int32_t device_id, void *stream,
+                                 void **mark) {
+    if (device_type == RAGVIT_DEVICE_CPU) return RAGVIT_STATUS_OK;
+#ifdef RAGVIT_WITH_CUDA
+    return ragvit_cuda_memory_mark(device_id, stream, mark);
+#else
+    (void)device_id;
+    (void)stream;
+    (void)mark;
+    return ragvit_fail(RAGVIT_STATUS_NO_CUDA,
+                       "ragvit: CUDA memory needs a CUDA build of ragvit, got a CPU-only build");
+#endif
+}
+
+ragvit_status ragvit_memory_wait(int32_t device_id, void *stream, void *mark) {
+    if (mark == NULL) return RAGVIT_STATUS_OK;
+#ifdef RAGVIT_WITH_CUDA
+    return ragvit_cuda_memory_wait(device_id, stream, mark);
+#else
+    (void)device_id;
+    (void)stream;
+    return ragvit_fail(RAGVIT_STATUS_NO_CUDA,
+                       "ragvit: CUDA memory needs a CUDA build of ragvit, got a CPU-only build");
+#endif
+}
+
+ragvit_status ragvit_memory_stream(int32_t device_id, void *mark, void **stream) {
+#ifdef RAGVIT_WITH_CUDA
+    return ragvit_cuda_memory_stream(device_id, mark, stream);
+#else
+    (void)device_id;
+    (void)mark;
+    *stream = NULL;
+    return ragvit_fail(RAGVIT_STATUS_NO_CUDA,
+                       "ragvit: CUDA memory needs a CUDA build of ragvit, got a CPU-only build");
+#endif
+}
+
+ragvit_status ragvit_memory_free(int32_t device_type, int32_t device_id, void *data, void *mark) {
     if (data == NULL) return RAGVIT_STATUS_OK;
     if (device_type == RAGVIT_DEVICE_CPU) {
         free(data);
         return RAGVIT_STATUS_OK;
     }
 #ifdef RAGVIT_WITH_CUDA
-    return ragvit_cuda_memory_free(device_id, data, stream);
+    return ragvit_cuda_memory_free(device_id, data, mark);
 #else
     (void)device_id;
-    (void)stream;
+    (void)mark;
     return ragvit_fail(RAGVIT_STATUS_NO_CUDA,
                        "ragvit: CUDA memory needs a CUDA build of ragvit, got a CPU-only build");
 #endif

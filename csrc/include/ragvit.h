@@ -177,9 +177,19 @@ ragvit_status ragvit_stream_wait(int32_t device_id, void *consumer, void *produc
  * which keeps freed memory for the next allocation instead of returning it to the driver. */
 ragvit_status ragvit_memory_alloc(ragvit_context *ctx, int32_t device_type, int32_t device_id,
                                   size_t bytes, void *stream, void **data);
-/* Frees data from ragvit_memory_alloc once the work queued on `stream` so far is done (CUDA;
- * host memory at once). Needs no context: it may run after the module is gone. */
-ragvit_status ragvit_memory_free(int32_t device_type, int32_t device_id, void *data, void *stream);
+/* *mark (CUDA; created when NULL, else moved): a point on `stream` after the work queued on it
+ * so far (an event). Marks, not streams, order what happens to the memory later: a caller's
+ * stream may be destroyed before the memory is freed. Host memory: no mark (*mark stays NULL). */
+ragvit_status ragvit_memory_mark(int32_t device_type, int32_t device_id, void *stream, void **mark);
+/* Makes `stream` wait for mark (nothing when mark is NULL). */
+ragvit_status ragvit_memory_wait(int32_t device_id, void *stream, void *mark);
+/* *stream: a stream of ragvit's own on the device, alive for the process, made to wait for
+ * mark (what a CUDA Array Interface consumer synchronizes on). */
+ragvit_status ragvit_memory_stream(int32_t device_id, void *mark, void **stream);
+/* Frees data from ragvit_memory_alloc once the work before mark is done, in order on ragvit's
+ * own stream, and releases mark (CUDA; without a mark, after the device's work so far; host
+ * memory at once). Needs no context: it may run after the module is gone. */
+ragvit_status ragvit_memory_free(int32_t device_type, int32_t device_id, void *data, void *mark);
 
 /* ---- core/attention.c ----
  * out: (T, H, D) of q's dtype; q, k, v: (T, H, D) float16/bfloat16/float32, head dim

@@ -9,6 +9,7 @@
  * allocation); every function that touches a device sets it for the call and restores the
  * caller's. Covered by tests/test_interop.py (devices, streams, the launch floor),
  * tests/test_array_types.py (allocation) and the debug-mode error-flag cases of each op's tests. */
+#include <pthread.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -223,20 +224,68 @@ extern "C" ragvit_status ragvit_cuda_memory_alloc(ragvit_device_info *dev, size_
     return RAGVIT_STATUS_OK;
 }
 
-/* A stream destroyed since the buffer was handed to it is refused by CUDA: the device's work
- * is then waited for (the destroyed stream's included) and the memory freed on the legacy
- * stream. At exit the runtime may be unloading: the process frees everything. */
-extern "C" ragvit_status ragvit_cuda_memory_free(int32_t device_id, void *data, void *stream) {
+/* ragvit's own stream per device, created on first use and kept for the process: frees are
+ * ordered there, after the mark of the memory's last known use, never on a caller's stream,
+ * which may be destroyed by the time the memory goes. */
+static pthread_mutex_t device_stream_lock = PTHREAD_MUTEX_INITIALIZER;
+static cudaStream_t device_streams[RAGVIT_MAX_DEVICES];
+
+static ragvit_status device_own_stream(int32_t device_id, cudaStream_t *stream) {
+    if (device_id < 0 || device_id >= RAGVIT_MAX_DEVICES)
+        return ragvit_fail(RAGVIT_STATUS_INVALID_DEVICE, "ragvit: device must be < %d, got %d",
+                           RAGVIT_MAX_DEVICES, (int)device_id);
+    pthread_mutex_lock(&device_stream_lock);
+    cudaError_t e = cudaSuccess;
+    if (device_streams[device_id] == NULL)
+        e = cudaStreamCreateWithFlags(&device_streams[device_id], cudaStreamNonBlocking);
+    *stream = device_streams[device_id];
+    pthread_mutex_unlock(&device_stream_lock);
+    if (e != cudaSuccess)
+        return ragvit_cuda_fail((int)e, "cudaStreamCreateWithFlags(stream, NonBlocking)", __FILE__,
+                                __LINE__);
+    return RAGVIT_STATUS_OK;
+}
+
+extern "C" ragvit_status ragvit_cuda_memory_mark(int32_t device_id, void *stream, void **mark) {
     cuda_device_guard guard;
     RAGVIT_TRY(guard.enter(device_id));
-    const cudaError_t e = cudaFreeAsync(data, (cudaStream_t)stream);
-    if (e == cudaSuccess || e == cudaErrorCudartUnloading) return RAGVIT_STATUS_OK;
-    (void)cudaGetLastError();
-    if (stream == NULL)
-        return ragvit_cuda_fail((int)e, "cudaFreeAsync(data, stream)", __FILE__, __LINE__);
-    CUDA_TRY(cudaDeviceSynchronize());
-    CUDA_TRY(cudaFreeAsync(data, (cudaStream_t)NULL));
+    if (*mark == NULL)
+        CUDA_TRY(cudaEventCreateWithFlags((cudaEvent_t *)mark, cudaEventDisableTiming));
+    CUDA_TRY(cudaEventRecord((cudaEvent_t)*mark, (cudaStream_t)stream));
     return RAGVIT_STATUS_OK;
+}
+
+extern "C" ragvit_status ragvit_cuda_memory_wait(int32_t device_id, void *stream, void *mark) {
+    cuda_device_guard guard;
+    RAGVIT_TRY(guard.enter(device_id));
+    CUDA_TRY(cudaStreamWaitEvent((cudaStream_t)stream, (cudaEvent_t)mark, 0));
+    return RAGVIT_STATUS_OK;
+}
+
+extern "C" ragvit_status ragvit_cuda_memory_stream(int32_t device_id, void *mark, void **stream) {
+    cuda_device_guard guard;
+    RAGVIT_TRY(guard.enter(device_id));
+    cudaStream_t own = NULL;
+    RAGVIT_TRY(device_own_stream(device_id, &own));
+    if (mark != NULL) CUDA_TRY(cudaStreamWaitEvent(own, (cudaEvent_t)mark, 0));
+    *stream = (void *)own;
+    return RAGVIT_STATUS_OK;
+}
+
+/* Without a mark (a buffer dropped before its call marked it) the device's work so far is
+ * waited for. The event is destroyed at once: CUDA defers that until the wait is met. At exit
+ * the runtime may be unloading: the process frees everything. */
+extern "C" ragvit_status ragvit_cuda_memory_free(int32_t device_id, void *data, void *mark) {
+    cuda_device_guard guard;
+    RAGVIT_TRY(guard.enter(device_id));
+    cudaStream_t own = NULL;
+    RAGVIT_TRY(device_own_stream(device_id, &own));
+    cudaError_t e =
+        mark != NULL ? cudaStreamWaitEvent(own, (cudaEvent_t)mark, 0) : cudaDeviceSynchronize();
+    if (mark != NULL) (void)cudaEventDestroy((cudaEvent_t)mark);
+    if (e == cudaSuccess) e = cudaFreeAsync(data, own);
+    if (e == cudaSuccess || e == cudaErrorCudartUnloading) return RAGVIT_STATUS_OK;
+    return ragvit_cuda_fail((int)e, "cudaFreeAsync(data, stream)", __FILE__, __LINE__);
 }
 
 extern "C" ragvit_status ragvit_cuda_launch_empty(const ragvit_device_info *dev, void *stream) {

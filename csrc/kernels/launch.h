@@ -33,7 +33,11 @@ ragvit_status ragvit_cuda_stream_wait(int32_t device_id, void *consumer, void *p
 /* Stream-ordered allocation from dev's pool (created on first use) and its free. */
 ragvit_status ragvit_cuda_memory_alloc(ragvit_device_info *dev, size_t bytes, void *stream,
                                        void **data);
-ragvit_status ragvit_cuda_memory_free(int32_t device_id, void *data, void *stream);
+ragvit_status ragvit_cuda_memory_free(int32_t device_id, void *data, void *mark);
+/* Marks (events) on a stream, waits on them, and the device's own stream (memory.c). */
+ragvit_status ragvit_cuda_memory_mark(int32_t device_id, void *stream, void **mark);
+ragvit_status ragvit_cuda_memory_wait(int32_t device_id, void *stream, void *mark);
+ragvit_status ragvit_cuda_memory_stream(int32_t device_id, void *mark, void **stream);
 /* Records a CUDA failure's string and expression; used by CUDA_TRY. */
 ragvit_status ragvit_cuda_fail(int error, const char *expr, const char *file, int line);
 

@@ -3,9 +3,13 @@
  * through __dlpack__ (versioned capsules for DLPack 1.x consumers, legacy ones for older
  * ones; stream= per the array API standard), __dlpack_device__, __cuda_array_interface__ v3
  * (CUDA) and __array_interface__ (host). Memory: core/memory.c (CUDA: stream-ordered).
- * Decision: the free is ordered on the stream the buffer was last handed to (the launch
- * stream, then each DLPack consumer's stream, which first waits on the one before), so a
- * kernel still running when the last reference goes keeps its memory. Tests:
+ * Decision: the buffer keeps a mark (a CUDA event) after its last known use: the launch that
+ * wrote it, then every ragvit call that read it (glue mark_buffers). Consumers' streams wait
+ * on the mark, CUDA Array Interface consumers get ragvit's own stream made to wait on it, and
+ * the free is ordered after it on that stream: no caller's stream is touched after the call
+ * that named it, since a caller may destroy its stream before the buffer goes. Work a consumer
+ * queues on its own stream after the hand-off is the consumer's to finish before it drops the
+ * array, as with any DLPack producer. Tests:
  * tests/test_array_types.py. The type itself (methods, docstrings) is declared in module.c. */
 #include "glue.h"
 
@@ -55,7 +59,6 @@ PyObject *buffer_new(call_state *cs, int32_t device_type, int32_t device_id, int
     for (int i = 0; i < ndim; i++) {
         if (self->shape[i] == 0) bytes = 0;
     }
-    self->stream = cs->stream;
     if (raise_status(ragvit_memory_alloc(&cs->st->ctx, device_type, device_id, bytes, cs->stream,
                                          &self->data))) {
         Py_DECREF(self);
@@ -70,7 +73,8 @@ void buffer_dealloc(PyObject *obj) {
     buffer_object *self = (buffer_object *)obj;
     PyTypeObject *type = Py_TYPE(obj);
     if (self->weakreflist != NULL) PyObject_ClearWeakRefs(obj);
-    (void)ragvit_memory_free(self->device_type, self->device_id, self->data, self->stream);
+    (void)ragvit_memory_free(self->device_type, self->device_id, self->data, self->mark);
+    self->mark = NULL;
     self->data = NULL;
     type->tp_free(obj);
     Py_DECREF(type); /* instances of a heap type hold a reference to it */
@@ -257,10 +261,8 @@ PyObject *buffer_dlpack(PyObject *obj, PyObject *const *args, Py_ssize_t nargs, 
         buffer_check_export(self, values[DL_DEVICE], values[COPY])) {
         return NULL;
     }
-    if (is_sync) {
-        if (raise_status(ragvit_stream_wait(self->device_id, consumer, self->stream))) return NULL;
-        self->stream = consumer;
-    }
+    if (is_sync && raise_status(ragvit_memory_wait(self->device_id, consumer, self->mark)))
+        return NULL;
     PyObject *capsule = NULL;
     if (is_versioned) {
         DLManagedTensorVersioned *mt = PyMem_RawMalloc(sizeof *mt);
@@ -338,8 +340,13 @@ static PyObject *buffer_interface(const buffer_object *self, int is_cuda, const 
         Py_BuildValue("{sNsss(NO)sisO}", "shape", shape, "typestr", typestr, "data",
                       PyLong_FromVoidPtr(self->data), Py_False, "version", 3, "strides", Py_None);
     if (dict == NULL || !is_cuda) return dict;
-    /* CAI v3 spells the legacy default stream 1 and the per-thread one 2. */
-    PyObject *stream = PyLong_FromVoidPtr(self->stream == NULL ? (void *)1 : self->stream);
+    /* ragvit's own stream, made to wait on the mark: it outlives any caller's stream */
+    void *own = NULL;
+    if (raise_status(ragvit_memory_stream(self->device_id, self->mark, &own))) {
+        Py_DECREF(dict);
+        return NULL;
+    }
+    PyObject *stream = PyLong_FromVoidPtr(own);
     if (stream == NULL || PyDict_SetItemString(dict, "stream", stream) < 0) {
         Py_XDECREF(stream);
         Py_DECREF(dict);

@@ -64,7 +64,7 @@ typedef struct {
 enum import_kind { IMPORT_EXCHANGE = 1, IMPORT_NUMPY, IMPORT_DLPACK, IMPORT_CAI, IMPORT_BUFFER };
 
 /* ragvit.Buffer: an output ragvit allocated itself, exported through DLPack and the CUDA
- * (or NumPy) array interface. Its fields never change after creation, except `stream`. */
+ * (or NumPy) array interface. Its fields never change after creation, except `mark`. */
 typedef struct {
     PyObject ob_base;    /* PyObject_HEAD, spelled out so clang-format keeps one field a line */
     void *data;          /* owned: ragvit_memory_alloc */
@@ -74,7 +74,8 @@ typedef struct {
     int32_t ndim;
     int64_t shape[RAGVIT_MAX_DIMS];
     int64_t strides[RAGVIT_MAX_DIMS]; /* compact, in elements */
-    void *stream; /* the stream it was last handed to: its free is ordered there */
+    void *mark; /* CUDA: the point after its last known use (ragvit_memory_mark); NULL before
+                 * its creating call has launched */
     PyObject *weakreflist;
 } buffer_object;
 
@@ -218,6 +219,9 @@ PyObject *alloc_like(call_state *cs, const ragvit_tensor *like, const char *name
  * `type(arg).__array_namespace__().from_dlpack` (cached per type) when that exists;
  * anything else is returned as it is. NULL with an exception. */
 PyObject *wrap_output(call_state *cs, PyObject *obj);
+/* Marks the point after this call's launch on every CUDA Buffer it read or returned (result:
+ * a Buffer or a tuple of outputs), so their frees wait for it; -1 with an exception set. */
+int mark_buffers(call_state *cs, PyObject *result);
 
 /* ---- buffer.c ---- */
 
@@ -297,6 +301,7 @@ static inline int finish_streams(call_state *cs) {
  * the torch outputs written, then returns result (stolen) when rc is 0, else
  * drops it and returns NULL (the exception is set). */
 static inline PyObject *call_end(call_state *cs, PyObject *result, int rc) {
+    if (mark_buffers(cs, result) < 0 && rc == 0) rc = -1;
     release_slots(cs);
     if (rc == 0 && cs->written_count > 0) rc = bump_versions(cs);
     if (rc == 0 && cs->wrap_arg != NULL) return wrap_output(cs, result);

@@ -611,21 +611,16 @@ static void view_buffer(ragvit_tensor *t, const buffer_object *b) {
     t->is_present = 1;
 }
 
-/* Once the call's stream is known: it waits on each CUDA Buffer argument's stream
- * (with the CAI producers), and the buffer's free is then ordered on the call's
- * stream, the last one to use it. */
-static void finish_buffer_args(call_state *cs) {
+/* Once the call's stream is known: it waits on each CUDA Buffer argument's mark (the
+ * point after its last known use); mark_buffers moves the mark past this call. */
+static int finish_buffer_args(call_state *cs) {
     for (int j = 0; j < cs->slot_count; j++) {
         if (cs->slots[j].kind != IMPORT_BUFFER) continue;
-        buffer_object *b = (buffer_object *)cs->slots[j].obj;
+        const buffer_object *b = (const buffer_object *)cs->slots[j].obj;
         if (b->device_type != RAGVIT_DEVICE_CUDA) continue;
-        if (b->stream != cs->stream && cs->cai_stream_count < MAX_IMPORTS) {
-            cs->cai_streams[cs->cai_stream_count] = b->stream;
-            cs->cai_devices[cs->cai_stream_count] = b->device_id;
-            cs->cai_stream_count++;
-        }
-        b->stream = cs->stream;
+        if (raise_status(ragvit_memory_wait(b->device_id, cs->stream, b->mark))) return -1;
     }
+    return 0;
 }
 
 /* Checks and consumes the capsule phase 1 got; renamed only once accepted, so
@@ -701,8 +696,7 @@ int call_import(call_state *cs, PyObject *const *values, ragvit_tensor *t) {
         }
         if (rc) return -1;
     }
-    if (is_buffer_arg) finish_buffer_args(cs);
-    return 0;
+    return is_buffer_arg ? finish_buffer_args(cs) : 0;
 }
 
 /* A pending exception is set aside meanwhile: a deleter may run Python code. */
@@ -909,8 +903,34 @@ static int namespace_entry_matches(const namespace_cache_entry *entry, PyTypeObj
 #endif
 }
 
-/* *from_dlpack (new reference, or NULL: the type has no __array_namespace__): the
- * from_dlpack of obj's array namespace, cached per type. A namespace's own exception
+/* The from_dlpack of the package that defines type (CuPy's ndarray offers no
+ * __array_namespace__, its package has from_dlpack): new reference, or NULL (none; no
+ * exception). Only a package already imported is looked at. */
+static PyObject *package_from_dlpack(module_state *st, PyTypeObject *type) {
+    PyObject *module_name = PyObject_GetAttrString((PyObject *)type, "__module__");
+    if (module_name == NULL || !PyUnicode_Check(module_name)) {
+        Py_XDECREF(module_name);
+        PyErr_Clear();
+        return NULL;
+    }
+    const Py_ssize_t dot =
+        PyUnicode_FindChar(module_name, '.', 0, PyUnicode_GetLength(module_name), 1);
+    PyObject *package =
+        dot >= 0 ? PyUnicode_Substring(module_name, 0, dot) : Py_NewRef(module_name);
+    Py_DECREF(module_name);
+    PyObject *module = package == NULL ? NULL : PyImport_GetModule(package);
+    Py_XDECREF(package);
+    PyObject *fn = NULL;
+    if (module != NULL && lookup_optional(module, st->str_from_dlpack, &fn) < 0) fn = NULL;
+    Py_XDECREF(module);
+    if (fn != NULL && !PyCallable_Check(fn)) Py_CLEAR(fn);
+    PyErr_Clear();
+    return fn;
+}
+
+/* *from_dlpack (new reference, or NULL: neither an array namespace nor a defining package
+ * with from_dlpack): the from_dlpack of obj's array namespace (__array_namespace__), else
+ * of the package that defines its type, cached per type. A namespace's own exception
  * propagates (-1). */
 static int namespace_from_dlpack(module_state *st, PyObject *obj, PyObject **from_dlpack) {
     PyTypeObject *type = Py_TYPE(obj);
@@ -931,6 +951,8 @@ static int namespace_from_dlpack(module_state *st, PyObject *obj, PyObject **fro
         const int found = lookup_optional(ns, st->str_from_dlpack, &fn);
         Py_DECREF(ns);
         if (found < 0) return -1;
+    } else if (type != &PyBaseObject_Type) {
+        fn = package_from_dlpack(st, type);
     }
     PyObject *type_ref = PyWeakref_NewRef((PyObject *)type, NULL);
     if (type_ref == NULL) {
@@ -946,6 +968,22 @@ static int namespace_from_dlpack(module_state *st, PyObject *obj, PyObject **fro
     }
     *from_dlpack = fn;
     return 0;
+}
+
+static int mark_buffer(call_state *cs, PyObject *obj) {
+    if (obj == NULL || !Py_IS_TYPE(obj, cs->st->buffer_type)) return 0;
+    buffer_object *b = (buffer_object *)obj;
+    if (b->device_type != RAGVIT_DEVICE_CUDA) return 0;
+    return raise_status(ragvit_memory_mark(b->device_type, b->device_id, cs->stream, &b->mark));
+}
+
+int mark_buffers(call_state *cs, PyObject *result) {
+    if (!cs->is_cuda) return 0;
+    int rc = mark_buffer(cs, result);
+    for (int j = 0; j < cs->slot_count && rc == 0; j++) {
+        if (cs->slots[j].kind == IMPORT_BUFFER) rc = mark_buffer(cs, cs->slots[j].obj);
+    }
+    return rc;
 }
 
 PyObject *wrap_output(call_state *cs, PyObject *obj) {
