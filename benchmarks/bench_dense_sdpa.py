@@ -9,8 +9,8 @@ on the GPU with ThresholdL2 keep 50% after block 4: one with ``dense_until_pruni
 replay) and eagerly (ms per forward, CUDA events; host-bound at small batches), the two
 contenders of a row called in rotating order in one process (ragvit.bench.timing.interleaved_ms).
 Both are checked first against an fp32 copy of the model replaying their decisions.
-Ratio = dense / ragvit (> 1: ragvit's attention is faster there). The default threshold
-(timm_patch.DENSE_SDPA_MIN_TOKENS) follows from these rows.
+Ratio = dense / ragvit (> 1: ragvit's attention is faster there). patch()'s default
+(dense_until_pruning=None: ragvit.attention in those blocks) follows from these rows.
 """
 
 from __future__ import annotations

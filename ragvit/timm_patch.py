@@ -45,10 +45,6 @@ __all__ = ["UnsupportedModelError", "forward_with_decisions", "graph_capture", "
 
 _STATE_ATTR = "_ragvit_patch_state"
 _HEAD_DIMS = (32, 64, 80, 96, 128)
-# patch(dense_until_pruning=None): dense SDPA before the first pruning point above this many
-# tokens in the batch, ragvit's attention at or below it (H200, benchmarks/results: the
-# wgmma kernel wins at 1-16 images of 197 tokens, dense SDPA at 32+ images of 577).
-DENSE_SDPA_MIN_TOKENS = 4096
 
 
 class UnsupportedModelError(ValueError, TypeError):
@@ -271,11 +267,10 @@ def patch(model, policy: PruningPolicy | None = None, *, capacity: bool = False,
             (faster there than ragvit's C backend; the same results up to rounding).
         dense_until_pruning: with a policy, how the blocks before its first pruning point
             (every image still holds all N tokens, nothing is ragged yet) run attention.
-            True: as timm does, dense SDPA on (B, H, N, D) views of the qkv output; False:
-            through `attention`; None (the default): dense SDPA when the batch holds more
-            than DENSE_SDPA_MIN_TOKENS (4096) tokens, else `attention` (on the H200 ragvit's
-            kernel beats dense SDPA at up to 16 DeiT images of 197 tokens, +2-3% for the
-            whole pruned forward replayed as a graph, and trails it at 32+ images of 577).
+            True: as timm does, dense SDPA on (B, H, N, D) views of the qkv output; False or
+            None (the default): through `attention` (on the H200 the whole pruned forward is
+            1-5% faster that way as a CUDA graph and 2-17% eagerly, DeiT-S/B at 1 to 256
+            images: benchmarks/results/dense_sdpa_h200.md).
             A block whose attention must also return CLS scores (EViT, ATS) always calls
             `attention`. No effect without a policy (the lossless path is all ragvit).
         row_ops: run each block's LayerNorms, its four linears (bias and residual add in
@@ -650,14 +645,6 @@ class _TorchRowOps:
         return out.copy_(torch.nn.functional.gelu(x))
 
 
-def _dense_sdpa(state: _PatchState, num_tokens: int) -> bool:
-    """Whether the blocks before the first pruning point run dense SDPA (patch's
-    dense_until_pruning; None: above DENSE_SDPA_MIN_TOKENS tokens)."""
-    if state.dense_until_pruning is None:
-        return num_tokens > DENSE_SDPA_MIN_TOKENS
-    return state.dense_until_pruning
-
-
 class _CudaRowOpsTorchLinear:
     """ragvit's CUDA row ops with torch's linear, where CUDA linear cannot run (a build
     without cuBLASLt, or no libcublasLt to load)."""
@@ -740,7 +727,7 @@ def _forward(model, state: _PatchState, x: torch.Tensor, record: bool = False):
         if feeds and policy.needs_cls_attn:
             cls_attn = torch.empty(cur.rows.shape[0], dtype=torch.float32, device=h.device)
         dense = (policy is not None and stage == 0 and cls_attn is None and cur.sizes is None
-                 and _dense_sdpa(state, B * N))
+                 and bool(state.dense_until_pruning))
         cur.rows, value_norm, keys = _attention_half(
             blk, cur, state.attention, cls_attn, feeds and policy.needs_value_norm,
             feeds and policy.needs_keys, dense, row_ops, state.traced)

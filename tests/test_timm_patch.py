@@ -446,17 +446,14 @@ def test_threshold_l2_arguments():
 
 @pytest.mark.parametrize("policy_name, dense_blocks", [
     ("fixed50_b4", 4), ("threshold_b2_5_8", 2), ("evit", 3), ("none", 0)])
-@pytest.mark.parametrize("min_tokens", [4096, 0])
-def test_dense_until_pruning(policy_name, dense_blocks, min_tokens, gen, seed, monkeypatch):
+def test_dense_until_pruning(policy_name, dense_blocks, gen, seed):
     """Blocks before the first pruning point run dense SDPA (not `attention`) with
-    dense_until_pruning=True, through `attention` with False, and with None (the default)
-    dense only when the batch holds more than DENSE_SDPA_MIN_TOKENS tokens (2 x 17 here:
-    below 4096, above 0); EViT's block 3 still needs the kernel's CLS scores; every setting
-    gives the same logits; without a policy every block calls `attention`."""
-    from ragvit import ops, timm_patch
+    dense_until_pruning=True, through `attention` with False and with None (the default);
+    EViT's block 3 still needs the kernel's CLS scores; every setting gives the same
+    logits; without a policy every block calls `attention`."""
+    from ragvit import ops
     from ragvit.pruning import EViT
 
-    monkeypatch.setattr(timm_patch, "DENSE_SDPA_MIN_TOKENS", min_tokens)
     model = make_model("deit_tiny_patch16_224", gen, 64)
     x = images(gen, 2, 64)
     policy = {"evit": lambda: EViT(0.7, layers=(3, 6, 9)),
@@ -474,8 +471,7 @@ def test_dense_until_pruning(policy_name, dense_blocks, min_tokens, gen, seed, m
             patch(model, policy, attention=counting, dense_until_pruning=dense)
             results[dense] = model(x)
             unpatch(model)
-        is_dense = dense if dense is not None else 2 * 17 > min_tokens
-        assert len(calls) == depth - (dense_blocks if is_dense else 0), (dense, calls)
+        assert len(calls) == depth - (dense_blocks if dense else 0), (dense, calls)
     assert max_diff(results[True], results[False]) <= CPU_ATOL, seed_note(seed)
     assert max_diff(results[None], results[False]) <= CPU_ATOL, seed_note(seed)
 
