@@ -88,9 +88,10 @@ def one_cpu_thread():
 
 @pytest.fixture
 def fresh_dynamo():
-    """Dynamo's caches emptied before and after the test: every patched model shares its
-    forward's code, and past torch._dynamo.config.recompile_limit compiled versions of one
-    code object Dynamo quietly runs it eagerly, which would hide a tracing failure."""
+    """Dynamo's caches emptied before and after the test, so the test traces afresh: every
+    patched model shares its forward's code, and Dynamo reuses a version compiled by an
+    earlier test whose guards still pass, and past torch._dynamo.config.recompile_limit
+    versions it refuses to compile (fullgraph=True) or runs the code eagerly."""
     torch._dynamo.reset()
     yield
     torch._dynamo.reset()

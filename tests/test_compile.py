@@ -23,7 +23,7 @@ from support.tolerances import ERROR_FLOOR
 
 timm = pytest.importorskip("timm")
 
-from support.models import images, make_model, max_diff  # noqa: E402
+from support.models import images, make_model, max_diff, top1_agrees  # noqa: E402
 
 import ragvit  # noqa: E402
 from ragvit import library, pruning, reference, timm_patch  # noqa: E402
@@ -206,12 +206,14 @@ def eager_and_reference(model, x):
 
 
 def assert_equals_eager(traced, eager, expected, floor, seed):
-    """Flash-attention's rule with eager as the baseline: err(traced) <= 2 * err(eager) +
-    floor against `expected` (a reference on eager's decisions), and the same top-1."""
+    """Flash-attention's rule with eager as the baseline: err(traced) <= bar = 2 * err(eager)
+    + floor against `expected` (a reference on eager's decisions), and eager's top-1 on every
+    image whose top-2 gap exceeds twice the bar (near-ties may flip, in fp16 on the GPU)."""
     err, err_eager = max_diff(traced, expected), max_diff(eager, expected)
+    bar = 2 * err_eager + floor
     note = f" err(traced) {err:.3g}, err(eager) {err_eager:.3g}" + seed_note(seed)
-    assert err <= 2 * err_eager + floor, note
-    assert torch.equal(traced.argmax(1), eager.argmax(1)), note
+    assert err <= bar, note
+    assert top1_agrees(traced, eager, 2 * bar)[0], note
 
 
 COMPILE_CASES = [
