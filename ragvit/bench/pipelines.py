@@ -370,8 +370,11 @@ def compiled(fn, x):
     and called twice more (reduce-overhead records its CUDA graph on the second call and
     replays it from the third), so no timed call includes compilation. Dynamo's caches are
     reset first: every patched model shares its forward's code, and past the recompile
-    limit Dynamo would quietly run that code eagerly; compiled artifacts of an earlier
-    identical graph come back from Inductor's cache in seconds."""
+    limit Dynamo refuses to compile it (fullgraph=True); compiled artifacts of an earlier
+    identical graph come back from Inductor's cache in seconds. The reset also drops what
+    pipelines set up before compiled: they compile again on their next call, a warm-up call
+    where several are timed side by side (timing.interleaved_ms warms every one up after all
+    are set up)."""
     import torch
 
     torch._dynamo.reset()
