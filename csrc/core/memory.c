@@ -12,6 +12,14 @@
 
 #define MEMORY_HOST_ALIGNMENT 64
 
+#ifndef RAGVIT_WITH_CUDA
+/* What every CUDA-memory entry point says in a CPU-only build. */
+static ragvit_status memory_no_cuda(void) {
+    return ragvit_fail(RAGVIT_STATUS_NO_CUDA,
+                       "ragvit: CUDA memory needs a CUDA build of ragvit, got a CPU-only build");
+}
+#endif
+
 ragvit_status ragvit_memory_alloc(ragvit_context *ctx, int32_t device_type, int32_t device_id,
                                   size_t bytes, void *stream, void **data) {
     *data = NULL;
@@ -53,8 +61,7 @@ ragvit_status ragvit_memory_mark(int32_t device_type, int32_t device_id, void *s
     (void)device_id;
     (void)stream;
     (void)mark;
-    return ragvit_fail(RAGVIT_STATUS_NO_CUDA,
-                       "ragvit: CUDA memory needs a CUDA build of ragvit, got a CPU-only build");
+    return memory_no_cuda();
 #endif
 }
 
@@ -65,8 +72,7 @@ ragvit_status ragvit_memory_wait(int32_t device_id, void *stream, void *mark) {
 #else
     (void)device_id;
     (void)stream;
-    return ragvit_fail(RAGVIT_STATUS_NO_CUDA,
-                       "ragvit: CUDA memory needs a CUDA build of ragvit, got a CPU-only build");
+    return memory_no_cuda();
 #endif
 }
 
@@ -77,8 +83,7 @@ ragvit_status ragvit_memory_stream(int32_t device_id, void *mark, void **stream)
     (void)device_id;
     (void)mark;
     *stream = NULL;
-    return ragvit_fail(RAGVIT_STATUS_NO_CUDA,
-                       "ragvit: CUDA memory needs a CUDA build of ragvit, got a CPU-only build");
+    return memory_no_cuda();
 #endif
 }
 
@@ -93,7 +98,6 @@ ragvit_status ragvit_memory_free(int32_t device_type, int32_t device_id, void *d
 #else
     (void)device_id;
     (void)mark;
-    return ragvit_fail(RAGVIT_STATUS_NO_CUDA,
-                       "ragvit: CUDA memory needs a CUDA build of ragvit, got a CPU-only build");
+    return memory_no_cuda();
 #endif
 }
