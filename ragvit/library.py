@@ -4,12 +4,14 @@ Importing this module (ragvit.timm_patch does; `import ragvit` alone does not: t
 optional) registers each public array op under its Python name: a functional overload, plus an
 `.out` overload where the Python op takes out= (`Tensor(o!) out`, returns nothing, so
 functionalization keeps the rows an op leaves untouched); attention's cls_attn output has
-`.cls_attn` and `.cls_attn_out`. Real kernels call ragvit._C; fake kernels give contiguous
-outputs (pack, repack: an unbacked row count). This module's functions take the Python ops'
-arguments. Decision that is not obvious: Dynamo cannot trace a C function, so each function
-is also the polyfill of its ragvit._C entry point (torch.compiler.substitute_in_graph): in a
-compiled function a ragvit op traces as its torch op, while eager calls go straight to C as
-before; non-strict torch.export runs no Dynamo, so routed_ops() swaps the ops while it traces.
+`.cls_attn` and `.cls_attn_out`; `uniform_cu_seqlens` gives traced forwards the cu_seqlens of
+equal-length sequences as one shared buffer. Real kernels call ragvit._C; fake kernels give
+contiguous outputs (pack, repack: an unbacked row count). This module's functions take the
+Python ops' arguments. Decision that is not obvious: Dynamo cannot trace a C function, so each
+function is also the polyfill of its ragvit._C entry point
+(torch.compiler.substitute_in_graph): in a compiled function a ragvit op traces as its torch
+op, while eager calls go straight to C as before; non-strict torch.export runs no Dynamo, so
+routed_ops() swaps the ops while it traces.
 """
 
 from __future__ import annotations
@@ -23,7 +25,8 @@ from . import _C
 
 __all__ = [
     "OPS", "attention", "gather_prefix", "gelu", "layer_norm", "linear", "pack", "pack_into",
-    "repack", "repack_into", "routed_ops", "segment_mean", "topk_index", "unpack",
+    "repack", "repack_into", "routed_ops", "segment_mean", "topk_index", "uniform_cu_seqlens",
+    "unpack",
 ]
 
 # The ops registered here: every public array op of ragvit.ops.
@@ -71,6 +74,7 @@ def _define() -> None:
         out=", Tensor(c!) cls_attn") + " -> Tensor")
     _LIB.define("attention.cls_attn_out" + _SCHEMAS["attention"].format(
         out=", Tensor(c!) cls_attn, Tensor(o!) out") + " -> ()")
+    _LIB.define("uniform_cu_seqlens(SymInt num_seqs, SymInt seq_len, Device device) -> Tensor")
 
 
 _define()
@@ -115,6 +119,12 @@ def _attention_cls_attn_out_kernel(q, k, v, cu_seqlens, max_seqlen=None, *, scal
                                    bias=None, cls_attn, out):
     _C.attention(q, k, v, cu_seqlens, max_seqlen, scale=scale, cls_attn=cls_attn, bias=bias,
                  out=out)
+
+
+@_impl("uniform_cu_seqlens")
+def _uniform_cu_seqlens_kernel(num_seqs, seq_len, device):
+    return torch.arange(0, (num_seqs + 1) * seq_len, seq_len, dtype=torch.int32,
+                        device=device)
 
 
 @_impl("pack")
@@ -264,6 +274,11 @@ def _topk_index_fake(scores, k, *, prefix=0):
     return _new(scores, scores.shape[0], prefix + k, dtype=torch.int64)
 
 
+@_fake("uniform_cu_seqlens")
+def _uniform_cu_seqlens_fake(num_seqs, seq_len, device):
+    return torch.empty(num_seqs + 1, dtype=torch.int32, device=device)
+
+
 def _nothing(*args, **kwargs):
     return None
 
@@ -392,6 +407,17 @@ def topk_index(scores, k, *, prefix=0, out=None, stream=None):
         return torch.ops.ragvit.topk_index.default(scores, k, prefix=prefix)
     torch.ops.ragvit.topk_index.out(scores, k, prefix=prefix, out=out)
     return out
+
+
+def uniform_cu_seqlens(num_seqs, seq_len, device) -> torch.Tensor:
+    """cu_seqlens (int32, num_seqs + 1) of num_seqs sequences of seq_len tokens each, on
+    device, through torch.ops.ragvit.uniform_cu_seqlens: what a traced forward feeds its ops.
+
+    Inductor computes a tensor that reads no memory (arange times a constant) afresh for each
+    op that consumes it, one kernel per call (ragvit's ops take their inputs at exact
+    strides); an op's output is one buffer that every consumer shares.
+    """
+    return torch.ops.ragvit.uniform_cu_seqlens.default(num_seqs, seq_len, device)
 
 
 # ---- tracing: Dynamo polyfills and the non-strict export swap ----

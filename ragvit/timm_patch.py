@@ -467,9 +467,10 @@ class _Rows:
 
 def _uniform_cu(state: _PatchState, num_seqs: int, seq_len: int, device) -> torch.Tensor:
     """(B+1,) int32 cu_seqlens of B images of seq_len tokens, cached per shape/device (in
-    state.cu_cache; made afresh when it is None)."""
+    state.cu_cache; a traced forward has none and computes them once per shape through
+    library.uniform_cu_seqlens)."""
     if state.cu_cache is None:
-        return torch.arange(num_seqs + 1, dtype=torch.int32, device=device) * seq_len
+        return library.uniform_cu_seqlens(num_seqs, seq_len, device)
     key = (num_seqs, seq_len, device)
     cu = state.cu_cache.get(key)
     if cu is None:

@@ -157,6 +157,40 @@ def test_library_functions_equal_the_c_ops(gen):
         library.gelu(rows, stream=0)
 
 
+@pytest.mark.parametrize("num_seqs,seq_len", [(1, 1), (3, 197), (2, 577)])
+def test_uniform_cu_seqlens(num_seqs, seq_len):
+    """cu_seqlens of equal lengths: 0, seq_len, ... num_seqs * seq_len, int32; opcheck."""
+    op = torch.ops.ragvit.uniform_cu_seqlens.default
+    got = library.uniform_cu_seqlens(num_seqs, seq_len, torch.device("cpu"))
+    assert got.dtype == torch.int32
+    assert torch.equal(got, make_cu_seqlens([seq_len] * num_seqs))
+    torch.library.opcheck(op, (num_seqs, seq_len, torch.device("cpu")))
+
+
+def test_compiled_ops_share_one_cu_seqlens(gen):
+    """Inductor computes library.uniform_cu_seqlens once for every op that reads it (an
+    arange it would compute afresh before each op: one more kernel per attention call)."""
+    import re
+
+    from torch._inductor.utils import run_and_get_code
+
+    def three_attention_calls(q, k, v):
+        cu = library.uniform_cu_seqlens(2, 5, q.device)
+        for _ in range(3):
+            q = ragvit.attention(q, k, v, cu, 5)
+        return q
+
+    q, k, v = torch.randn(10, 3, 2, 32, generator=gen).unbind(1)
+    with torch.no_grad():
+        got, codes = run_and_get_code(torch.compile(three_attention_calls, fullgraph=True),
+                                      q, k, v)
+    code = "\n".join(codes)
+    assert code.count("ragvit.uniform_cu_seqlens.default(") == 1, code
+    cu_args = re.findall(r"ragvit\.attention\.default\(.*?, (buf\d+), 5\b", code)
+    assert len(cu_args) == 3 and len(set(cu_args)) == 1, cu_args
+    assert torch.equal(got, three_attention_calls(q, k, v))
+
+
 def test_routed_ops_swaps_and_restores():
     """routed_ops() points ragvit.<op> and ragvit.ops.<op> at the library functions for the
     block only, even when it raises; eager ragvit ops stay the C functions themselves."""
@@ -248,6 +282,7 @@ def test_export_equals_eager(policy_name, strict, gen, seed):
     assert ragvit.ops.attention is ragvit._C.attention  # routed_ops restored the C ops
     targets = {str(n.target) for n in program.graph.nodes if n.op == "call_function"}
     assert any(t.startswith("ragvit.") for t in targets), targets
+    assert "ragvit.uniform_cu_seqlens.default" in targets  # one op, not an arange per use
     assert_equals_eager(got, eager, expected, ERROR_FLOOR[torch.float32], seed)
 
 
