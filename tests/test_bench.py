@@ -755,10 +755,41 @@ def test_environment_record(monkeypatch):
     report.start_run()
     env = report.environment("cpu", suites=["paper"])
     assert list(env) == ["device", "threads", "driver", "cuda", "torch", "timm", "ragvit",
-                         "git_sha", "python", "host_probe_start_us", "host_probe_us", "suites"]
+                         "git_sha", "python", "host_probe_start_us", "host_probe_us",
+                         "host_drift", "host_steady", "suites"]
     assert env["device"].startswith("CPU (") and env["driver"] is None
     assert env["host_probe_start_us"] > 0 and env["host_probe_us"] > 0
+    assert env["host_drift"] >= 1.0 and isinstance(env["host_steady"], bool)
     assert env["git_sha"] == "abc1234" and env["suites"] == ["paper"]
+
+
+@pytest.mark.parametrize("start,end,steady", [(1200.0, 1250.0, True), (1250.0, 1200.0, True),
+                                              (1200.0, 1900.0, False), (1900.0, 1200.0, False)])
+def test_unsteady_host_is_marked(monkeypatch, tmp_path, capsys, start, end, steady):
+    """A run whose probe moved by more than HOST_DRIFT_LIMIT either way is marked in its
+    record, first in its Markdown and on stderr; a steady run carries no warning."""
+    from ragvit.bench import report
+
+    monkeypatch.setattr(report, "_run_start_probe_us", start)
+    monkeypatch.setattr(report, "host_probe_us", lambda reps=21: end)
+    prefix = str(tmp_path / "run")
+    assert report.publish([{"x": 1}], 0, lambda rows, env: "| x |\n", prefix, "cpu") == 0
+    env = json.loads((tmp_path / "run.json").read_text())["env"]
+    assert env["host_drift"] == round(max(start, end) / min(start, end), 3)
+    assert env["host_steady"] is steady
+    md, err = (tmp_path / "run.md").read_text(), capsys.readouterr().err
+    assert md.startswith("**UNSTEADY HOST") is (not steady)
+    assert ("UNSTEADY HOST" in err) is (not steady)
+    assert md.endswith("| x |\n")
+
+
+def test_unprobed_run_is_neither_steady_nor_unsteady(monkeypatch):
+    from ragvit.bench import report
+
+    monkeypatch.setattr(report, "_run_start_probe_us", None)
+    env = report.environment("cpu")
+    assert env["host_drift"] is None and env["host_steady"] is None
+    assert report.unsteady_note(env) is None
 
 
 def test_max_err_is_float64_max_abs_difference(gen):

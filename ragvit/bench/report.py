@@ -2,11 +2,13 @@
 
 Every results file carries environment(): the device (GPU name, or the CPU), driver, CUDA,
 torch, timm, Python, the ragvit version and git SHA, so figures compare across commits and
-machines, and a host-speed probe, so a run on a slowed host shows. `python -m ragvit.bench`
-writes PREFIX.json (config, env, rows) and PREFIX.csv (flat_rows); the scripts in
+machines, and a host-speed probe at the run's start and end: a run whose host changed speed by
+more than HOST_DRIFT_LIMIT between the two is marked unsteady in its record and its Markdown,
+and publish() says so on stderr (its figures are not for committing or comparing). `python -m
+ragvit.bench` writes PREFIX.json (config, env, rows) and PREFIX.csv (flat_rows); the scripts in
 benchmarks/ write PREFIX.md (their table) and PREFIX.json (env, rows) through `publish`.
-load_results / load_result_folders read both kinds back (the notebook's input), including
-the older record that names the device "gpu".
+load_results / load_result_folders read both kinds back (the notebook's input), including the
+older record that names the device "gpu".
 """
 
 from __future__ import annotations
@@ -20,8 +22,9 @@ import subprocess
 import sys
 
 __all__ = [
-    "environment", "flat_rows", "host_probe_us", "load_result_folders", "load_results", "publish",
-    "render_table", "start_run", "write_report", "write_results",
+    "HOST_DRIFT_LIMIT", "environment", "flat_rows", "host_drift", "host_probe_us",
+    "load_result_folders", "load_results", "publish", "render_table", "start_run",
+    "unsteady_note", "write_report", "write_results",
 ]
 
 
@@ -49,6 +52,21 @@ def host_probe_us(reps: int = 21) -> float:
 
 _run_start_probe_us: float | None = None
 
+# The most a run's host may change speed between its start and end probes (the larger over
+# the smaller) and still count as steady. The GPU machine's host moves between a fast and a
+# slow state ~1.6x apart; within one state the probe varies by a few percent.
+HOST_DRIFT_LIMIT = 1.25
+
+
+def host_drift(env: dict) -> float | None:
+    """How much the host's speed changed during a run: the larger of its start and end
+    probes over the smaller (1.0: steady); None when the start was not probed."""
+    start, end = env.get("host_probe_start_us"), env.get("host_probe_us")
+    if not start or not end:
+        return None
+    return round(max(start, end) / min(start, end), 3)
+
+
 
 def start_run() -> float:
     """Takes the host-speed probe at the start of a benchmark run (every entry point calls
@@ -61,8 +79,9 @@ def start_run() -> float:
 def environment(device: str | None = None, **extra) -> dict:
     """The record of this run: device, torch threads, driver, CUDA, torch, timm, ragvit
     version and git SHA, Python, the host-speed probe at the run's start (start_run; None
-    when it was not called) and now (host_probe_start_us, host_probe_us), plus `extra` (a
-    script's own settings).
+    when it was not called) and now (host_probe_start_us, host_probe_us), their ratio
+    (host_drift) and whether it is within HOST_DRIFT_LIMIT (host_steady; None unprobed),
+    plus `extra` (a script's own settings).
 
     Args:
         device: "cuda" or "cpu", where the run's work ran; None: "cuda" when torch sees a
@@ -91,7 +110,7 @@ def environment(device: str | None = None, **extra) -> dict:
     gpu = torch.cuda.is_available() if device is None else device == "cuda"
     here = os.path.dirname(os.path.abspath(__file__))
     cpu = platform.processor() or platform.machine()
-    return {
+    env = {
         "device": torch.cuda.get_device_name() if gpu else f"CPU ({cpu}, {os.cpu_count()} cores)",
         "threads": torch.get_num_threads(),
         "driver": sh(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"])
@@ -105,8 +124,20 @@ def environment(device: str | None = None, **extra) -> dict:
         "python": sys.version.split()[0],
         "host_probe_start_us": _run_start_probe_us,
         "host_probe_us": host_probe_us(),
-        **extra,
     }
+    drift = host_drift(env)
+    env["host_drift"] = drift
+    env["host_steady"] = None if drift is None else drift <= HOST_DRIFT_LIMIT
+    return {**env, **extra}
+
+
+def unsteady_note(env: dict) -> str | None:
+    """The warning a run whose host changed speed carries (None for a steady run)."""
+    if env.get("host_steady") is not False:
+        return None
+    return (f"UNSTEADY HOST: the host-speed probe moved {env['host_probe_start_us']} -> "
+            f"{env['host_probe_us']} µs during this run ({env['host_drift']}x, limit "
+            f"{HOST_DRIFT_LIMIT}x): its figures are not for committing or comparing.")
 
 
 def render_table(result: dict) -> str:
@@ -240,20 +271,26 @@ def publish(rows: list, bad: int, render, prefix: str | None, device: str | None
             **extra) -> int:
     """Renders rows with this run's environment (device and extra as environment() takes
     them), prints the table, writes PREFIX.md and PREFIX.json when a prefix is given;
-    returns the exit code (1 when any row failed correctness)."""
+    returns the exit code (1 when any row failed correctness). An unsteady host's run is
+    written with its warning first and the warning is printed to stderr."""
     env = environment(device, **extra)
     table = render(rows, env)
     print(table)
+    note = unsteady_note(env)
+    if note:
+        print(note, file=sys.stderr)
     if prefix:
         write_report(prefix, table, env, rows)
     return 1 if bad else 0
 
 
 def write_report(prefix: str, table: str, env: dict, rows: list) -> list[str]:
-    """Writes the Markdown table to PREFIX.md and {"env", "rows"} to PREFIX.json."""
+    """Writes the Markdown table to PREFIX.md (after unsteady_note's warning, for a run
+    whose host changed speed) and {"env", "rows"} to PREFIX.json."""
     os.makedirs(os.path.dirname(os.path.abspath(prefix)), exist_ok=True)
+    note = unsteady_note(env)
     with open(prefix + ".md", "w") as f:
-        f.write(table)
+        f.write(f"**{note}**\n\n{table}" if note else table)
     with open(prefix + ".json", "w") as f:
         json.dump({"env": env, "rows": rows}, f, indent=1, default=_to_json)
     return [prefix + ".md", prefix + ".json"]
