@@ -924,8 +924,13 @@ def test_dense_gather_matches_reference_and_ragvit(name, layers, keep, gen, seed
         with pipelines.patched(model, policy):
             _, ours = ragvit.forward_with_decisions(model, x)
         plain = pipelines.dense_gather_forward(model, x, policy)
+        with_kept, kept = pipelines.dense_gather_forward(model, x, policy, return_kept=True)
     assert pipelines.max_err(got, replayed) <= 1e-4, seed_note(seed)
-    assert torch.equal(plain, got)
+    assert torch.equal(plain, got) and torch.equal(with_kept, got)
+    # the kept positions (what the compiled pipeline returns for its check) are the decisions
+    assert [k.shape[1] for k in kept] == [int(d[0].sum()) for d in decided]
+    from_kept = pipelines.kept_decisions(kept, decided[0].shape[1])
+    assert all(torch.equal(a, b) for a, b in zip(from_kept, decided, strict=True))
     assert len(decided) == len(layers)
     for mine, theirs, ragvits in zip(decided, own, ours, strict=True):
         assert mine.dtype == torch.bool and mine.shape == theirs.shape

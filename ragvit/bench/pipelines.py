@@ -18,7 +18,8 @@ __all__ = [
     "COMPILED", "COMPILE_REDUCE_OVERHEAD_MAX_BATCH", "DTYPES", "EXACT_FLOOR", "GPU_ONLY",
     "MODELS", "PIPELINES", "TOLERANCE", "UNPRUNED", "check", "compile_mode", "compiled",
     "dense_gather_forward", "dense_gather_unsupported", "fa2_attention", "fa2_attention_cls",
-    "fa2_attention_for", "fa2_unsupported", "graphed", "load_model", "make_pipeline",
+    "fa2_attention_for", "fa2_unsupported", "graphed", "kept_decisions", "load_model",
+    "make_pipeline",
     "make_policy", "max_err", "model_problem", "own_decisions_err", "paper_forward", "patched",
     "timm_forward", "torch_dtype",
 ]
@@ -264,7 +265,8 @@ def dense_gather_unsupported(policy) -> str | None:
                 policy, ThresholdL2) else ""))
 
 
-def dense_gather_forward(model, x, policy, *, return_decisions: bool = False):
+def dense_gather_forward(model, x, policy, *, return_decisions: bool = False,
+                         return_kept: bool = False):
     """The strongest pruned forward a torch user writes for fixed keep counts: timm's own
     blocks (SDPA, cuDNN) on a dense (B, P + k, C) batch, the kept tokens gathered at each
     pruning point by ThresholdL2's rule (the L2 norm of the block input, top-k, ties to the
@@ -277,9 +279,14 @@ def dense_gather_forward(model, x, policy, *, return_decisions: bool = False):
         policy: ThresholdL2 with a keep ratio (dense_gather_unsupported says why not).
         return_decisions: also return the decisions in forward_with_decisions' format (per
             pruning point, (B, N) bool over the embedded tokens still held).
+        return_kept: also return, per pruning point, the (B, P + k) int64 positions of the
+            tokens kept there among the N embedded ones (kept_decisions turns them into
+            decisions): one (B, P + k) int64 tensor per pruning point, which eager computes
+            anyway and a compiled forward writes only when it returns them.
 
     Returns:
-        (B, num_classes) logits, or (logits, decisions) with return_decisions.
+        (B, num_classes) logits, or (logits, decisions) with return_decisions, or
+        (logits, kept) with return_kept.
     """
     import torch
 
@@ -292,7 +299,7 @@ def dense_gather_forward(model, x, policy, *, return_decisions: bool = False):
     h = model.norm_pre(model.patch_drop(model._pos_embed(model.patch_embed(x))))
     B, N, C = h.shape
     origin = torch.arange(N, device=h.device).expand(B, N)
-    decisions, stage = [], 0
+    kept, stage = [], 0
     for i, blk in enumerate(model.blocks):
         if stage < len(policy.layers) and policy.layers[stage] == i:
             scores = torch.linalg.vector_norm(h[:, P:], dim=-1, dtype=torch.float32)
@@ -301,13 +308,22 @@ def dense_gather_forward(model, x, policy, *, return_decisions: bool = False):
             index = torch.cat([torch.arange(P, device=h.device).expand(B, P), top + P], 1)
             h = torch.gather(h, 1, index[:, :, None].expand(-1, -1, C))
             origin = torch.gather(origin, 1, index)
-            if return_decisions:
-                decisions.append(torch.zeros(B, N, dtype=torch.bool, device=h.device)
-                                 .scatter_(1, origin, True))
+            kept.append(origin)
             stage += 1
         h = blk(h)
     logits = model.forward_head(model.norm(h))
-    return (logits, decisions) if return_decisions else logits
+    if return_decisions:
+        return logits, kept_decisions(kept, N)
+    return (logits, tuple(kept)) if return_kept else logits
+
+
+def kept_decisions(kept, num_tokens: int) -> list:
+    """dense_gather_forward's kept positions (per pruning point, (B, P + k)) as decisions in
+    forward_with_decisions' format: per pruning point, (B, num_tokens) bool."""
+    import torch
+
+    return [torch.zeros(k.shape[0], num_tokens, dtype=torch.bool, device=k.device)
+            .scatter_(1, k, True) for k in kept]
 
 
 @contextlib.contextmanager
@@ -400,8 +416,22 @@ def make_pipeline(name: str, model, policy, x):
     elif name == "dense_gather":
         yield lambda: dense_gather_forward(model, x, policy)
     elif name == "dense_gather_compiled":
-        run = compiled(lambda inp: dense_gather_forward(model, inp, policy), x)
-        yield lambda: run(x)
+        # The compiled forward also returns its kept positions: check() replays the decisions
+        # it made itself (its fp32 norms, reduced in Inductor's order, may rank a near-tie
+        # the other way than eager's); the cost is one small index tensor per pruning point.
+        run = compiled(lambda inp: dense_gather_forward(model, inp, policy, return_kept=True),
+                       x)
+
+        def call():
+            return run(x)[0]
+
+        def with_decisions():
+            logits, kept = run(x)
+            return logits.clone(), kept_decisions(kept, model.patch_embed.num_patches
+                                                  + int(model.num_prefix_tokens))
+
+        call.with_decisions = with_decisions
+        yield call
     elif name == "reference":
         yield lambda: reference.vit_forward_reference(model, x, policy)
     elif name == "fa2_packed":
@@ -463,9 +493,9 @@ def check(model, x, policy, pipelines, dtype: str = "fp32") -> dict:
 
     Pruned pipelines compare with the reference replaying their decisions (so numerical
     noise cannot flip a choice): ragvit's for ragvit, ragvit_graph and ragvit_compiled,
-    their own for paper_fa2, fa2_packed and dense_gather (torch's modules may rank a
-    near-tie the other way in fp16), their eager form's for the other graphed and compiled
-    forms; unpruned ones with the unpruned reference.
+    their own for paper_fa2, fa2_packed, dense_gather and dense_gather_compiled (torch's
+    modules and Inductor's reductions may rank a near-tie the other way in fp16), their eager
+    form's for the other graphed and compiled forms; unpruned ones with the unpruned reference.
 
     Returns:
         {"err": {pipeline: float or None}, "unavailable": {pipeline: reason},
@@ -506,9 +536,13 @@ def check(model, x, policy, pipelines, dtype: str = "fp32") -> dict:
             # of their eager form (the same computation)
             if name == "fa2_packed_graph":
                 _, own = own_decisions(model, x, policy, fa2_attention_for(policy))
-            elif name in ("dense_gather", "dense_gather_compiled"):
+            elif name == "dense_gather":
                 _, own = dense_gather_forward(model, x, policy, return_decisions=True)
-            if name in ("fa2_packed_graph", "dense_gather", "dense_gather_compiled"):
+            elif name == "dense_gather_compiled":
+                with make_pipeline(name, model, policy, x) as fn:
+                    err[name] = _replay_err(model, x, policy, *fn.with_decisions())
+                continue
+            if name in ("fa2_packed_graph", "dense_gather"):
                 with make_pipeline(name, model, policy, x) as fn:
                     err[name] = _replay_err(model, x, policy, fn(), own)
                 continue
