@@ -3,6 +3,8 @@
  * in stream order from a per-device pool (kernels/device.cu), so a call that allocates pays
  * no cudaMalloc and no synchronization. Sizes are bytes; at least one byte is allocated, so
  * an empty output still has a data pointer to hand over.
+ * A CUDA buffer is ordered by marks (kernels/device.cu: pooled events, shared by the buffers of
+ * one call, reference counted).
  * Decision: the free takes no context: the glue's buffer object frees from its deallocator,
  * which may run after the module (and its context) is gone. */
 #include <stdlib.h>
@@ -52,16 +54,30 @@ ragvit_status ragvit_memory_alloc(ragvit_context *ctx, int32_t device_type, int3
 #endif
 }
 
-ragvit_status ragvit_memory_mark(int32_t device_type, int32_t device_id, void *stream,
-                                 void **mark) {
-    if (device_type == RAGVIT_DEVICE_CPU) return RAGVIT_STATUS_OK;
+ragvit_status ragvit_memory_mark(int32_t device_id, void *stream, void **mark) {
 #ifdef RAGVIT_WITH_CUDA
     return ragvit_cuda_memory_mark(device_id, stream, mark);
 #else
     (void)device_id;
     (void)stream;
-    (void)mark;
+    *mark = NULL;
     return memory_no_cuda();
+#endif
+}
+
+void ragvit_memory_mark_retain(void *mark) {
+#ifdef RAGVIT_WITH_CUDA
+    if (mark != NULL) ragvit_cuda_memory_mark_retain(mark);
+#else
+    (void)mark;
+#endif
+}
+
+void ragvit_memory_mark_release(void *mark) {
+#ifdef RAGVIT_WITH_CUDA
+    if (mark != NULL) ragvit_cuda_memory_mark_release(mark);
+#else
+    (void)mark;
 #endif
 }
 
@@ -98,6 +114,17 @@ ragvit_status ragvit_memory_free(int32_t device_type, int32_t device_id, void *d
 #else
     (void)device_id;
     (void)mark;
+    return memory_no_cuda();
+#endif
+}
+
+ragvit_status ragvit_memory_stats(int32_t device_id, int64_t *events, int64_t *marks) {
+#ifdef RAGVIT_WITH_CUDA
+    return ragvit_cuda_memory_stats(device_id, events, marks);
+#else
+    (void)device_id;
+    *events = 0;
+    *marks = 0;
     return memory_no_cuda();
 #endif
 }

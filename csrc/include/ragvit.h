@@ -177,19 +177,25 @@ ragvit_status ragvit_stream_wait(int32_t device_id, void *consumer, void *produc
  * which keeps freed memory for the next allocation instead of returning it to the driver. */
 ragvit_status ragvit_memory_alloc(ragvit_context *ctx, int32_t device_type, int32_t device_id,
                                   size_t bytes, void *stream, void **data);
-/* *mark (CUDA; created when NULL, else moved): a point on `stream` after the work queued on it
- * so far (an event). Marks, not streams, order what happens to the memory later: a caller's
- * stream may be destroyed before the memory is freed. Host memory: no mark (*mark stays NULL). */
-ragvit_status ragvit_memory_mark(int32_t device_type, int32_t device_id, void *stream, void **mark);
+/* *mark: a new point on `stream` (CUDA) after the work queued on it so far, holding one
+ * reference; one call marks every buffer it wrote or read with the same mark (retain it for
+ * each). Marks, not streams, order what happens to the memory later: a caller's stream may be
+ * destroyed before the memory is freed. Their events come from a per-device pool and return
+ * to it when the last reference goes (CUDA builds; a CPU-only build makes no marks). */
+ragvit_status ragvit_memory_mark(int32_t device_id, void *stream, void **mark);
+void ragvit_memory_mark_retain(void *mark);
+void ragvit_memory_mark_release(void *mark);
 /* Makes `stream` wait for mark (nothing when mark is NULL). */
 ragvit_status ragvit_memory_wait(int32_t device_id, void *stream, void *mark);
 /* *stream: a stream of ragvit's own on the device, alive for the process, made to wait for
  * mark (what a CUDA Array Interface consumer synchronizes on). */
 ragvit_status ragvit_memory_stream(int32_t device_id, void *mark, void **stream);
 /* Frees data from ragvit_memory_alloc once the work before mark is done, in order on ragvit's
- * own stream, and releases mark (CUDA; without a mark, after the device's work so far; host
- * memory at once). Needs no context: it may run after the module is gone. */
+ * own stream, and releases the reference to mark (CUDA; without a mark, after the device's work so
+ * far; host memory at once). Needs no context: it may run after the module is gone. */
 ragvit_status ragvit_memory_free(int32_t device_type, int32_t device_id, void *data, void *mark);
+/* Debug counters of a device's marks: events the pool ever created, marks ever recorded. */
+ragvit_status ragvit_memory_stats(int32_t device_id, int64_t *events, int64_t *marks);
 
 /* ---- core/attention.c ----
  * out: (T, H, D) of q's dtype; q, k, v: (T, H, D) float16/bfloat16/float32, head dim

@@ -1,7 +1,8 @@
 /* device.cu — per-device state and the small host helpers every op shares: device count,
  * one-time device init (SM count, compute capability, opt-in shared memory, the PDL op mask, the
  * one-word error flag), error-flag and int32 read-back, cross-stream waits, the stream-ordered
- * memory pool of the outputs ragvit allocates, the CUDA error -> ragvit_status mapping, and an
+ * memory pool of the outputs ragvit allocates with the pooled events (marks) that order their
+ * frees, the CUDA error -> ragvit_status mapping, and an
  * empty kernel for the launch-floor benchmark (grid = (1), 1 thread, launched as attention is:
  * cudaLaunchKernelEx with attention's PDL setting, waiting like it).
  * Decision: the error flag is a __device__ word, zero when the module loads, so init allocates
@@ -158,24 +159,130 @@ extern "C" ragvit_status ragvit_cuda_pointer_device(const void *ptr, int32_t *de
     return RAGVIT_STATUS_OK;
 }
 
+// ---- marks: pooled events and ragvit's own stream ----
+
+/* A mark: one event recorded on one stream after a call's launches, shared by every buffer
+ * that call wrote or read (refs counts them). Events are created on demand and never
+ * destroyed: a released mark returns to its device's free list and a later call records it
+ * again, with no query: a cudaStreamWaitEvent already enqueued keeps the state the event had
+ * when it was enqueued, whatever is recorded afterwards. So the pool holds as many events as
+ * marks were ever alive at once. */
+struct device_mark {
+    cudaEvent_t event;
+    int32_t device_id;
+    int refs;          /* atomic: the buffers (and the marking call) that hold it */
+    uint64_t serial;   /* this record, unique per device: see device_own_wait */
+    device_mark *next; /* the free list */
+};
+
+/* Per device, under device_lock: the free marks, ragvit's own stream (created on first use
+ * and kept for the process; frees are ordered there, after the mark of the memory's last known
+ * use, never on a caller's stream, which may be destroyed by the time the memory goes), the
+ * serial of the mark that stream last waited on, and counters for the tests. */
+struct device_event_state {
+    device_mark *free_marks;
+    cudaStream_t own;
+    uint64_t own_waited;
+    uint64_t next_serial;
+    int64_t created;  /* events created */
+    int64_t recorded; /* marks recorded */
+};
+
+static pthread_mutex_t device_lock = PTHREAD_MUTEX_INITIALIZER;
+static device_event_state device_events[RAGVIT_MAX_DEVICES];
+
+static ragvit_status device_check_id(int32_t device_id) {
+    if (device_id >= 0 && device_id < RAGVIT_MAX_DEVICES) return RAGVIT_STATUS_OK;
+    return ragvit_fail(RAGVIT_STATUS_INVALID_DEVICE, "ragvit: device must be < %d, got %d",
+                       RAGVIT_MAX_DEVICES, (int)device_id);
+}
+
+static void device_mark_release(device_mark *mark) {
+    if (__atomic_sub_fetch(&mark->refs, 1, __ATOMIC_ACQ_REL) != 0) return;
+    pthread_mutex_lock(&device_lock);
+    mark->next = device_events[mark->device_id].free_marks;
+    device_events[mark->device_id].free_marks = mark;
+    pthread_mutex_unlock(&device_lock);
+}
+
+/* *mark (one reference): a free mark of the device (a new event when none is free) recorded
+ * on stream. The device must be current. */
+static ragvit_status device_mark_record(int32_t device_id, void *stream, device_mark **mark) {
+    *mark = NULL;
+    RAGVIT_TRY(device_check_id(device_id));
+    device_event_state *state = &device_events[device_id];
+    pthread_mutex_lock(&device_lock);
+    device_mark *m = state->free_marks;
+    if (m != NULL) state->free_marks = m->next;
+    pthread_mutex_unlock(&device_lock);
+    if (m == NULL) {
+        m = (device_mark *)calloc(1, sizeof *m);
+        if (m == NULL)
+            return ragvit_fail(RAGVIT_STATUS_OUT_OF_MEMORY, "ragvit: cannot allocate a mark");
+        const cudaError_t e = cudaEventCreateWithFlags(&m->event, cudaEventDisableTiming);
+        if (e != cudaSuccess) {
+            free(m);
+            return ragvit_cuda_fail((int)e, "cudaEventCreateWithFlags(event, DisableTiming)",
+                                    __FILE__, __LINE__);
+        }
+        m->device_id = device_id;
+        pthread_mutex_lock(&device_lock);
+        state->created++;
+        pthread_mutex_unlock(&device_lock);
+    }
+    m->refs = 1;
+    const cudaError_t e = cudaEventRecord(m->event, (cudaStream_t)stream);
+    pthread_mutex_lock(&device_lock);
+    if (e == cudaSuccess) {
+        m->serial = ++state->next_serial;
+        state->recorded++;
+    } else {
+        m->next = state->free_marks;
+        state->free_marks = m;
+    }
+    pthread_mutex_unlock(&device_lock);
+    if (e != cudaSuccess)
+        return ragvit_cuda_fail((int)e, "cudaEventRecord(event, stream)", __FILE__, __LINE__);
+    *mark = m;
+    return RAGVIT_STATUS_OK;
+}
+
+/* *own: the device's own stream, made to wait on mark (none when NULL) unless it already
+ * waited on this very record (the outputs of one call share a mark and are often dropped
+ * together: one wait serves them all). The device must be current. */
+static ragvit_status device_own_wait(int32_t device_id, const device_mark *mark,
+                                     cudaStream_t *own) {
+    *own = NULL;
+    RAGVIT_TRY(device_check_id(device_id));
+    device_event_state *state = &device_events[device_id];
+    pthread_mutex_lock(&device_lock);
+    cudaError_t e = cudaSuccess;
+    const char *expr = "cudaStreamCreateWithFlags(stream, NonBlocking)";
+    if (state->own == NULL) e = cudaStreamCreateWithFlags(&state->own, cudaStreamNonBlocking);
+    if (e == cudaSuccess && mark != NULL && mark->serial != state->own_waited) {
+        e = cudaStreamWaitEvent(state->own, mark->event, 0);
+        expr = "cudaStreamWaitEvent(own, mark, 0)";
+        if (e == cudaSuccess) state->own_waited = mark->serial;
+    }
+    *own = state->own;
+    pthread_mutex_unlock(&device_lock);
+    if (e != cudaSuccess) return ragvit_cuda_fail((int)e, expr, __FILE__, __LINE__);
+    return RAGVIT_STATUS_OK;
+}
+
 extern "C" ragvit_status ragvit_cuda_stream_wait(int32_t device_id, void *consumer,
                                                  void *producer) {
     if (consumer == producer) return RAGVIT_STATUS_OK;
     cuda_device_guard guard;
     RAGVIT_TRY(guard.enter(device_id));
-    cudaEvent_t event = NULL;
-    CUDA_TRY(cudaEventCreateWithFlags(&event, cudaEventDisableTiming));
-    /* The event is destroyed on every path; destruction is deferred by CUDA
-     * until the wait has been satisfied. */
-    cudaError_t e = cudaEventRecord(event, (cudaStream_t)producer);
-    const char *expr = "cudaEventRecord(event, producer)";
-    if (e == cudaSuccess) {
-        e = cudaStreamWaitEvent((cudaStream_t)consumer, event, 0);
-        expr = "cudaStreamWaitEvent(consumer, event, 0)";
-    }
-    const cudaError_t destroyed = cudaEventDestroy(event);
-    if (e != cudaSuccess) return ragvit_cuda_fail((int)e, expr, __FILE__, __LINE__);
-    CUDA_TRY(destroyed);
+    device_mark *mark = NULL;
+    RAGVIT_TRY(device_mark_record(device_id, producer, &mark));
+    /* The wait holds the event's state as of now: the mark is released at once. */
+    const cudaError_t e = cudaStreamWaitEvent((cudaStream_t)consumer, mark->event, 0);
+    device_mark_release(mark);
+    if (e != cudaSuccess)
+        return ragvit_cuda_fail((int)e, "cudaStreamWaitEvent(consumer, event, 0)", __FILE__,
+                                __LINE__);
     return RAGVIT_STATUS_OK;
 }
 
@@ -224,68 +331,71 @@ extern "C" ragvit_status ragvit_cuda_memory_alloc(ragvit_device_info *dev, size_
     return RAGVIT_STATUS_OK;
 }
 
-/* ragvit's own stream per device, created on first use and kept for the process: frees are
- * ordered there, after the mark of the memory's last known use, never on a caller's stream,
- * which may be destroyed by the time the memory goes. */
-static pthread_mutex_t device_stream_lock = PTHREAD_MUTEX_INITIALIZER;
-static cudaStream_t device_streams[RAGVIT_MAX_DEVICES];
-
-static ragvit_status device_own_stream(int32_t device_id, cudaStream_t *stream) {
-    if (device_id < 0 || device_id >= RAGVIT_MAX_DEVICES)
-        return ragvit_fail(RAGVIT_STATUS_INVALID_DEVICE, "ragvit: device must be < %d, got %d",
-                           RAGVIT_MAX_DEVICES, (int)device_id);
-    pthread_mutex_lock(&device_stream_lock);
-    cudaError_t e = cudaSuccess;
-    if (device_streams[device_id] == NULL)
-        e = cudaStreamCreateWithFlags(&device_streams[device_id], cudaStreamNonBlocking);
-    *stream = device_streams[device_id];
-    pthread_mutex_unlock(&device_stream_lock);
-    if (e != cudaSuccess)
-        return ragvit_cuda_fail((int)e, "cudaStreamCreateWithFlags(stream, NonBlocking)", __FILE__,
-                                __LINE__);
+extern "C" ragvit_status ragvit_cuda_memory_mark(int32_t device_id, void *stream, void **mark) {
+    *mark = NULL;
+    cuda_device_guard guard;
+    RAGVIT_TRY(guard.enter(device_id));
+    device_mark *m = NULL;
+    RAGVIT_TRY(device_mark_record(device_id, stream, &m));
+    *mark = (void *)m;
     return RAGVIT_STATUS_OK;
 }
 
-extern "C" ragvit_status ragvit_cuda_memory_mark(int32_t device_id, void *stream, void **mark) {
-    cuda_device_guard guard;
-    RAGVIT_TRY(guard.enter(device_id));
-    if (*mark == NULL)
-        CUDA_TRY(cudaEventCreateWithFlags((cudaEvent_t *)mark, cudaEventDisableTiming));
-    CUDA_TRY(cudaEventRecord((cudaEvent_t)*mark, (cudaStream_t)stream));
-    return RAGVIT_STATUS_OK;
+extern "C" void ragvit_cuda_memory_mark_retain(void *mark) {
+    __atomic_fetch_add(&((device_mark *)mark)->refs, 1, __ATOMIC_RELAXED);
+}
+
+extern "C" void ragvit_cuda_memory_mark_release(void *mark) {
+    device_mark_release((device_mark *)mark);
 }
 
 extern "C" ragvit_status ragvit_cuda_memory_wait(int32_t device_id, void *stream, void *mark) {
     cuda_device_guard guard;
     RAGVIT_TRY(guard.enter(device_id));
-    CUDA_TRY(cudaStreamWaitEvent((cudaStream_t)stream, (cudaEvent_t)mark, 0));
+    CUDA_TRY(cudaStreamWaitEvent((cudaStream_t)stream, ((device_mark *)mark)->event, 0));
     return RAGVIT_STATUS_OK;
 }
 
 extern "C" ragvit_status ragvit_cuda_memory_stream(int32_t device_id, void *mark, void **stream) {
+    *stream = NULL;
     cuda_device_guard guard;
     RAGVIT_TRY(guard.enter(device_id));
     cudaStream_t own = NULL;
-    RAGVIT_TRY(device_own_stream(device_id, &own));
-    if (mark != NULL) CUDA_TRY(cudaStreamWaitEvent(own, (cudaEvent_t)mark, 0));
+    RAGVIT_TRY(device_own_wait(device_id, (device_mark *)mark, &own));
     *stream = (void *)own;
     return RAGVIT_STATUS_OK;
 }
 
 /* Without a mark (a buffer dropped before its call marked it) the device's work so far is
- * waited for. The event is destroyed at once: CUDA defers that until the wait is met. At exit
- * the runtime may be unloading: the process frees everything. */
+ * waited for. At exit the runtime may be unloading: the process frees everything. */
 extern "C" ragvit_status ragvit_cuda_memory_free(int32_t device_id, void *data, void *mark) {
     cuda_device_guard guard;
     RAGVIT_TRY(guard.enter(device_id));
     cudaStream_t own = NULL;
-    RAGVIT_TRY(device_own_stream(device_id, &own));
-    cudaError_t e =
-        mark != NULL ? cudaStreamWaitEvent(own, (cudaEvent_t)mark, 0) : cudaDeviceSynchronize();
-    if (mark != NULL) (void)cudaEventDestroy((cudaEvent_t)mark);
+    cudaError_t e = cudaSuccess;
+    if (mark != NULL) {
+        const ragvit_status status = device_own_wait(device_id, (device_mark *)mark, &own);
+        device_mark_release((device_mark *)mark);
+        RAGVIT_TRY(status);
+    } else {
+        RAGVIT_TRY(device_own_wait(device_id, NULL, &own));
+        e = cudaDeviceSynchronize();
+    }
     if (e == cudaSuccess) e = cudaFreeAsync(data, own);
     if (e == cudaSuccess || e == cudaErrorCudartUnloading) return RAGVIT_STATUS_OK;
     return ragvit_cuda_fail((int)e, "cudaFreeAsync(data, stream)", __FILE__, __LINE__);
+}
+
+extern "C" ragvit_status ragvit_cuda_memory_stats(int32_t device_id, int64_t *events,
+                                                  int64_t *marks) {
+    *events = 0;
+    *marks = 0;
+    RAGVIT_TRY(device_check_id(device_id));
+    pthread_mutex_lock(&device_lock);
+    *events = device_events[device_id].created;
+    *marks = device_events[device_id].recorded;
+    pthread_mutex_unlock(&device_lock);
+    return RAGVIT_STATUS_OK;
 }
 
 extern "C" ragvit_status ragvit_cuda_launch_empty(const ragvit_device_info *dev, void *stream) {

@@ -41,9 +41,7 @@ static int alloc_gathered(call_state *cs, const ragvit_tensor *like, int64_t las
 /* The exit of pack and repack: the tuple when rc is 0, each output in the caller's
  * array type; objs are dropped either way. */
 static PyObject *end_gathered(call_state *cs, PyObject **objs, int rc) {
-    for (int i = 0; i < RESULT_COUNT; i++) {
-        if (mark_buffers(cs, objs[i]) < 0 && rc == 0) rc = -1;
-    }
+    if (mark_buffers(cs, objs, RESULT_COUNT) < 0 && rc == 0) rc = -1;
     release_slots(cs);
     for (int i = 0; i < RESULT_COUNT && rc == 0 && cs->wrap_arg != NULL; i++) {
         objs[i] = wrap_output(cs, objs[i]); /* steals objs[i] */

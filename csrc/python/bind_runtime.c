@@ -1,7 +1,7 @@
 /* bind_runtime.c — ragvit._C's functions about the build and the process
  * rather than an op: build_info, cuda_is_compiled, cuda_device_count,
- * set_debug/is_debug (the module state's debug flag) and _launch_empty, the
- * benchmarks' floor.
+ * set_debug/is_debug (the module state's debug flag), _launch_empty, the
+ * benchmarks' floor, and _memory_stats, the counters of the marks' event pool.
  * Decision: _launch_empty parses by hand instead of through an op_signature:
  * it must accept any further arguments, so it can be called with exactly the
  * call shape of the op it is compared with. */
@@ -92,4 +92,19 @@ PyObject *py_launch_empty(PyObject *module, PyObject *const *args, Py_ssize_t na
     if (parse_stream(&cs, stream_obj == Py_None ? NULL : stream_obj)) return NULL;
     if (raise_status(ragvit_launch_empty(&cs.st->ctx, (int32_t)device, cs.stream))) return NULL;
     Py_RETURN_NONE;
+}
+
+/* _memory_stats(device=0): the counters of a device's marks (the tests' view of the event
+ * pool): {"events": events created, "marks": marks recorded}, both for the process so far. */
+PyObject *py_memory_stats(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {
+    (void)module;
+    if (nargs > 1) {
+        PyErr_Format(PyExc_TypeError, "_memory_stats() takes at most 1 argument, got %zd", nargs);
+        return NULL;
+    }
+    const long device = nargs == 1 ? PyLong_AsLong(args[0]) : 0;
+    if (device == -1 && PyErr_Occurred()) return NULL;
+    int64_t events = 0, marks = 0;
+    if (raise_status(ragvit_memory_stats((int32_t)device, &events, &marks))) return NULL;
+    return Py_BuildValue("{s:L,s:L}", "events", (long long)events, "marks", (long long)marks);
 }

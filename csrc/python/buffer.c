@@ -3,13 +3,14 @@
  * through __dlpack__ (versioned capsules for DLPack 1.x consumers, legacy ones for older
  * ones; stream= per the array API standard), __dlpack_device__, __cuda_array_interface__ v3
  * (CUDA) and __array_interface__ (host). Memory: core/memory.c (CUDA: stream-ordered).
- * Decision: the buffer keeps a mark (a CUDA event) after its last known use: the launch that
- * wrote it, then every ragvit call that read it (glue mark_buffers). Consumers' streams wait
- * on the mark, CUDA Array Interface consumers get ragvit's own stream made to wait on it, and
- * the free is ordered after it on that stream: no caller's stream is touched after the call
- * that named it, since a caller may destroy its stream before the buffer goes. Work a consumer
- * queues on its own stream after the hand-off is the consumer's to finish before it drops the
- * array, as with any DLPack producer. Tests:
+ * Decision: the buffer keeps a mark (a pooled CUDA event, shared by the buffers of one call)
+ * after its last known use: the launch that wrote it, then every ragvit call that read it (glue
+ * mark_buffers). Consumers' streams wait on the mark (but for the hand-off to the caller's
+ * array type on the call's own stream, which is ordered already), CUDA Array Interface consumers
+ * get ragvit's own stream made to wait on it, and the free is ordered after it on that stream: no
+ * caller's stream is touched after the call that named it, since a caller may destroy its stream
+ * before the buffer goes. Work a consumer queues on its own stream after the hand-off is the
+ * consumer's to finish before it drops the array, as with any DLPack producer. Tests:
  * tests/test_array_types.py. The type itself (methods, docstrings) is declared in module.c. */
 #include "glue.h"
 
@@ -261,8 +262,11 @@ PyObject *buffer_dlpack(PyObject *obj, PyObject *const *args, Py_ssize_t nargs, 
         buffer_check_export(self, values[DL_DEVICE], values[COPY])) {
         return NULL;
     }
-    if (is_sync && raise_status(ragvit_memory_wait(self->device_id, consumer, self->mark)))
+    const int is_ordered = self->is_handing_off && consumer == self->handoff_stream;
+    if (is_sync && !is_ordered &&
+        raise_status(ragvit_memory_wait(self->device_id, consumer, self->mark))) {
         return NULL;
+    }
     PyObject *capsule = NULL;
     if (is_versioned) {
         DLManagedTensorVersioned *mt = PyMem_RawMalloc(sizeof *mt);

@@ -438,4 +438,9 @@ PyDoc_STRVAR(launch_empty_doc,
              "_launch_empty(device=0, stream=0, *args, **kwargs) -> None\n\nLaunch an empty kernel "
              "(benchmark floor); further arguments are ignored.");
 
+PyDoc_STRVAR(memory_stats_doc,
+             "_memory_stats(device=0) -> dict\n\nCounters of the device's marks, for the tests: "
+             "'events' (CUDA events the pool created) and 'marks' (marks recorded, one per CUDA "
+             "call that touched a ragvit.Buffer).");
+
 #endif /* RAGVIT_DOCS_H */

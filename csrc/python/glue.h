@@ -64,7 +64,8 @@ typedef struct {
 enum import_kind { IMPORT_EXCHANGE = 1, IMPORT_NUMPY, IMPORT_DLPACK, IMPORT_CAI, IMPORT_BUFFER };
 
 /* ragvit.Buffer: an output ragvit allocated itself, exported through DLPack and the CUDA
- * (or NumPy) array interface. Its fields never change after creation, except `mark`. */
+ * (or NumPy) array interface. Its fields never change after creation, except `mark` and the
+ * hand-off pair. */
 typedef struct {
     PyObject ob_base;    /* PyObject_HEAD, spelled out so clang-format keeps one field a line */
     void *data;          /* owned: ragvit_memory_alloc */
@@ -74,8 +75,10 @@ typedef struct {
     int32_t ndim;
     int64_t shape[RAGVIT_MAX_DIMS];
     int64_t strides[RAGVIT_MAX_DIMS]; /* compact, in elements */
-    void *mark; /* CUDA: the point after its last known use (ragvit_memory_mark); NULL before
-                 * its creating call has launched */
+    void *mark; /* CUDA: the point after its last known use (ragvit_memory_mark, one reference
+                 * held); NULL before its creating call has launched */
+    int is_handing_off;   /* 1 while wrap_output hands it to the caller's array type */
+    void *handoff_stream; /* meanwhile: the stream of the call that marked it */
     PyObject *weakreflist;
 } buffer_object;
 
@@ -219,9 +222,10 @@ PyObject *alloc_like(call_state *cs, const ragvit_tensor *like, const char *name
  * `type(arg).__array_namespace__().from_dlpack` (cached per type) when that exists;
  * anything else is returned as it is. NULL with an exception. */
 PyObject *wrap_output(call_state *cs, PyObject *obj);
-/* Marks the point after this call's launch on every CUDA Buffer it read or returned (result:
- * a Buffer or a tuple of outputs), so their frees wait for it; -1 with an exception set. */
-int mark_buffers(call_state *cs, PyObject *result);
+/* Marks the point after this call's launches on every CUDA Buffer it read or returned
+ * (outputs[0..count), NULL entries and non-Buffers skipped), so their frees wait for it: one
+ * mark (one event record) per call, shared by them all; -1 with an exception set. */
+int mark_buffers(call_state *cs, PyObject *const *outputs, int count);
 
 /* ---- buffer.c ---- */
 
@@ -301,7 +305,7 @@ static inline int finish_streams(call_state *cs) {
  * the torch outputs written, then returns result (stolen) when rc is 0, else
  * drops it and returns NULL (the exception is set). */
 static inline PyObject *call_end(call_state *cs, PyObject *result, int rc) {
-    if (mark_buffers(cs, result) < 0 && rc == 0) rc = -1;
+    if (mark_buffers(cs, &result, 1) < 0 && rc == 0) rc = -1;
     release_slots(cs);
     if (rc == 0 && cs->written_count > 0) rc = bump_versions(cs);
     if (rc == 0 && cs->wrap_arg != NULL) return wrap_output(cs, result);
@@ -326,6 +330,7 @@ PyObject *py_layer_norm(FASTCALL_ARGS);
 PyObject *py_gelu(FASTCALL_ARGS);
 PyObject *py_topk_index(FASTCALL_ARGS);
 PyObject *py_launch_empty(FASTCALL_ARGS);
+PyObject *py_memory_stats(PyObject *module, PyObject *const *args, Py_ssize_t nargs);
 PyObject *py_build_info(PyObject *module, PyObject *unused);
 PyObject *py_cuda_is_compiled(PyObject *module, PyObject *unused);
 PyObject *py_cuda_device_count(PyObject *module, PyObject *unused);

@@ -970,19 +970,36 @@ static int namespace_from_dlpack(module_state *st, PyObject *obj, PyObject **fro
     return 0;
 }
 
-static int mark_buffer(call_state *cs, PyObject *obj) {
+/* Gives b the call's mark (*mark, recorded on the first CUDA Buffer's device; again when a
+ * Buffer of another device follows, which the core then refuses). */
+static int mark_buffer(call_state *cs, PyObject *obj, void **mark, int32_t *mark_device) {
     if (obj == NULL || !Py_IS_TYPE(obj, cs->st->buffer_type)) return 0;
     buffer_object *b = (buffer_object *)obj;
-    if (b->device_type != RAGVIT_DEVICE_CUDA) return 0;
-    return raise_status(ragvit_memory_mark(b->device_type, b->device_id, cs->stream, &b->mark));
+    if (b->device_type != RAGVIT_DEVICE_CUDA || b->mark == *mark) return 0;
+    if (*mark == NULL || b->device_id != *mark_device) {
+        ragvit_memory_mark_release(*mark);
+        *mark = NULL;
+        if (raise_status(ragvit_memory_mark(b->device_id, cs->stream, mark))) return -1;
+        *mark_device = b->device_id;
+    }
+    ragvit_memory_mark_retain(*mark);
+    ragvit_memory_mark_release(b->mark);
+    b->mark = *mark;
+    return 0;
 }
 
-int mark_buffers(call_state *cs, PyObject *result) {
+int mark_buffers(call_state *cs, PyObject *const *outputs, int count) {
     if (!cs->is_cuda) return 0;
-    int rc = mark_buffer(cs, result);
+    void *mark = NULL; /* the call's own reference, dropped at the end */
+    int32_t mark_device = -1;
+    int rc = 0;
+    for (int i = 0; i < count && rc == 0; i++)
+        rc = mark_buffer(cs, outputs[i], &mark, &mark_device);
     for (int j = 0; j < cs->slot_count && rc == 0; j++) {
-        if (cs->slots[j].kind == IMPORT_BUFFER) rc = mark_buffer(cs, cs->slots[j].obj);
+        if (cs->slots[j].kind == IMPORT_BUFFER)
+            rc = mark_buffer(cs, cs->slots[j].obj, &mark, &mark_device);
     }
+    ragvit_memory_mark_release(mark);
     return rc;
 }
 
@@ -995,7 +1012,14 @@ PyObject *wrap_output(call_state *cs, PyObject *obj) {
         return NULL;
     }
     if (from_dlpack == NULL) return obj;
+    /* A consumer on the call's own stream is ordered after the launch already: its
+     * __dlpack__ skips the wait on the mark (recorded there by mark_buffers). */
+    buffer_object *b = (buffer_object *)obj;
+    b->is_handing_off = 1;
+    b->handoff_stream = cs->stream;
     PyObject *wrapped = PyObject_Vectorcall(from_dlpack, &obj, 1, NULL);
+    b->is_handing_off = 0;
+    b->handoff_stream = NULL;
     Py_DECREF(from_dlpack);
     Py_DECREF(obj);
     return wrapped;

@@ -37,6 +37,8 @@ static PyMethodDef module_methods[] = {
     {"is_debug", py_is_debug, METH_NOARGS, is_debug_doc},
     {"_launch_empty", (PyCFunction)(void (*)(void))py_launch_empty, METH_FASTCALL | METH_KEYWORDS,
      launch_empty_doc},
+    {"_memory_stats", (PyCFunction)(void (*)(void))py_memory_stats, METH_FASTCALL,
+     memory_stats_doc},
     {NULL, NULL, 0, NULL},
 };
 
