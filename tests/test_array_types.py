@@ -512,6 +512,87 @@ def test_cupy_ten_thousand_calls_keep_device_memory_flat(seed):
         f"device memory fell by {free_before - free_after} bytes over 10k calls")
 
 
+def _marks(device: int = 0) -> tuple[int, int]:
+    """(events the marks' pool created, marks recorded) on device, for the process so far."""
+    stats = ragvit._C._memory_stats(device)
+    return stats["events"], stats["marks"]
+
+
+def test_memory_stats_counts_marks_in_a_cuda_build():
+    if ragvit._C.cuda_is_compiled():
+        stats = ragvit._C._memory_stats(0)
+        assert set(stats) == {"events", "marks"} and min(stats.values()) >= 0
+    else:
+        with pytest.raises(RuntimeError, match="needs a CUDA build of ragvit"):
+            ragvit._C._memory_stats(0)
+    with pytest.raises(TypeError, match="at most 1 argument"):
+        ragvit._C._memory_stats(0, 1)
+
+
+@pytest.mark.gpu
+@requires_cuda
+def test_marks_reuse_their_events(seed):
+    """Each call that allocates records one mark; a dropped output's event goes back to the
+    pool, so 10k calls create no events, with and without a hand-off to CuPy."""
+    x = torch.randn(5, 8, device="cuda")
+    fake = DLPackOnly(x)
+    calls = [lambda: ragvit.gelu(fake)]
+    try:
+        cupy = _cupy()
+        cx = cupy.asarray(x)
+        calls.append(lambda: ragvit.gelu(cx))
+    except pytest.skip.Exception:
+        pass
+    for call in calls:
+        for _ in range(100):
+            call()
+        torch.cuda.synchronize()
+        events, marks = _marks()
+        for _ in range(10_000):
+            call()
+        torch.cuda.synchronize()
+        events_after, marks_after = _marks()
+        assert events_after == events, f"{events_after - events} events created over 10k calls"
+        assert marks_after - marks == 10_000, "one mark per call"
+    kept = [ragvit.gelu(fake) for _ in range(50)]  # live outputs hold their events
+    assert _marks()[0] <= events + 50
+    del kept
+
+
+@pytest.mark.gpu
+@requires_cuda
+@pytest.mark.sanitizer
+@pytest.mark.parametrize("op", ["pack", "repack", "gelu"])
+def test_a_call_records_one_mark_for_all_its_buffers(op, seed):
+    """The outputs a call allocates and the Buffers it reads share one mark: pack (three
+    outputs) and repack (three outputs, packed read from a Buffer) record one event each call,
+    not one per buffer, and their results are right."""
+    call, host = _problems(_rng(seed))[op]
+    # float inputs shifted by 1000 come back unchanged from gelu: a Buffer holding them
+    shifted = {n: a + np.float32(1000) if a.dtype == np.float32 else a for n, a in host.items()}
+    expected = _as_tuple(call(shifted))
+    inputs = {n: DLPackOnly(torch.from_numpy(a).cuda()) for n, a in shifted.items()}
+    if op != "pack":
+        inputs = {n: ragvit.gelu(a) if shifted[n].dtype == np.float32 else a
+                  for n, a in inputs.items()}
+        assert any(isinstance(a, ragvit.Buffer) for a in inputs.values())
+        expected = _as_tuple(call({n: np.asarray(torch.nn.functional.gelu(torch.from_numpy(a)))
+                                   if a.dtype == np.float32 else a
+                                   for n, a in shifted.items()}))
+    torch.cuda.synchronize()
+    events, marks = _marks()
+    got = _as_tuple(call(inputs))
+    assert _marks()[1] - marks == 1, "one mark per call, shared by every Buffer it touched"
+    assert _marks()[0] - events <= 1
+    torch.cuda.synchronize()
+    for g, e in zip(got, expected, strict=True):
+        assert isinstance(g, ragvit.Buffer)
+        _check_same(torch.from_dlpack(g).cpu().numpy(), e, exact=op != "gelu",
+                    note=f"{op}, seed={seed}")
+    del got, g, inputs
+    torch.cuda.synchronize()
+
+
 @pytest.mark.gpu
 @requires_cuda
 @pytest.mark.sanitizer
