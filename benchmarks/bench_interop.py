@@ -10,8 +10,14 @@ through the DLPack C exchange API, the current stream, checks and one launch). T
 floor and the attention call are also timed side by side in alternating blocks, so their
 ratio is free of clock drift. With CuPy installed, the same attention call on CuPy arrays with
 `out=` and without it (the output a ragvit.Buffer from ragvit's stream-ordered pool, returned
-as a CuPy array through `cupy.from_dlpack`), also timed side by side: their difference is the
-host cost of an output ragvit allocates for a library without an allocator. Needs a CUDA GPU.
+as a CuPy array through `cupy.from_dlpack`), side by side: their difference is the host cost
+of an output ragvit allocates for a library without an allocator. Next to them, in the same
+alternating blocks, the ways a ragvit.Buffer can become a cupy.ndarray: `cupy.from_dlpack` of
+the buffer, of a capsule, `cupy.asarray` through the CUDA Array Interface (CuPy synchronizes
+the host with the interface's stream), an ndarray over `UnownedMemory` owned by the buffer,
+the bare ndarray construction over a ready MemoryPointer (the floor of every route that
+returns a cupy.ndarray), `cupy.empty`, and ragvit's own share (a call that returns the Buffer
+itself). Needs a CUDA GPU.
 ``python benchmarks/bench_interop.py [--out PREFIX]`` writes PREFIX.md/.json.
 """
 
@@ -53,8 +59,17 @@ def calls(device: int) -> tuple[dict, torch.Tensor]:
     }, v
 
 
-def cupy_calls() -> tuple[dict, object] | None:
-    """The CuPy rows (None without CuPy): attention on CuPy arrays with and without out=."""
+class _CAIOnly:
+    """A CuPy array seen through its CUDA Array Interface alone: ragvit returns Buffers."""
+
+    def __init__(self, array):
+        self.__cuda_array_interface__ = array.__cuda_array_interface__
+        self.array = array
+
+
+def cupy_calls() -> tuple[dict, dict] | None:
+    """The CuPy rows (None without CuPy): name -> (what, call), and name -> the value each
+    call's result must equal (a cupy.ndarray unless the row says otherwise)."""
     try:
         import cupy
     except ImportError:
@@ -64,12 +79,57 @@ def cupy_calls() -> tuple[dict, object] | None:
     out = cupy.empty_like(q)
     cu = cupy.asarray([0, 1], dtype=cupy.int32)
     attention = ragvit.attention
-    return {
+    cq, ck, cv, ccu, cout = (_CAIOnly(a) for a in (q, k, v, cu, out))
+    buf = attention(cq, ck, cv, ccu, 1)  # a Buffer holding v, read by every hand-off row
+    assert isinstance(buf, ragvit.Buffer)
+    cai = buf.__cuda_array_interface__
+    ptr, shape, dtype = cai["data"][0], buf.shape, cupy.dtype(buf.dtype)
+    nbytes, device = v.nbytes, v.device.id
+    mem = cupy.cuda.MemoryPointer(cupy.cuda.UnownedMemory(ptr, nbytes, buf, device), 0)
+    ndarray, memory_pointer, unowned = cupy.ndarray, cupy.cuda.MemoryPointer, \
+        cupy.cuda.UnownedMemory
+    from_dlpack, asarray, empty = cupy.from_dlpack, cupy.asarray, cupy.empty
+    current_stream = cupy.cuda.get_current_stream
+    fns = {
         "cupy_out": ("CuPy: `ragvit.attention(q, k, v, cu_seqlens, 1, out=out)`, T = 1",
                      lambda: attention(q, k, v, cu, 1, out=out)),
         "cupy_alloc": ("CuPy: the same call without `out=` (a CuPy array over a ragvit.Buffer, "
                        "dropped)", lambda: attention(q, k, v, cu, 1)),
-    }, v
+        "buffer_alloc": ("ragvit's share: the same call on CAI-only views of the arrays, "
+                         "returning the ragvit.Buffer itself (allocation, mark, free)",
+                         lambda: attention(cq, ck, cv, ccu, 1)),
+        "buffer_out": ("the same call on CAI-only views with `out=` (a CAI-only view)",
+                       lambda: attention(cq, ck, cv, ccu, 1, out=cout)),
+        "from_dlpack": ("hand-off: `cupy.from_dlpack(buf)` (stream= CuPy's current stream)",
+                        lambda: from_dlpack(buf)),
+        "from_capsule": ("hand-off: `cupy.from_dlpack(buf.__dlpack__(stream=-1, "
+                         "max_version=(1, 0)))` (a capsule: no stream exchange)",
+                         lambda: from_dlpack(buf.__dlpack__(stream=-1, max_version=(1, 0)))),
+        "capsule": ("`buf.__dlpack__(stream=-1, max_version=(1, 0))` alone (dropped)",
+                    lambda: buf.__dlpack__(stream=-1, max_version=(1, 0))),
+        "cai": ("hand-off: `cupy.asarray(buf)` (CUDA Array Interface v3; CuPy synchronizes the "
+                "host with its stream)", lambda: asarray(buf)),
+        "unowned": ("hand-off: `cupy.ndarray(shape, dtype, memptr=MemoryPointer(UnownedMemory("
+                    "ptr, nbytes, buf, device), 0))`",
+                    lambda: ndarray(shape, dtype, memptr=memory_pointer(
+                        unowned(ptr, nbytes, buf, device), 0))),
+        "construct": ("`cupy.ndarray(shape, dtype, memptr=mem)` over a ready MemoryPointer "
+                      "(CuPy's construction alone: the floor of any hand-off)",
+                      lambda: ndarray(shape, dtype, memptr=mem)),
+        "current_stream": ("`cupy.cuda.get_current_stream().ptr`",
+                           lambda: current_stream().ptr),
+        "empty": ("`cupy.empty((1, 1, 64), cupy.float16)`",
+                  lambda: empty((1, 1, 64), cupy.float16)),
+    }
+    expected = {name: v for name in fns}
+    expected["buffer_alloc"] = expected["buffer_out"] = expected["capsule"] = None
+    expected["current_stream"] = expected["empty"] = None
+    return fns, expected
+
+
+# The CuPy rows' ratios: (numerator, denominator) of the alternating blocks' medians.
+CUPY_PAIRS = {"alloc_over_out": ("cupy_alloc", "cupy_out"),
+              "buffer_over_out": ("buffer_alloc", "buffer_out")}
 
 
 def render(rows: list, env: dict) -> str:
@@ -85,7 +145,7 @@ def render(rows: list, env: dict) -> str:
         "| --- | --- |",
     ]
     for r in rows:
-        if r["name"] in ("attention_over_floor", "cupy_alloc_over_out"):
+        if r["what"] == "ratio" or r["name"].startswith("handoff:"):
             continue
         lines.append(f"| {r['what']} | {r['median']:.2f} ({r['p20']:.2f}-{r['p80']:.2f}) |")
     ratio = next(r for r in rows if r["name"] == "attention_over_floor")
@@ -100,6 +160,18 @@ def render(rows: list, env: dict) -> str:
                   f"{c['median']:.2f} (p10-p90 {c['p10']:.2f}-{c['p90']:.2f}); the blocks' "
                   f"medians: without {c['alloc_us']:.2f} µs, with {c['out_us']:.2f} µs, "
                   f"difference {c['alloc_us'] - c['out_us']:.2f} µs.", ""]
+        b = next(r for r in rows if r["name"] == "buffer_alloc_over_out")
+        lines += [f"ragvit's own share (the Buffer returned as it is, CAI-only inputs): "
+                  f"{b['alloc_us'] - b['out_us']:.2f} µs ({b['alloc_us']:.2f} against "
+                  f"{b['out_us']:.2f} µs with `out=`; ratio {b['median']:.2f}).", "",
+                  "The CuPy rows, all timed in one set of alternating blocks (median of the "
+                  "blocks' medians, p10-p90 over the calls):", "",
+                  "| call | µs (p10-p90) |", "| --- | --- |"]
+        for r in rows:
+            if r["name"].startswith("handoff:"):
+                lines.append(f"| {r['what']} | {r['median']:.2f} ({r['p10']:.2f}-"
+                             f"{r['p90']:.2f}) |")
+        lines.append("")
     return "\n".join(lines)
 
 
@@ -122,13 +194,14 @@ def main(argv=None) -> int:
         return 1
     cupy_fns = cupy_calls()
     if cupy_fns is not None:
-        cupy_fns, cupy_v = cupy_fns
+        cupy_fns, cupy_expected = cupy_fns
         for name, (_, fn) in cupy_fns.items():
-            got = fn()
-            if type(got) is not type(cupy_v) or not bool((got == cupy_v).all()):
+            got, want = fn(), cupy_expected[name]
+            if want is None:
+                continue
+            if type(got) is not type(want) or not bool((got == want).all()):
                 print(f"{name}: the CuPy call returned {type(got).__name__}, not its value row")
                 return 1
-        fns.update(cupy_fns)
     else:
         print("CuPy is not installed: no CuPy rows")
     print("all results match")
@@ -146,12 +219,16 @@ def main(argv=None) -> int:
                  "floor_us": stats["floor"].median})
     if cupy_fns is not None:
         stats, ratios = timing.host_us_interleaved(
-            {"alloc": fns["cupy_alloc"][1], "out": fns["cupy_out"][1]},
-            {"ratio": ("alloc", "out")}, calls=args.calls)
-        r = ratios["ratio"]
-        rows.append({"name": "cupy_alloc_over_out", "what": "ratio", "median": r.median,
-                     "p10": r.p10, "p90": r.p90, "alloc_us": stats["alloc"].median,
-                     "out_us": stats["out"].median})
+            {name: fn for name, (_, fn) in cupy_fns.items()}, CUPY_PAIRS, calls=args.calls)
+        for name, (what, _) in cupy_fns.items():
+            s = stats[name]
+            rows.append({"name": f"handoff:{name}", "what": what, "median": s.median,
+                         "p10": s.p10, "p90": s.p90})
+        for key, (num, den) in CUPY_PAIRS.items():
+            r = ratios[key]
+            rows.append({"name": f"{num}_over_{den.split('_')[1]}", "what": "ratio",
+                         "median": r.median, "p10": r.p10, "p90": r.p90,
+                         "alloc_us": stats[num].median, "out_us": stats[den].median})
     return report.publish(rows, 0, render, args.out, device="cuda", calls=args.calls)
 
 
