@@ -323,6 +323,20 @@ ragvit_status ragvit_topk_index(ragvit_context *ctx, const ragvit_tensor *out,
                                 const ragvit_tensor *scores, int64_t k, int64_t prefix,
                                 void *stream);
 
+/* ---- core/graph_replay.c ----
+ * One replay of a captured CUDA graph as a caller sees it, in order on stream: x copied
+ * into static_x (the graph's input), the graph launched, each static_outs[i] copied into
+ * outs[i]. x and static_x: one shape and dtype, compact (row-major, no gaps); outs[i]
+ * and static_outs[i] likewise, for i < count <= RAGVIT_GRAPH_MAX_OUTPUTS; all on one
+ * CUDA device. graph_exec: a cudaGraphExec_t instantiated on that device, which reads
+ * static_x and writes static_outs (torch.cuda.CUDAGraph.raw_cuda_graph_exec()). Every
+ * check runs before anything is queued: a refused call leaves static_x untouched. */
+#define RAGVIT_GRAPH_MAX_OUTPUTS 6
+ragvit_status ragvit_graph_replay(ragvit_context *ctx, const ragvit_tensor *outs,
+                                  const ragvit_tensor *static_x, const ragvit_tensor *x,
+                                  const ragvit_tensor *static_outs, int32_t count, void *graph_exec,
+                                  void *stream);
+
 #ifdef __cplusplus
 }
 #endif

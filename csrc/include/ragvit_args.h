@@ -272,6 +272,23 @@ typedef struct {
     int32_t out_dtype;
 } ragvit_topk_index_args;
 
+/* graph_replay: static_x <- x, launch graph_exec, outs[i] <- static_outs[i], on one
+ * stream. Byte counts of compact tensors; a copy of 0 bytes, or of x onto itself, is
+ * skipped. */
+typedef struct {
+    /* cudaGraphExec_t. */
+    void *graph_exec;
+    /* The graph's input and the caller's, x_bytes each. */
+    void *static_x;
+    const void *x;
+    size_t x_bytes;
+    /* Fresh outputs and the graph's, out_bytes[i] each, i < count. */
+    void *outs[RAGVIT_GRAPH_MAX_OUTPUTS];
+    const void *static_outs[RAGVIT_GRAPH_MAX_OUTPUTS];
+    size_t out_bytes[RAGVIT_GRAPH_MAX_OUTPUTS];
+    int32_t count;
+} ragvit_graph_replay_args;
+
 #ifdef __cplusplus
 }
 #endif

@@ -70,6 +70,9 @@ ragvit_status ragvit_cuda_gelu(const ragvit_rowwise_args *a, const ragvit_device
                                void *stream);
 ragvit_status ragvit_cuda_topk_index(const ragvit_topk_index_args *a, const ragvit_device_info *dev,
                                      void *stream);
+/* Copy in, graph launch, copies out (cudaMemcpyAsync, cudaGraphLaunch): no kernel of ragvit's. */
+ragvit_status ragvit_cuda_graph_replay(const ragvit_graph_replay_args *a,
+                                       const ragvit_device_info *dev, void *stream);
 #endif
 
 #ifdef __cplusplus
