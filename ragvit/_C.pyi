@@ -299,6 +299,39 @@ def topk_index(
         TypeError: scores' or out's dtype; k or prefix not an int (bool too).
     """
 
+def graph_replay(
+    graph_exec: int,
+    x: Array,
+    static_x: Array,
+    outputs: Array | tuple[Array, ...],
+    *,
+    stream: Any = None,
+) -> Array | tuple[Array, ...]:
+    """One replay of a captured CUDA graph: x copied into static_x, the graph launched,
+    each of its outputs copied into a fresh tensor, on one stream (ragvit.cuda_graph's
+    call for a shape it has seen).
+
+    Args:
+        graph_exec: the cudaGraphExec_t as an int
+            (torch.cuda.CUDAGraph.raw_cuda_graph_exec()), on x's device; it reads
+            static_x and writes outputs.
+        x: contiguous CUDA tensor of static_x's shape and dtype, of a library whose
+            DLPack exchange API allocates (torch).
+        static_x: the graph's input buffer, contiguous and writable.
+        outputs: the graph's output tensor or a tuple of at most 6, each contiguous.
+        stream: default: x's library's current stream on x's device.
+
+    Returns:
+        Fresh tensors of x's library on x's device: one for a tensor, a tuple for a tuple.
+
+    Raises:
+        ValueError: shapes, contiguity, devices (or the host), x partly overlapping
+            static_x, more than 6 outputs, graph_exec 0.
+        TypeError: dtypes, graph_exec not an int, outputs a list, x's library without an
+            exchange-API allocator.
+        RuntimeError: a CPU-only build, or a CUDA failure. A refused call queues nothing.
+    """
+
 class Buffer:
     """An output ragvit allocated itself (no allocator in the caller's library): a
     compact array on a CPU or CUDA device, exported without a copy through DLPack,

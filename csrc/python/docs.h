@@ -349,6 +349,43 @@ PyDoc_STRVAR(topk_index_doc,
              "    strides, aliasing, devices), TypeError (dtype, k or prefix not an int),\n"
              "    BufferError, MemoryError, RuntimeError (CUDA failure).");
 
+/* ---- graph_replay ---- */
+
+PyDoc_STRVAR(
+    graph_replay_doc,
+    "graph_replay(graph_exec, x, static_x, outputs, *, stream=None) -> out\n"
+    "\n"
+    "One replay of a captured CUDA graph, as ragvit.cuda_graph calls it for a shape it has\n"
+    "seen: x is copied into static_x (the graph's input), the graph is launched, and each\n"
+    "of the graph's outputs is copied into a fresh tensor, all on one stream with nothing\n"
+    "synchronized. Equivalent to static_x.copy_(x); graph.replay(); [o.clone() for o in\n"
+    "outputs] for a graph that draws no random numbers (torch's replay then does nothing\n"
+    "more than launch it on the current stream).\n"
+    "\n"
+    "Args:\n"
+    "    graph_exec: the graph's cudaGraphExec_t as an int\n"
+    "        (torch.cuda.CUDAGraph.raw_cuda_graph_exec()), instantiated on x's device; it\n"
+    "        must read static_x and write outputs, which the caller keeps alive.\n"
+    "    x: the input, a contiguous CUDA tensor of static_x's shape and dtype, of a\n"
+    "        library whose DLPack exchange API allocates (torch).\n"
+    "    static_x: the graph's input buffer, contiguous and writable.\n"
+    "    outputs: the graph's output tensor, or a tuple of at most 6, each contiguous, of\n"
+    "        any dtype ragvit imports (float16/32/64, bfloat16, int32/64, uint8, bool).\n"
+    "    stream: int cudaStream_t handle or object with __cuda_stream__; default: x's\n"
+    "        library's current stream on x's device (torch.cuda.current_stream()).\n"
+    "\n"
+    "Returns:\n"
+    "    A new tensor of x's library per output, on x's device, allocated on the call's\n"
+    "    stream: one tensor for a tensor, a tuple for a tuple.\n"
+    "\n"
+    "Raises:\n"
+    "    ValueError: shapes differ, a tensor is not contiguous, a device differs or is the\n"
+    "        host, x partly overlaps static_x, more than 6 outputs, graph_exec is 0.\n"
+    "    TypeError: dtypes differ, graph_exec is not an int, outputs is a list, x's library\n"
+    "        has no exchange-API allocator.\n"
+    "    RuntimeError: a CPU-only build (refused before anything else), or a CUDA failure.\n"
+    "    Nothing is queued when the arguments are refused.");
+
 /* ---- runtime ---- */
 
 PyDoc_STRVAR(build_info_doc,

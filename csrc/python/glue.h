@@ -329,6 +329,7 @@ PyObject *py_linear(FASTCALL_ARGS);
 PyObject *py_layer_norm(FASTCALL_ARGS);
 PyObject *py_gelu(FASTCALL_ARGS);
 PyObject *py_topk_index(FASTCALL_ARGS);
+PyObject *py_graph_replay(FASTCALL_ARGS);
 PyObject *py_launch_empty(FASTCALL_ARGS);
 PyObject *py_memory_stats(PyObject *module, PyObject *const *args, Py_ssize_t nargs);
 PyObject *py_build_info(PyObject *module, PyObject *unused);

@@ -30,6 +30,7 @@ static PyMethodDef module_methods[] = {
     FASTCALL_METHOD(layer_norm),
     FASTCALL_METHOD(gelu),
     FASTCALL_METHOD(topk_index),
+    FASTCALL_METHOD(graph_replay),
     {"build_info", py_build_info, METH_NOARGS, build_info_doc},
     {"cuda_is_compiled", py_cuda_is_compiled, METH_NOARGS, cuda_is_compiled_doc},
     {"cuda_device_count", py_cuda_device_count, METH_NOARGS, cuda_device_count_doc},
