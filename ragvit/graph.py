@@ -5,7 +5,9 @@ against a few µs of GPU work apiece. `cuda_graph` captures the whole forward (p
 pruned, or a plain timm model as a baseline) once per (shape, dtype, device, autocast)
 into a CUDA graph with a static input buffer, and afterwards copies the input in, replays
 the graph on the caller's current stream and returns the output. Graphs live in an LRU
-cache of `max_graphs` entries that share one memory pool per device. Decision that is
+cache of `max_graphs` entries that share one memory pool per device; a call with the key
+of an earlier one is one C call (`ragvit._C.graph_replay`: copy in, launch, copy out),
+whose host cost is what batch 1 waits for. Decision that is
 not obvious: data-dependent pruning (ThresholdL2 threshold=, ATS) reads per-image counts
 on the host in an eager forward, which cannot be captured, so every capture runs the
 patched model in capacity mode (timm_patch.graph_capture): buffers keep their worst-case
@@ -22,7 +24,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-from . import ops, timm_patch
+from . import _C, ops, timm_patch
 
 __all__ = ["CudaGraphFallbackWarning", "GraphCacheInfo", "GraphedModel", "cuda_graph"]
 
@@ -97,7 +99,8 @@ class _LRU:
 class _Graph:
     """One captured forward: the graph, its static input and outputs, what they read."""
 
-    __slots__ = ("device", "graph", "keepalive", "kind", "outputs", "static_x")
+    __slots__ = ("device", "exec_handle", "graph", "keepalive", "kind", "outputs", "replay_outputs",
+                 "static_x")
 
     def __init__(self, graph, static_x, outputs, kind, keepalive, device):
         self.graph = graph
@@ -106,6 +109,10 @@ class _Graph:
         self.kind = kind  # None: one tensor; tuple or list
         self.keepalive = keepalive  # the patched model's cu_seqlens cache used in capture
         self.device = device
+        # The graph's cudaGraphExec_t for _C.graph_replay once the first replay showed the C
+        # call replays it as torch does (_replay_handle); 0: torch replays it; None: not known
+        self.exec_handle = None
+        self.replay_outputs = outputs[0] if kind is None else outputs  # as graph_replay takes them
 
     def used_on(self, stream) -> None:
         """Tells the caching allocator that replays on `stream` read the tensors this graph
@@ -126,11 +133,66 @@ def _flatten(out):
                     f"tensors, got {type(out).__name__}")
 
 
+_CURRENT_RAW_STREAM = getattr(torch._C, "_cuda_getCurrentRawStream", None)  # 0.2 µs vs 7.6 µs
+
+
 def _raw_stream(device_index: int) -> int:
-    getter = getattr(torch._C, "_cuda_getCurrentRawStream", None)  # 0.2 µs vs 7.6 µs
-    if getter is not None:
-        return getter(device_index)
+    if _CURRENT_RAW_STREAM is not None:
+        return _CURRENT_RAW_STREAM(device_index)
     return torch.cuda.current_stream(device_index).cuda_stream  # pragma: no cover
+
+
+# What _C.graph_replay takes (ragvit's dtypes; RAGVIT_GRAPH_MAX_OUTPUTS, RAGVIT_MAX_DIMS).
+_REPLAY_DTYPES = frozenset({torch.float16, torch.bfloat16, torch.float32, torch.float64,
+                            torch.int32, torch.int64, torch.uint8, torch.bool})
+_REPLAY_MAX_OUTPUTS = 6
+_REPLAY_MAX_DIMS = 6
+# Global replay hooks that torch's CUDAGraph.replay() runs (profilers register them; torch
+# versions without them: none). While one is registered, calls replay through torch.
+_TORCH_REPLAY_HOOKS = tuple(
+    hooks for hooks in (getattr(torch.cuda.graphs, "_global_replay_start_hooks", None),
+                        getattr(torch.cuda.graphs, "_global_replay_end_hooks", None))
+    if hooks is not None)
+
+
+def _default_generator(device_index: int):
+    """The device's default CUDA generator, or None if torch does not expose it."""
+    try:
+        return torch.cuda.default_generators[device_index]
+    except (AttributeError, IndexError, RuntimeError):  # pragma: no cover
+        return None
+
+
+def _rng_offset(generator) -> int | None:
+    try:
+        return generator.get_offset()
+    except (AttributeError, RuntimeError):  # pragma: no cover
+        return None
+
+
+def _replay_handle(entry: _Graph, generator, offset_before) -> int:
+    """The graph's cudaGraphExec_t when _C.graph_replay replays it as torch's replay() does,
+    else 0. torch's replay() launches the graph on the current stream of its device after
+    a prologue per random generator the capture drew from (it refills the graph's seed and
+    offset and advances the generator); that prologue does nothing for a graph that drew
+    no random numbers, which is what an unchanged offset of the device's default generator
+    across the first replay shows. The C call also needs tensors it can copy whole."""
+    if not _C.cuda_is_compiled() or len(entry.outputs) > _REPLAY_MAX_OUTPUTS:
+        return 0
+    for t in (entry.static_x, *entry.outputs):
+        if (t.dtype not in _REPLAY_DTYPES or t.dim() > _REPLAY_MAX_DIMS
+                or not t.is_contiguous()):
+            return 0
+    if offset_before is None or _rng_offset(generator) != offset_before:
+        return 0
+    raw = getattr(entry.graph, "raw_cuda_graph_exec", None)
+    if raw is None:  # pragma: no cover (torch before raw_cuda_graph_exec)
+        return 0
+    try:
+        handle = raw()
+    except RuntimeError:  # pragma: no cover
+        return 0
+    return handle if isinstance(handle, int) else 0
 
 
 def _autocast_key():
@@ -221,8 +283,18 @@ class GraphedModel:
         stream_key = (entry.device, _raw_stream(entry.device))
         if stream_key != self._stream_key:
             self._follow(stream_key)
+        if (entry.exec_handle and self.clone_output and x.is_contiguous()
+                and not any(_TORCH_REPLAY_HOOKS)):
+            out = _C.graph_replay(entry.exec_handle, x, entry.static_x, entry.replay_outputs)
+            return list(out) if entry.kind is list else out
         entry.static_x.copy_(x)
-        entry.graph.replay()
+        if entry.exec_handle is None:
+            generator = _default_generator(entry.device)
+            offset = None if generator is None else _rng_offset(generator)
+            entry.graph.replay()
+            entry.exec_handle = _replay_handle(entry, generator, offset)
+        else:
+            entry.graph.replay()
         if not self.clone_output:
             return entry.outputs[0] if entry.kind is None else entry.kind(entry.outputs)
         if entry.kind is None:
@@ -352,6 +424,11 @@ def cuda_graph(model: torch.nn.Module, *, max_graphs: int = 8, clone_output: boo
     static copy of the input, and replays it; later calls with that key copy the input
     in, replay the graph on the caller's current stream and return the output. Use it
     under torch.inference_mode() or torch.no_grad(), with the model in eval.
+
+    Those three steps are one C call (`ragvit._C.graph_replay`, a few µs of host time
+    instead of three torch calls) when the forward draws no random numbers, returns at
+    most 6 contiguous tensors of ragvit's dtypes, the input is contiguous and
+    clone_output is True; otherwise torch's copy_, replay() and clone() run them.
 
     Pruning policies: fixed-count ones (ThresholdL2 keep=, EViT, ToMe, DynamicViT) are
     captured exactly as they run eagerly. Data-dependent ones (ThresholdL2 threshold=,

@@ -2,13 +2,17 @@
 
 CPU: argument errors, the eager fallback (one CudaGraphFallbackWarning per reason, outputs
 equal to eager), the LRU bound, timm_patch.graph_capture's temporary capacity mode, and the
-bench pipeline accepting data-dependent policies. GPU: replays vs eager (fixed-count and
+bench pipeline accepting data-dependent policies, the C replay's argument errors and its
+refusal in a CPU-only build, and the rule that picks it. GPU: replays vs eager (fixed-count and
 capacity-mode policies, batch 1 and 8, DeiT-S and distilled DeiT-S), fresh inputs per replay,
-a poisoned static output, flat memory over 100 replays, streams, autocast, re-patching.
+a poisoned static output, flat memory over 100 replays, streams, autocast, re-patching, and
+the C replay (`_C.graph_replay`) against torch's: bitwise equal, fresh outputs, streams,
+tuple/list outputs, what falls back to torch, and refused arguments that change nothing.
 """
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import math
 import os
@@ -256,6 +260,91 @@ def test_bench_graph_pipeline_takes_data_dependent_policies(gen, seed):
             assert timm_patch.is_patched(model)
     assert not timm_patch.is_patched(model)
     assert torch.equal(got, expected), seed_note(seed)
+
+
+# ---- the C replay: arguments, the CPU-only build, the rule that picks it ----
+
+
+@pytest.mark.parametrize("args,exc,message", [
+    (("1", 0, 0, 0), TypeError, "graph_replay: graph_exec must be an int (a cudaGraphExec_t "
+                                "handle), got str"),
+    ((1, 0, 0, [0]), TypeError, "graph_replay: outputs must be a tensor or a tuple of tensors, "
+                                "got list"),
+    ((1, 0, 0, (0,) * 7), ValueError, "graph_replay: outputs must hold at most 6 tensors, got 7"),
+    ((1, 0, 0, (None,)), TypeError, "graph_replay: outputs[0] must be a tensor, got None"),
+    ((1, 0, 0), TypeError, "graph_replay() missing required argument 'outputs'"),
+], ids=["graph_exec_str", "outputs_list", "outputs_7", "outputs_none", "missing"])
+def test_graph_replay_argument_errors(args, exc, message):
+    """Refused while parsing, before any import, in every build."""
+    with pytest.raises(exc) as info:
+        ragvit._C.graph_replay(*args)
+    assert type(info.value) is exc
+    assert str(info.value) == message
+
+
+@pytest.mark.skipif(ragvit._C.cuda_is_compiled(), reason="a CPU-only build refuses")
+def test_graph_replay_refused_by_a_cpu_only_build():
+    x, static_x, out = torch.ones(2, 3), torch.zeros(2, 3), torch.zeros(4)
+    with pytest.raises(RuntimeError, match=r"^graph_replay: replaying a CUDA graph needs a CUDA "
+                                           r"build of ragvit, got a CPU-only build"):
+        ragvit._C.graph_replay(1, x, static_x, out)
+    assert torch.equal(static_x, torch.zeros(2, 3)), "a refused call writes nothing"
+
+
+@pytest.mark.skipif(not ragvit._C.cuda_is_compiled(), reason="needs a CUDA build")
+def test_graph_replay_refuses_host_tensors():
+    x, static_x, out = torch.ones(2, 3), torch.zeros(2, 3), torch.zeros(4)
+    with pytest.raises(ValueError, match="graph_replay: x must be on a CUDA device"):
+        ragvit._C.graph_replay(1, x, static_x, out)
+    assert torch.equal(static_x, torch.zeros(2, 3))
+
+
+class _FakeGraph:
+    def __init__(self, handle):
+        self.handle = handle
+
+    def raw_cuda_graph_exec(self):
+        return self.handle
+
+
+class _FakeGenerator:
+    def __init__(self, offset):
+        self.offset = offset
+
+    def get_offset(self):
+        return self.offset
+
+
+@pytest.mark.parametrize("case,expected", [
+    ("eligible", 1234),
+    ("rng", 0),  # the graph advanced the generator: torch's replay prologue matters
+    ("no_generator", 0),
+    ("strided_output", 0),
+    ("complex_output", 0),
+    ("seven_outputs", 0),
+    ("tuple", 1234),
+    ("no_cuda", 0),
+])
+def test_replay_handle_rule(case, expected, monkeypatch):
+    """_replay_handle, the rule deciding between the C replay and torch's, without a GPU."""
+    monkeypatch.setattr(graph._C, "cuda_is_compiled", lambda: case != "no_cuda")
+    outputs, kind = (torch.zeros(1, 10),), None
+    if case == "strided_output":
+        outputs = (torch.zeros(10, 4)[:, 0],)
+    elif case == "complex_output":
+        outputs = (torch.zeros(3, dtype=torch.complex64),)
+    elif case == "seven_outputs":
+        outputs, kind = (torch.zeros(2),) * 7, tuple
+    elif case == "tuple":
+        outputs, kind = (torch.zeros(2), torch.zeros(3, dtype=torch.int64)), tuple
+    entry = graph._Graph(_FakeGraph(1234), torch.zeros(1, 3, 8, 8), outputs, kind, None, 0)
+    assert entry.exec_handle is None
+    assert entry.replay_outputs is (outputs[0] if kind is None else outputs)
+    generator = None if case == "no_generator" else _FakeGenerator(8)
+    before = None if generator is None else graph._rng_offset(generator)
+    if case == "rng":
+        generator.offset += 4
+    assert graph._replay_handle(entry, generator, before) == expected
 
 
 # ---- GPU ----
@@ -554,3 +643,211 @@ def test_gpu_programmatic_dependent_launch_changes_no_bit(tmp_path, seed):
     for key, plain in results["0"].items():
         assert torch.isfinite(plain).all(), key + seed_note(seed)
         assert torch.equal(results["default"][key], plain), key + seed_note(seed)
+
+
+# ---- the C replay on the GPU ----
+
+
+class _TwoOutputs(torch.nn.Module):
+    """A capturable model with two outputs of different dtypes, as a tuple or a list."""
+
+    def __init__(self, gen, as_list=False):
+        super().__init__()
+        self.lin = torch.nn.Linear(16, 8).half().cuda()
+        with torch.no_grad():
+            self.lin.weight.copy_(torch.randn(8, 16, generator=gen).half())
+        self.as_list = as_list
+
+    def forward(self, x):
+        y = self.lin(x)
+        out = (y, y.argmax(-1))
+        return list(out) if self.as_list else out
+
+
+class _Noisy(torch.nn.Module):
+    """Draws random numbers in its forward: torch's replay must advance the generator."""
+
+    def forward(self, x):
+        return x * 2 + torch.rand_like(x)
+
+
+def _entry(g):
+    [entry] = [e for _, e in g._graphs.items()]
+    return entry
+
+
+@pytest.fixture
+def replay_calls(monkeypatch):
+    """Counts the calls GraphedModel makes to _C.graph_replay."""
+    calls = []
+    real = ragvit._C.graph_replay
+
+    def spy(*args, **kwargs):
+        calls.append(args)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(ragvit._C, "graph_replay", spy)
+    return calls
+
+
+def _torch_path(entry):
+    """Context: this entry replays through torch (copy_, replay(), clone())."""
+    @contextlib.contextmanager
+    def scope():
+        handle, entry.exec_handle = entry.exec_handle, 0
+        try:
+            yield
+        finally:
+            entry.exec_handle = handle
+    return scope()
+
+
+@pytest.mark.gpu
+@requires_cuda
+@pytest.mark.parametrize("batch", [1, 8])
+def test_gpu_c_replay_equals_torch_replay_and_eager(batch, gen, seed, replay_calls):
+    """The repeated-key call is one _C.graph_replay: bitwise what torch's copy_, replay()
+    and clone() give on the same graph, within the graph-vs-eager bar, and a fresh tensor on
+    x's device every call (never the static output, earlier ones untouched)."""
+    model = gpu_model("deit_small_patch16_224", gen)
+    patch(model, GPU_POLICIES["keep50"]())
+    g = cuda_graph(model)
+    seen = []
+    with torch.inference_mode():
+        g(gpu_images(gen, batch))  # capture + the first replay (through torch)
+        entry = _entry(g)
+        assert entry.exec_handle, "a DeiT forward draws no random numbers"
+        assert not replay_calls
+        for _ in range(3):
+            x = gpu_images(gen, batch)
+            got = g(x)
+            with _torch_path(entry):
+                through_torch = g(x)
+            expected = model(x)
+            torch.cuda.synchronize()
+            assert torch.equal(got, through_torch), seed_note(seed)
+            assert_close(got, expected, seed)
+            assert got.device == x.device and got.dtype == entry.outputs[0].dtype
+            assert got.data_ptr() != entry.outputs[0].data_ptr()
+            for old, old_copy in seen:
+                assert old.data_ptr() != got.data_ptr()
+                assert torch.equal(old, old_copy)
+            seen.append((got, got.clone()))
+    assert len(replay_calls) == 3
+    assert g.cache_info().hits == 6
+
+
+@pytest.mark.gpu
+@requires_cuda
+@pytest.mark.parametrize("as_list", [False, True], ids=["tuple", "list"])
+def test_gpu_c_replay_tuple_and_list_outputs(as_list, gen, seed, replay_calls):
+    model = _TwoOutputs(gen, as_list).eval()
+    g = cuda_graph(model)
+    with torch.inference_mode():
+        g(torch.randn(4, 16, generator=gen).half().cuda())
+        for _ in range(2):
+            x = torch.randn(4, 16, generator=gen).half().cuda()
+            got, expected = g(x), model(x)
+            assert type(got) is (list if as_list else tuple) and len(got) == 2
+            assert_close(got[0], expected[0], seed)
+            assert got[1].dtype == torch.int64
+            assert torch.equal(got[1], got[0].argmax(-1)), seed_note(seed)
+            for fresh, static in zip(got, _entry(g).outputs, strict=True):
+                assert fresh.data_ptr() != static.data_ptr()
+    assert len(replay_calls) == 2
+
+
+@pytest.mark.gpu
+@requires_cuda
+def test_gpu_c_replay_on_other_streams(gen, seed, replay_calls):
+    """On a non-default current stream, and with the stream changing between calls and no
+    synchronization in between: each call runs on the current stream, ordered after the
+    previous call's (the graphs share their static buffers)."""
+    model = gpu_model("deit_small_patch16_224", gen)
+    patch(model, GPU_POLICIES["keep50"]())
+    g = cuda_graph(model)
+    with torch.inference_mode():
+        xs = [gpu_images(gen, 1) for _ in range(6)]
+        expected = [model(x) for x in xs]
+        g(xs[0])  # capture on the default stream
+        streams = [torch.cuda.Stream(), torch.cuda.Stream()]
+        for s in streams:
+            s.wait_stream(torch.cuda.current_stream())
+        got = []
+        for i, x in enumerate(xs):
+            if i % 3 == 2:
+                got.append(g(x))  # the default stream
+                continue
+            with torch.cuda.stream(streams[i % 3]):
+                got.append(g(x))
+        torch.cuda.synchronize()
+    for out, ref in zip(got, expected, strict=True):
+        assert_close(out, ref, seed)
+    assert len(replay_calls) == 6
+
+
+@pytest.mark.gpu
+@requires_cuda
+def test_gpu_c_replay_refused_arguments_change_nothing(gen, seed):
+    """Mismatched inputs are refused with the rule broken, before anything is queued: the
+    static input keeps its contents and the next call is right."""
+    model = gpu_model("deit_small_patch16_224", gen)
+    patch(model, GPU_POLICIES["keep50"]())
+    g = cuda_graph(model)
+    with torch.inference_mode():
+        x = gpu_images(gen, 2)
+        g(x)
+        entry = _entry(g)
+        before = entry.static_x.clone()
+        handle, static_x, out = entry.exec_handle, entry.static_x, entry.replay_outputs
+        wide = gpu_images(gen, 2).repeat(1, 1, 1, 2)
+        cases = [
+            (gpu_images(gen, 3), ValueError, "x must have shape (2, 3, 224, 224), got "
+                                             "(3, 3, 224, 224)"),
+            (gpu_images(gen, 2).float(), TypeError, "x must have the dtype of static_x "
+                                                    "(float16), got float32"),
+            (wide[..., :224], ValueError, "x must be contiguous (row-major, no gaps), got "
+                                          "strides"),
+            (gpu_images(gen, 2).cpu(), ValueError, "static_x must be on the device of x "
+                                                   "(cpu:0), got cuda:0"),
+        ]
+        for bad, exc, message in cases:
+            with pytest.raises(exc) as info:
+                ragvit._C.graph_replay(handle, bad, static_x, out)
+            assert type(info.value) is exc and message in str(info.value), str(info.value)
+        with pytest.raises(ValueError, match="graph_exec must be an instantiated"):
+            ragvit._C.graph_replay(0, x, static_x, out)
+        with pytest.raises(ValueError, match="outputs\\[0\\] must be contiguous"):
+            ragvit._C.graph_replay(handle, x, static_x, (out.t(),))
+        torch.cuda.synchronize()
+        assert torch.equal(entry.static_x, before), "a refused call must write nothing"
+        y = gpu_images(gen, 2)
+        assert_close(g(y), model(y), seed)
+
+
+@pytest.mark.gpu
+@requires_cuda
+def test_gpu_torch_replays_what_the_c_call_cannot(gen, seed, replay_calls):
+    """torch's copy_/replay()/clone() run a non-contiguous input, clone_output=False and a
+    forward that draws random numbers (torch's replay advances the generator: fresh noise
+    on every call, as without ragvit)."""
+    model = gpu_model("deit_small_patch16_224", gen)
+    patch(model, GPU_POLICIES["keep50"]())
+    with torch.inference_mode():
+        g = cuda_graph(model)
+        x = gpu_images(gen, 1)
+        g(x)
+        strided = gpu_images(gen, 1).repeat(1, 1, 1, 2)[..., :224]
+        assert_close(g(strided), model(strided.contiguous()), seed)
+        assert not replay_calls
+        static = cuda_graph(model, clone_output=False)
+        static(x)
+        assert static(x) is _entry(static).outputs[0]
+        assert not replay_calls
+        noisy = cuda_graph(_Noisy().eval())
+        z = torch.zeros(64, device="cuda")
+        first, second, third = noisy(z), noisy(z), noisy(z)
+        assert _entry(noisy).exec_handle == 0
+        torch.cuda.synchronize()
+        assert not torch.equal(second, third) and not torch.equal(first, second)
+        assert not replay_calls
