@@ -2,12 +2,18 @@
 
 ``python benchmarks/bench_graph_call.py [--models deit_s deit_b] [--batch 1] [--calls N]
 [--base-graph PATH] [--out PREFIX]`` patches a random-init model in fp16 on the GPU
-(ThresholdL2 keep 50% after block 4), wraps it in ragvit.cuda_graph and measures, per model:
+(ThresholdL2 keep 50% after block 4), wraps it in ragvit.cuda_graph twice, and measures, per
+model, both ways a repeated-key call can replay: through `ragvit._C.graph_replay` (one C call:
+copy in, graph launch, copy out; what cuda_graph does) and through torch (copy_, replay(),
+clone(); the same wrapper with the C call switched off). Their outputs are checked bit for bit
+against each other, and against eager, before anything is timed.
 
   host µs      the call itself (Python → replay queued, output copy queued), the device
                synchronized before each call so the queue never pushes back: median, p90
-  parts        the same for the pieces a call is made of: the input copy into the static
-               buffer, the graph's replay, the output copy
+  C / torch    the two calls' host µs timed interleaved in one process (alternating blocks
+               of --block calls), the ratio being the median of per-block ratios (p10-p90)
+  parts        host µs of the pieces: torch's input copy into the static buffer, its
+               replay(), its output clone, and _C.graph_replay called directly
   sync µs      call + torch.cuda.synchronize(), what a caller waiting for one image sees
   b2b µs       back-to-back calls, per call (the GPU's pace once the host keeps ahead)
 
@@ -89,25 +95,59 @@ def interleaved_ratio(fns: dict, blocks: int, block: int) -> dict:
             "p90": percentile(ratios, 0.9)}
 
 
+def summary(samples) -> dict:
+    return {"median": statistics.median(samples), "p90": percentile(samples, 0.9)}
+
+
+def only_entry(graphed):
+    [entry] = [e for _, e in graphed._graphs.items()]
+    return entry
+
+
+def check(name: str, model, graphed, through_torch, batch: int) -> None:
+    """Fresh inputs: the C call's output equals torch's replay bit for bit, and eager's
+    within fp16 noise (graph and eager run the same kernels; capacity mode aside)."""
+    if not only_entry(graphed).exec_handle:
+        raise SystemExit(f"{name}: the graph does not replay through _C.graph_replay")
+    for _ in range(3):
+        x = torch.randn(batch, 3, 224, 224, device="cuda", dtype=torch.float16)
+        got, ref, eager = graphed(x), through_torch(x), model(x)
+        torch.cuda.synchronize()
+        if not torch.equal(got, ref):
+            raise SystemExit(f"{name}: _C.graph_replay and torch's replay differ")
+        err = float((got.float() - eager.float()).abs().max())
+        if not err <= 4e-3:
+            raise SystemExit(f"{name}: graph vs eager max |diff| {err:.3g} > 0.004")
+
+
 def measure(name: str, batch: int, args, base) -> dict:
     model = pipelines.load_model(pipelines.MODELS[name], 224, "fp16", "cuda")
     ragvit.patch(model, pipelines.make_policy(0.5))
     x = torch.randn(batch, 3, 224, 224, device="cuda", dtype=torch.float16)
     graphed = ragvit.cuda_graph(model)
+    through_torch = ragvit.cuda_graph(model)
     row = {"model": name, "batch": batch}
     with torch.inference_mode():
-        graphed(x)  # capture
-        [entry] = [e for _, e in graphed._graphs.items()]
+        graphed(x)  # capture and the first replay, which decides the C call
+        through_torch(x)
+        only_entry(through_torch).exec_handle = 0  # copy_, replay(), clone() from now on
+        check(name, model, graphed, through_torch, batch)
+        entry = only_entry(graphed)
         out = entry.outputs[0]
-        parts = {"call": lambda: graphed(x), "copy_in": lambda: entry.static_x.copy_(x),
-                 "replay": entry.graph.replay, "copy_out": out.clone}
+        parts = {"call": lambda: graphed(x), "call_torch": lambda: through_torch(x),
+                 "copy_in": lambda: entry.static_x.copy_(x), "replay": entry.graph.replay,
+                 "copy_out": out.clone,
+                 "graph_replay": lambda: ragvit._C.graph_replay(
+                     entry.exec_handle, x, entry.static_x, entry.replay_outputs)}
         for part, fn in parts.items():
-            samples = host_us(fn, args.calls)
-            row[f"host_{part}_us"] = {"median": statistics.median(samples),
-                                      "p90": percentile(samples, 0.9)}
-        samples = sync_us(lambda: graphed(x), args.calls)
-        row["sync_us"] = {"median": statistics.median(samples), "p90": percentile(samples, 0.9)}
+            row[f"host_{part}_us"] = summary(host_us(fn, args.calls))
+        row["c_vs_torch"] = interleaved_ratio({"c": lambda: graphed(x),
+                                               "torch": lambda: through_torch(x)},
+                                              args.blocks, args.block)
+        row["sync_us"] = summary(sync_us(lambda: graphed(x), args.calls))
+        row["sync_torch_us"] = summary(sync_us(lambda: through_torch(x), args.calls))
         row["b2b_us"] = back_to_back_us(lambda: graphed(x), args.calls)
+        row["b2b_torch_us"] = back_to_back_us(lambda: through_torch(x), args.calls)
         if base is not None:
             base_graphed = base.cuda_graph(model)
             base_graphed(x)
@@ -125,24 +165,32 @@ def render(rows, env) -> str:
         f"{env['git_sha']}; fp16, ThresholdL2 keep 50% after block 4; host probe "
         f"{env['host_probe_start_us']} µs at the start, {env['host_probe_us']} µs at the end. "
         "Host µs: the call alone after a synchronize (median / p90); sync µs: call + "
-        "synchronize; b2b: back-to-back calls per call."
+        "synchronize; b2b: back-to-back calls per call. C: the call replays through "
+        "_C.graph_replay (what cuda_graph does); torch: through copy_, replay() and clone(). "
+        "C / torch: both calls' host µs in interleaved blocks, ratio median (p10–p90). Parts: "
+        "torch's copy_, replay() and clone(), and _C.graph_replay called alone."
         + (f" A/B: against graph.py of {env['base_tree']}, interleaved blocks, ratio = "
            "this / base (median, p10–p90)." if env.get("base_tree") else ""),
         "",
-        "| model | batch | host µs call | copy in | replay | copy out | sync µs | b2b µs | "
+        "| model | batch | host µs C | host µs torch | C / torch interleaved | copy in | "
+        "replay | copy out | graph_replay | sync µs C / torch | b2b µs C / torch | "
         "A/B host µs this / base | ratio (p10–p90) |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     def cell(r, k):
         return f"{r[k]['median']:.1f} / {r[k]['p90']:.1f}"
 
     for r in rows:
-        ab = r.get("ab")
+        ab, ct = r.get("ab"), r["c_vs_torch"]
         lines.append(
             f"| {r['model']} | {r['batch']} | {cell(r, 'host_call_us')} | "
+            f"{cell(r, 'host_call_torch_us')} | "
+            f"{ct['us']['c']:.1f} / {ct['us']['torch']:.1f} = {ct['ratio']:.2f} "
+            f"({ct['p10']:.2f}–{ct['p90']:.2f}) | "
             f"{cell(r, 'host_copy_in_us')} | {cell(r, 'host_replay_us')} | "
-            f"{cell(r, 'host_copy_out_us')} | {cell(r, 'sync_us')} | "
-            f"{r['b2b_us']:.1f} | "
+            f"{cell(r, 'host_copy_out_us')} | {cell(r, 'host_graph_replay_us')} | "
+            f"{r['sync_us']['median']:.1f} / {r['sync_torch_us']['median']:.1f} | "
+            f"{r['b2b_us']:.1f} / {r['b2b_torch_us']:.1f} | "
             + (f"{ab['us']['this']:.1f} / {ab['us']['base']:.1f} | {ab['ratio']:.2f} "
                f"({ab['p10']:.2f}–{ab['p90']:.2f}) |" if ab else "– | – |"))
     return "\n".join(lines) + "\n"
@@ -168,6 +216,8 @@ def main(argv=None) -> int:
     report.start_run()
     base = load_graph_module(args.base_graph) if args.base_graph else None
     rows = [measure(name, args.batch, args, base) for name in args.models]
+    print("all results match: _C.graph_replay equals torch's replay bit for bit, and eager "
+          "within 0.004")
     return report.publish(rows, 0, render, args.out, "cuda", base_tree=args.base_tree)
 
 
