@@ -14,7 +14,7 @@ import torch
 
 
 def pytest_configure(config):
-    # The markers (gpu, sanitizer) are declared in pyproject.toml.
+    # The markers (gpu, multi_gpu, sanitizer) are declared in pyproject.toml.
     # fp32 matmuls (SDPA and torch baselines, references on the GPU) must not silently use
     # TF32: support.tolerances' fp32 row assumes full fp32.
     torch.backends.cuda.matmul.allow_tf32 = False
