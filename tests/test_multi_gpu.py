@@ -10,7 +10,7 @@ call made with its own device current (the same kernels on the same inputs); att
 also checked against the float64 reference, the patched forwards against the padded
 reference with bars derived from its own fp16 error (support.models). Outputs are
 NaN-poisoned. test_gpu_op_from_new_thread runs on one GPU: a thread that never chose a
-device calls every op and keeps its device.
+device runs every op, and its device stays.
 """
 
 from __future__ import annotations
@@ -326,7 +326,7 @@ def test_replica_on_device1_leaves_device0_untouched():
 @requires_cuda
 @pytest.mark.parametrize("op", list(OPS))
 def test_gpu_op_from_new_thread(op, gen, seed):
-    """A thread that never chose a device calls the op on cuda:0: the result equals the
+    """A thread that never chose a device runs the op on cuda:0: the result equals the
     main thread's, and the thread's current device is what it was."""
     case, run = OPS[op]
     inputs = _on(case(gen), 0)
