@@ -11,6 +11,7 @@ Free ports come from the OS; every torchrun has a timeout and a failure shows it
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import socket
@@ -107,6 +108,21 @@ def test_two_nodes_c10d_rendezvous(tmp_path):
     texts = finish(procs)
     assert any("all results match" in t for t in texts), texts
     check_report(out, 2, nodes=2)
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--batch", "0"], "must be >= 1"),
+    (["--passes", "0"], "must be >= 1"),
+    (["--model", "resnet50"], "--model: resnet50 is not a ViT/DeiT"),
+])
+def test_usage_errors(argv, message, capsys):
+    spec = importlib.util.spec_from_file_location("bench_distributed", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    with pytest.raises(SystemExit) as e:
+        module.parse_args(argv)
+    assert e.value.code == 2
+    assert message in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("graph", [False, True], ids=["eager", "graph"])
