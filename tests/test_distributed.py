@@ -2,9 +2,10 @@
 
 On the CPU with gloo: two processes on one node, and two "nodes" of one process each meeting
 through torchrun's c10d rendezvous on localhost (what several machines do). The report must
-list every rank, each rank's logits within the benchmark's fp32 bar of the padded reference
-(ragvit.bench.pipelines.TOLERANCE, the bar of the CPU model tests) and bit-identical to rank
-0's on the shared batch (same build, same thread count), and the aggregate figures. A GPU
+list every rank, each rank's logits within the benchmark's bar of the padded reference
+(ragvit.bench.pipelines.check; in fp32 TOLERANCE, the bar of the CPU model tests) and
+bit-identical to rank 0's on the shared batch (same build, same thread count), and the
+aggregate figures. A GPU
 case runs the same launcher with one rank on one GPU, eagerly and through ragvit.cuda_graph.
 Free ports come from the OS; every torchrun has a timeout and a failure shows its output.
 """
@@ -19,7 +20,7 @@ import subprocess
 import sys
 
 import pytest
-from support.devices import gpu_marks
+from support.devices import requires_cuda
 
 from ragvit.bench.pipelines import TOLERANCE
 
@@ -73,9 +74,10 @@ def check_report(out_prefix, world: int, device: str = "cpu", nodes: int = 1):
     rows, summary = record["rows"], record["env"]["summary"]
     assert [r["rank"] for r in rows] == list(range(world))
     assert summary["world_size"] == world and summary["nodes"] == 1  # one host either way
-    dtype = "fp32" if device == "cpu" else "fp16"
     for r in rows:
-        assert 0.0 <= r["err_reference"] <= TOLERANCE[dtype], r
+        # fp16 may pass by the fp32-relative rule instead (pipelines.check): "all results
+        # match", asserted by the caller, says it passed
+        assert 0.0 <= r["err_reference"] <= (TOLERANCE["fp32"] if device == "cpu" else 1.0), r
         assert r["err_rank0"] == 0.0, r
         assert r["images_per_s"] > 0 and len(r["pass_s"]) == 2
     assert sorted(r["node"] for r in rows) == sorted(i * nodes // world for i in range(world))
@@ -125,9 +127,10 @@ def test_usage_errors(argv, message, capsys):
     assert message in capsys.readouterr().err
 
 
+@pytest.mark.gpu
+@requires_cuda
 @pytest.mark.parametrize("graph", [False, True], ids=["eager", "graph"])
-@pytest.mark.parametrize("_gpu", [pytest.param(None, marks=gpu_marks(), id="cuda")])
-def test_gpu_one_rank(graph, _gpu, tmp_path):
+def test_gpu_one_rank(graph, tmp_path):
     out = tmp_path / "gpu1"
     args = ["--model", "deit_s", "--batch", "16", "--batches-per-rank", "2", "--passes", "2",
             "--device", "cuda"] + (["--graph"] if graph else [])
