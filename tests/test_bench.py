@@ -593,6 +593,15 @@ def test_host_us_and_time_ms_on_the_cpu():
     assert timing.cuda_sync() is None  # no GPU here: nothing to wait for
 
 
+def test_stats_percentiles_stay_ordered_on_tied_samples():
+    """Tied samples (host timers tick in whole ns) interpolate to an ulp past their value in
+    statistics.quantiles; the percentiles stay ordered around the median."""
+    from ragvit.bench import timing
+
+    stats = timing._stats([0.12] * 7 + [0.13] * 3)
+    assert stats.p10 <= stats.p20 <= stats.median == 0.12 <= stats.p80 <= stats.p90 <= 0.13
+
+
 def test_interleaved_host_timer_pairs_rounds(monkeypatch):
     """timing.host_us_interleaved: every fn is timed in each round and the ratio is per
     round: on a simulated clock where every call of round r costs (1 + r) µs for fast and

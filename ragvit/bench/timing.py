@@ -39,8 +39,15 @@ class Stats:
 def _stats(samples: list[float]) -> Stats:
     if len(samples) == 1:  # quantiles need two points; one sample is its own spread
         samples = samples * 2
-    qs = statistics.quantiles(samples, n=10, method="inclusive")
-    return Stats(statistics.median(samples), qs[1], qs[7], qs[0], qs[8])
+    median = statistics.median(samples)
+    # quantiles interpolates as (a * (n - d) + b * d) / n, which for tied samples a == b can
+    # land an ulp off a: keep the percentiles within the samples and ordered
+    lo, hi = min(samples), max(samples)
+    p10, p20, _, _, _, _, _, p80, p90 = (min(max(q, lo), hi) for q in
+                                          statistics.quantiles(samples, n=10, method="inclusive"))
+    p20 = min(p20, median)
+    p80 = max(p80, median)
+    return Stats(median, p20, p80, min(p10, p20), max(p90, p80))
 
 
 def cuda_sync() -> None:
