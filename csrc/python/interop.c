@@ -975,7 +975,8 @@ static int namespace_from_dlpack(module_state *st, PyObject *obj, PyObject **fro
 static int mark_buffer(call_state *cs, PyObject *obj, void **mark, int32_t *mark_device) {
     if (obj == NULL || !Py_IS_TYPE(obj, cs->st->buffer_type)) return 0;
     buffer_object *b = (buffer_object *)obj;
-    if (b->device_type != RAGVIT_DEVICE_CUDA || b->mark == *mark) return 0;
+    /* a Buffer both read and written by the call holds its mark already */
+    if (b->device_type != RAGVIT_DEVICE_CUDA || (*mark != NULL && b->mark == *mark)) return 0;
     if (*mark == NULL || b->device_id != *mark_device) {
         ragvit_memory_mark_release(*mark);
         *mark = NULL;
