@@ -206,14 +206,16 @@ class CtypesProducer:
     removes it (a second call for the same tensor raises inside the callback
     and is counted in `bad_deletes`). `base`: a tensor whose data_ptr becomes
     DLTensor.data, the view's offset inside it going to byte_offset. null_data /
-    null_shape: a spec-breaking producer's NULL DLTensor.data / DLTensor.shape.
+    null_shape: a spec-breaking producer's NULL DLTensor.data / DLTensor.shape; shape: the
+    extents it claims instead of the tensor's (same number of dimensions).
     """
 
     def __init__(
         self, tensor, *, versioned=True, lanes=1, device_type=None, major=1, flags=0, base=None,
-        null_data=False, null_shape=False,
+        null_data=False, null_shape=False, shape=None,
     ):
         self.tensor = tensor
+        self.shape = shape
         self.base = base
         self.null_data = null_data
         self.null_shape = null_shape
@@ -243,7 +245,7 @@ class CtypesProducer:
         if self.versioned and (max_version is None or tuple(max_version)[0] < 1):
             raise BufferError("this producer exports DLPack >= 1.0 capsules only")
         t = self.tensor
-        shape = (ctypes.c_int64 * t.dim())(*t.shape)
+        shape = (ctypes.c_int64 * t.dim())(*(t.shape if self.shape is None else self.shape))
         strides = (ctypes.c_int64 * t.dim())(*t.stride())
         code, bits = _DL_DTYPES[t.dtype]
         data = t.data_ptr() if self.base is None else self.base.data_ptr()
@@ -921,6 +923,36 @@ def test_capsule_with_null_shape_is_refused():
     with pytest.raises(BufferError, match=r"attention: q must have a DLPack shape, got NULL"):
         ragvit.attention(producer, a["k"], a["v"], a["cu_seqlens"], out=a["out"])
     assert torch.isnan(a["out"]).all()
+    assert producer.bad_deletes == 0
+
+
+@pytest.mark.parametrize("shape, dim, extent", [
+    ((-1, 2, 32), 0, -1),
+    ((1, -2, 32), 1, -2),
+    ((2**40, 2**20, 2**4), 2, 2**4),  # the product passes 2**63 at the last dimension
+], ids=["negative_first", "negative_middle", "product_overflows"])
+def test_capsule_with_impossible_shape_is_refused(shape, dim, extent):
+    a = _safety_problem()
+    producer = CtypesProducer(a["q"], shape=shape)
+    with pytest.raises(BufferError, match=rf"attention: q must have non-negative dimensions "
+                                          rf"whose nonzero product fits in 64 bits, got "
+                                          rf"dimension {dim} = {extent}$"):
+        ragvit.attention(producer, a["k"], a["v"], a["cu_seqlens"], out=a["out"])
+    assert torch.isnan(a["out"]).all()
+    assert producer.bad_deletes == 0
+
+
+def test_empty_capsule_with_huge_extents_is_refused():
+    """A zero extent empties the array, but its other extents still size its strides and
+    byte span: their product must fit too."""
+    q = torch.empty((0, 2, 32))
+    cu_seqlens = torch.zeros(1 + 1, dtype=torch.int32)
+    out = torch.full((0, 2, 32), torch.nan)
+    producer = CtypesProducer(q, shape=(0, 2**62, 2**62))
+    with pytest.raises(BufferError, match=r"attention: q must have non-negative dimensions "
+                                          r"whose nonzero product fits in 64 bits, got "
+                                          rf"dimension 2 = {2**62}$"):
+        ragvit.attention(producer, q, q, cu_seqlens, out=out)
     assert producer.bad_deletes == 0
 
 

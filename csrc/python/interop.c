@@ -63,8 +63,22 @@ static void compact_strides(ragvit_tensor *t) {
  * elements has data (freed storage, a fake tensor, a bad capsule); an empty one
  * gets compact strides. */
 static int finish_view(call_state *cs, const char *name, ragvit_tensor *t) {
-    int64_t numel = 1;
-    for (int i = 0; i < t->ndim; i++) numel *= t->shape[i];
+    /* A producer's shape is data: a negative extent, or extents whose product (of the nonzero
+     * ones: an empty array's strides and byte spans are computed from them too) passes int64,
+     * would make every size computed from it wrong. */
+    int64_t numel = 1, extent = 1;
+    for (int i = 0; i < t->ndim; i++) {
+        if (t->shape[i] < 0 ||
+            (t->shape[i] > 0 && __builtin_mul_overflow(extent, t->shape[i], &extent))) {
+            return raise_failure(ragvit_fail(
+                RAGVIT_STATUS_NOT_IMPORTABLE,
+                "%s: %s must have non-negative dimensions whose nonzero product fits in 64 bits, "
+                "got dimension %d = %lld",
+                cs->op, name, i, (long long)t->shape[i]));
+        }
+        numel = t->shape[i] == 0 ? 0 : numel;
+    }
+    if (numel != 0) numel = extent;
     if (numel == 0) {
         compact_strides(t);
     } else if (t->data == NULL) {
