@@ -648,10 +648,18 @@ class _TorchRowOps:
 
 class _CudaRowOpsTorchLinear:
     """ragvit's CUDA row ops with torch's linear, where CUDA linear cannot run (a build
-    without cuBLASLt, or no libcublasLt to load)."""
+    without cuBLASLt, or no libcublasLt to load). The ragvit ops are looked up at call time,
+    as the patched forward's own calls are: non-strict torch.export swaps them
+    (library.routed_ops)."""
 
-    layer_norm = staticmethod(ops.layer_norm)
-    gelu = staticmethod(ops.gelu)
+    @staticmethod
+    def layer_norm(x, weight=None, bias=None, *, eps=1e-5):
+        return ops.layer_norm(x, weight, bias, eps=eps)
+
+    @staticmethod
+    def gelu(x, *, out=None):
+        return ops.gelu(x, out=out)
+
     linear = staticmethod(_TorchRowOps.linear)
 
 

@@ -610,6 +610,34 @@ def test_gpu_runs_torch_linear_when_cuda_linear_cannot_load(gen, seed, monkeypat
     assert err_fallback <= 2 * err_row_ops + ERROR_FLOOR[torch.float16], note + seed_note(seed)
 
 
+def test_torch_linear_fallback_looks_ops_up_at_call_time(gen, monkeypatch):
+    """The torch-linear fallback's layer_norm and gelu call whatever ragvit.ops holds when
+    they run, as the patched forward does: non-strict torch.export swaps in the torch ops
+    (library.routed_ops), and a function bound at import would get fake tensors."""
+    import ragvit
+    from ragvit import library
+
+    fallback = timm_patch._CudaRowOpsTorchLinear
+    x, w, b = (torch.randn(3, 8, generator=gen), torch.randn(8, generator=gen),
+               torch.randn(8, generator=gen))
+    expected_ln = ragvit.layer_norm(x, w, b, eps=1e-6)
+    expected_gelu = ragvit.gelu(x)
+    seen = []
+    with library.routed_ops():
+        for name in ("layer_norm", "gelu"):
+            routed = getattr(timm_patch.ops, name)
+            assert routed is getattr(library, name)
+            monkeypatch.setattr(timm_patch.ops, name,
+                                lambda *a, _f=routed, _n=name, **k: seen.append(_n) or _f(*a, **k))
+        got_ln = fallback.layer_norm(x, w, b, eps=1e-6)
+        inplace = x.clone()
+        got_gelu = fallback.gelu(inplace, out=inplace)
+        monkeypatch.undo()
+    assert seen == ["layer_norm", "gelu"]
+    assert torch.equal(got_ln, expected_ln)
+    assert got_gelu is inplace and torch.equal(got_gelu, expected_gelu)
+
+
 @pytest.mark.gpu
 @requires_cuda
 def test_gpu_cuda_linear_probe_raises_other_errors(monkeypatch):
