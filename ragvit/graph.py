@@ -425,10 +425,11 @@ def cuda_graph(model: torch.nn.Module, *, max_graphs: int = 8, clone_output: boo
     in, replay the graph on the caller's current stream and return the output. Use it
     under torch.inference_mode() or torch.no_grad(), with the model in eval.
 
-    Those three steps are one C call (`ragvit._C.graph_replay`, a few µs of host time
-    instead of three torch calls) when the forward draws no random numbers, returns at
-    most 6 contiguous tensors of ragvit's dtypes, the input is contiguous and
-    clone_output is True; otherwise torch's copy_, replay() and clone() run them.
+    Those three steps are one C call (`ragvit._C.graph_replay` instead of three torch
+    calls: about 0.8x their host time on an H200, benchmarks/bench_graph_call.py) when
+    the forward draws no random numbers, returns at most 6 contiguous tensors of ragvit's
+    dtypes, the input is contiguous and clone_output is True; otherwise torch's copy_,
+    replay() and clone() run them.
 
     Pruning policies: fixed-count ones (ThresholdL2 keep=, EViT, ToMe, DynamicViT) are
     captured exactly as they run eagerly. Data-dependent ones (ThresholdL2 threshold=,
