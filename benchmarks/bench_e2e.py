@@ -11,7 +11,8 @@ decisions, top-1 agreement with ragvit.bench.pipelines.check's near-tie rule; "a
 match" is printed before any number), then images/s from ragvit.bench.timing.interleaved_ms: a
 row's pipelines (each patched pipeline on its own copy of the model) timed call by call in
 rotating order, CUDA events around each forward, median of >= 50 after >= 10 warm-ups each, so
-host noise hits every pipeline of a row alike.
+host noise hits every pipeline of a row alike. Each row records the host-speed probe taken
+right after its timing; rows timed off the run's starting speed are listed at the end.
 
 Suites:
   paper     (default) ThresholdL2 keep 50% after block 4 (`l2_keep50_b4`, the paper's) and
@@ -358,6 +359,7 @@ def run_suite(suite, ctx, models, batches, policies_for, pipeline_names, remaini
                             name, target, None if name in UNPRUNED else policy, x))
                     stats = ctx.time_ms_interleaved(fns, BURST[suite])
                 shared.update({n: stats[n] for n in UNPRUNED if n in stats})
+                row.update(report.probe_against_start())
                 row["timing"] = {}
                 for name in pipeline_names:  # unavailable ones are listed in the check
                     st = shared.get(name) if name in UNPRUNED else stats.get(name)
@@ -366,7 +368,9 @@ def run_suite(suite, ctx, models, batches, policies_for, pipeline_names, remaini
                                                "images_per_s": batch / (st.median / 1e3)}
                 print(f"{suite} | {label} {row['policy']} BS {batch}: "
                       + ", ".join(f"{n} {t['images_per_s']:.0f}"
-                                  for n, t in row["timing"].items()) + " img/s", flush=True)
+                                  for n, t in row["timing"].items()) + " img/s"
+                      + ("" if row["host_steady"] is not False
+                         else f" (host probe {row['host_probe_us']} µs: unsteady)"), flush=True)
             del x
         del copies
     del loaded
@@ -652,7 +656,21 @@ def render(rows, env) -> str:
         lines += (render_compiled(mine, env["device"].startswith("CPU")) if suite == "compiled"
                   else RENDER[suite](mine)) + [""]
         lines += render_selection(mine) + [""]
+    lines += render_unsteady(rows, env)
     return "\n".join(lines)
+
+
+def render_unsteady(rows, env) -> list[str]:
+    """The rows timed while the host ran off its speed at the run's start (each row's probe,
+    taken right after its timing, against the start's, beyond report.HOST_DRIFT_LIMIT)."""
+    off = [r for r in rows if r.get("host_steady") is False]
+    if not off:
+        return []
+    return ([f"Rows timed off the host's starting speed (probe {env['host_probe_start_us']} "
+             f"µs at the start, beyond {report.HOST_DRIFT_LIMIT}x): their absolute figures "
+             "and ratios against other rows do not carry.", ""]
+            + [f"- {r['suite']}: {r['model']} {r['policy']} BS {r['batch']}: probe "
+               f"{r['host_probe_us']} µs" for r in off] + [""])
 
 
 # ---- command line ----

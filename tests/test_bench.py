@@ -460,6 +460,7 @@ def test_bench_e2e_tiny_baselines_suite(tmp_path):
     assert data["env"]["suites"] == ["baselines"]
     [row] = data["rows"]
     assert row["check"]["ok"] and row["check"]["err"]["dense_gather"] <= 1e-4
+    assert row["host_probe_us"] > 0 and row["host_steady"] in (True, False)
     # the CPU runs no graphs and compiles ragvit alone (the compiled baselines take minutes)
     assert set(row["timing"]) == {"dense_gather", "ragvit", "ragvit_compiled"}
     with open(prefix + ".md") as f:
@@ -790,6 +791,30 @@ def test_unsteady_host_is_marked(monkeypatch, tmp_path, capsys, start, end, stea
     assert md.startswith("**UNSTEADY HOST") is (not steady)
     assert ("UNSTEADY HOST" in err) is (not steady)
     assert md.endswith("| x |\n")
+
+
+@pytest.mark.parametrize("now,steady", [(1250.0, True), (1900.0, False), (900.0, False)])
+def test_probe_against_start_dates_a_row(monkeypatch, now, steady):
+    from ragvit.bench import report
+
+    monkeypatch.setattr(report, "_run_start_probe_us", 1200.0)
+    monkeypatch.setattr(report, "host_probe_us", lambda reps=21: now)
+    assert report.probe_against_start() == {"host_probe_us": now, "host_steady": steady}
+    monkeypatch.setattr(report, "_run_start_probe_us", None)
+    assert report.probe_against_start()["host_steady"] is None
+
+
+def test_e2e_lists_rows_timed_off_the_starting_speed():
+    e2e = load_script("bench_e2e")
+    env = {"host_probe_start_us": 1200.0}
+    rows = [{"suite": "paper", "model": "DeiT-S 224", "policy": "l2_keep50_b4", "batch": b,
+             "host_probe_us": p, "host_steady": s}
+            for b, p, s in [(1, 1210.0, True), (16, 2400.0, False), (256, 1190.0, None)]]
+    lines = e2e.render_unsteady(rows, env)
+    assert lines[0].startswith("Rows timed off the host's starting speed (probe 1200.0 µs")
+    assert [line for line in lines if line.startswith("- ")] == [
+        "- paper: DeiT-S 224 l2_keep50_b4 BS 16: probe 2400.0 µs"]
+    assert e2e.render_unsteady(rows[:1], env) == []
 
 
 def test_unprobed_run_is_neither_steady_nor_unsteady(monkeypatch):

@@ -23,7 +23,8 @@ import sys
 
 __all__ = [
     "HOST_DRIFT_LIMIT", "environment", "flat_rows", "host_drift", "host_probe_us",
-    "load_result_folders", "load_results", "publish", "render_table", "start_run",
+    "load_result_folders", "load_results", "probe_against_start", "publish", "render_table",
+    "start_run",
     "unsteady_note", "write_report", "write_results",
 ]
 
@@ -129,6 +130,17 @@ def environment(device: str | None = None, **extra) -> dict:
     env["host_drift"] = drift
     env["host_steady"] = None if drift is None else drift <= HOST_DRIFT_LIMIT
     return {**env, **extra}
+
+
+def probe_against_start(reps: int = 5) -> dict:
+    """The host-speed probe now (a few ms), against the run's start (start_run), for a row of
+    figures timed just before: {"host_probe_us", "host_steady"}; host_steady is None when the
+    start was not probed, else whether the two are within HOST_DRIFT_LIMIT. A run can start
+    and end fast with a slow stretch between: this dates each row."""
+    now = host_probe_us(reps)
+    start = _run_start_probe_us
+    steady = None if not start else max(start, now) / min(start, now) <= HOST_DRIFT_LIMIT
+    return {"host_probe_us": now, "host_steady": steady}
 
 
 def unsteady_note(env: dict) -> str | None:
