@@ -41,24 +41,16 @@ def percentile(samples, q):
     return s[min(len(s) - 1, int(q * len(s)))]
 
 
-def host_us(fn, calls: int) -> list[float]:
-    """µs of fn() alone, each call after a synchronize (the queue empty)."""
+def host_us(fn, calls: int, wait: bool = False) -> list[float]:
+    """µs of fn() alone, each call after a synchronize (the queue empty); with wait, of fn()
+    and a synchronize after it (what a caller waiting for the result sees)."""
     out = []
     for _ in range(calls):
         torch.cuda.synchronize()
         t0 = time.perf_counter_ns()
         fn()
-        out.append((time.perf_counter_ns() - t0) / 1e3)
-    return out
-
-
-def sync_us(fn, calls: int) -> list[float]:
-    out = []
-    for _ in range(calls):
-        torch.cuda.synchronize()
-        t0 = time.perf_counter_ns()
-        fn()
-        torch.cuda.synchronize()
+        if wait:
+            torch.cuda.synchronize()
         out.append((time.perf_counter_ns() - t0) / 1e3)
     return out
 
@@ -144,8 +136,8 @@ def measure(name: str, batch: int, args, base) -> dict:
         row["c_vs_torch"] = interleaved_ratio({"c": lambda: graphed(x),
                                                "torch": lambda: through_torch(x)},
                                               args.blocks, args.block)
-        row["sync_us"] = summary(sync_us(lambda: graphed(x), args.calls))
-        row["sync_torch_us"] = summary(sync_us(lambda: through_torch(x), args.calls))
+        row["sync_us"] = summary(host_us(lambda: graphed(x), args.calls, wait=True))
+        row["sync_torch_us"] = summary(host_us(lambda: through_torch(x), args.calls, wait=True))
         row["b2b_us"] = back_to_back_us(lambda: graphed(x), args.calls)
         row["b2b_torch_us"] = back_to_back_us(lambda: through_torch(x), args.calls)
         if base is not None:
