@@ -331,14 +331,21 @@ def pack_into(x, keep, out, cu_seqlens, *, indices=None, stream=None):
     torch.ops.ragvit.pack_into.default(x, keep, out, cu_seqlens, indices=indices)
 
 
+def _functional_or_out(name: str, stream, out, *args, **kwargs):
+    """torch.ops.ragvit.<name>'s functional overload when out is None, else its .out overload
+    writing out (returned), after refusing a stream."""
+    _no_stream(name, stream)
+    op = getattr(torch.ops.ragvit, name)
+    if out is None:
+        return op.default(*args, **kwargs)
+    op.out(*args, **kwargs, out=out)
+    return out
+
+
 def unpack(packed, cu_seqlens, N, *, indices=None, fill=0.0, out=None, stream=None):
     """ragvit.unpack through torch.ops.ragvit.unpack."""
-    _no_stream("unpack", stream)
-    if out is None:
-        return torch.ops.ragvit.unpack.default(packed, cu_seqlens, N, indices=indices,
-                                               fill=fill)
-    torch.ops.ragvit.unpack.out(packed, cu_seqlens, N, indices=indices, fill=fill, out=out)
-    return out
+    return _functional_or_out("unpack", stream, out, packed, cu_seqlens, N, indices=indices,
+                              fill=fill)
 
 
 def repack(packed, cu_seqlens, keep, *, fuse_weights=None, stream=None):
@@ -357,56 +364,32 @@ def repack_into(packed, cu_seqlens, keep, out, cu_seqlens_out, *, src=None, fuse
 
 def gather_prefix(packed, cu_seqlens, k, *, out=None, stream=None):
     """ragvit.gather_prefix through torch.ops.ragvit.gather_prefix."""
-    _no_stream("gather_prefix", stream)
-    if out is None:
-        return torch.ops.ragvit.gather_prefix.default(packed, cu_seqlens, k)
-    torch.ops.ragvit.gather_prefix.out(packed, cu_seqlens, k, out=out)
-    return out
+    return _functional_or_out("gather_prefix", stream, out, packed, cu_seqlens, k)
 
 
 def segment_mean(packed, cu_seqlens, *, skip=0, out=None, stream=None):
     """ragvit.segment_mean through torch.ops.ragvit.segment_mean."""
-    _no_stream("segment_mean", stream)
-    if out is None:
-        return torch.ops.ragvit.segment_mean.default(packed, cu_seqlens, skip=skip)
-    torch.ops.ragvit.segment_mean.out(packed, cu_seqlens, skip=skip, out=out)
-    return out
+    return _functional_or_out("segment_mean", stream, out, packed, cu_seqlens, skip=skip)
 
 
 def linear(x, weight, bias=None, *, residual=None, out=None, stream=None):
     """ragvit.linear through torch.ops.ragvit.linear (out may be residual: in place)."""
-    _no_stream("linear", stream)
-    if out is None:
-        return torch.ops.ragvit.linear.default(x, weight, bias, residual=residual)
-    torch.ops.ragvit.linear.out(x, weight, bias, residual=residual, out=out)
-    return out
+    return _functional_or_out("linear", stream, out, x, weight, bias, residual=residual)
 
 
 def layer_norm(x, weight=None, bias=None, *, eps=1e-5, out=None, stream=None):
     """ragvit.layer_norm through torch.ops.ragvit.layer_norm (out may be x)."""
-    _no_stream("layer_norm", stream)
-    if out is None:
-        return torch.ops.ragvit.layer_norm.default(x, weight, bias, eps=eps)
-    torch.ops.ragvit.layer_norm.out(x, weight, bias, eps=eps, out=out)
-    return out
+    return _functional_or_out("layer_norm", stream, out, x, weight, bias, eps=eps)
 
 
 def gelu(x, *, out=None, stream=None):
     """ragvit.gelu through torch.ops.ragvit.gelu (out may be x)."""
-    _no_stream("gelu", stream)
-    if out is None:
-        return torch.ops.ragvit.gelu.default(x)
-    torch.ops.ragvit.gelu.out(x, out=out)
-    return out
+    return _functional_or_out("gelu", stream, out, x)
 
 
 def topk_index(scores, k, *, prefix=0, out=None, stream=None):
     """ragvit.topk_index through torch.ops.ragvit.topk_index."""
-    _no_stream("topk_index", stream)
-    if out is None:
-        return torch.ops.ragvit.topk_index.default(scores, k, prefix=prefix)
-    torch.ops.ragvit.topk_index.out(scores, k, prefix=prefix, out=out)
-    return out
+    return _functional_or_out("topk_index", stream, out, scores, k, prefix=prefix)
 
 
 def uniform_cu_seqlens(num_seqs, seq_len, device) -> torch.Tensor:
