@@ -416,13 +416,18 @@ def _fmt(v) -> str:
     return "–" if v is None or (isinstance(v, float) and math.isnan(v)) else f"{v:.4f}"
 
 
+def _table_head(head: str) -> list[str]:
+    """A Markdown table's header row and its separator."""
+    return [head, "|" + "---|" * (head.count("|") - 1)]
+
+
 def render_paper(rows) -> list[str]:
     names = ("timm_eager", "timm_graph", "reference", "fa2_packed", "ragvit")
     head = ("| model | policy | BS | kept | max dlogit ragvit / FA2 | img/s: " + " / ".join(names)
             + " | ragvit / FA2 packed | ragvit / timm eager | ragvit / timm graph | "
             "ragvit / reference |")
     lines = ["ThresholdL2 policies. kept = token fraction after the last pruning point.", "",
-             head, "|" + "---|" * (head.count("|") - 1)]
+             *_table_head(head)]
     targets = {"fa2_13": [], "fa2_1": [], "b256": [], "check": []}
     for r in rows:
         c = r.get("check", {})
@@ -465,7 +470,7 @@ def render_policies(rows) -> list[str]:
              "per block / N (the FLOP-relevant figure). FA2 packed for EViT/ATS includes the "
              "CLS attention row in torch ops; n/a for ToMe (no key bias in FA2 varlen). "
              "DynamicViT runs random (seeded) predictors.", "",
-             head, "|" + "---|" * (head.count("|") - 1)]
+             *_table_head(head)]
     ref_target, fa2_target = [], []
     for r in rows:
         c = r.get("check", {})
@@ -499,7 +504,7 @@ def render_graph(rows) -> list[str]:
             "graph / FA2 packed | graph / ragvit eager |")
     lines = ["ThresholdL2 keep 50% after block 4; graph = ragvit.bench.pipelines.make_pipeline"
              "('ragvit_graph'), the whole pruned forward replayed as one CUDA graph.", "",
-             head, "|" + "---|" * (head.count("|") - 1)]
+             *_table_head(head)]
     targets = {"s1_2500": [], "s1_fa2": [], "s1_timm": [], "timm12": []}
     for r in rows:
         c = r.get("check", {})
@@ -543,7 +548,7 @@ def render_compiled(rows, on_cpu: bool = False) -> list[str]:
     lines = ["ThresholdL2 keep 50% after block 4; compiled = torch.compile(patched model, "
              "fullgraph=True) in ragvit.bench.pipelines.compile_mode (reduce-overhead up to "
              f"batch {pipelines.COMPILE_REDUCE_OVERHEAD_MAX_BATCH}, default above).", "",
-             head, "|" + "---|" * (head.count("|") - 1)]
+             *_table_head(head)]
     targets = {"graph": [], "eager": []}
     for r in rows:
         c = r.get("check", {})
@@ -613,7 +618,7 @@ def render_baselines(rows) -> list[str]:
              "batch <= 16, default above); paper_fa2: the paper's FA2-varlen baseline pipeline "
              "(three host syncs); fa2_packed_graph: ragvit's packed pipeline on FA2 varlen and "
              "torch's modules, replayed as a CUDA graph.", "",
-             head, "|" + "---|" * (head.count("|") - 1)]
+             *_table_head(head)]
     targets = []
     for r in rows:
         start = f"| {r['model']} | {r['batch']} | "
