@@ -66,7 +66,8 @@ static int finish_view(call_state *cs, const char *name, ragvit_tensor *t) {
     /* A producer's shape is data: a negative extent, or extents whose product (of the nonzero
      * ones: an empty array's strides and byte spans are computed from them too) passes int64,
      * would make every size computed from it wrong. */
-    int64_t numel = 1, extent = 1;
+    int64_t extent = 1;
+    int is_empty = 0;
     for (int i = 0; i < t->ndim; i++) {
         if (t->shape[i] < 0 ||
             (t->shape[i] > 0 && __builtin_mul_overflow(extent, t->shape[i], &extent))) {
@@ -76,9 +77,9 @@ static int finish_view(call_state *cs, const char *name, ragvit_tensor *t) {
                 "got dimension %d = %lld",
                 cs->op, name, i, (long long)t->shape[i]));
         }
-        numel = t->shape[i] == 0 ? 0 : numel;
+        is_empty |= t->shape[i] == 0;
     }
-    if (numel != 0) numel = extent;
+    const int64_t numel = is_empty ? 0 : extent;
     if (numel == 0) {
         compact_strides(t);
     } else if (t->data == NULL) {
