@@ -1107,6 +1107,43 @@ def test_check_judges_baselines_on_their_own_decisions(monkeypatch, gen):
     assert c["err"]["paper_fa2"] <= 1e-4 and c["err"]["fa2_packed"] <= 1e-4
 
 
+def test_check_judges_every_pruned_pipeline_against_fp32_on_its_own_decisions(monkeypatch, gen):
+    """pipelines.check's fp32-relative rule covers the baselines too: with the fp16 bar below 0
+    every pruned pipeline falls to it and passes (its error against the fp32 forward on its
+    own decisions within 2x the reference's own + EXACT_FLOOR), each with its own figures;
+    dense_gather's logits shifted by 10x EXACT_FLOOR fail the row."""
+    import timm
+    import torch
+
+    from ragvit.bench import pipelines
+    from ragvit.pruning import ThresholdL2
+
+    model = timm.create_model("deit_tiny_patch16_224", pretrained=False, img_size=64).eval()
+    x = torch.randn(2, 3, 64, 64, generator=gen)
+    policy = ThresholdL2(0.5, layers=(4,))
+    monkeypatch.setitem(pipelines.TOLERANCE, "fp16", -1.0)
+    with torch.no_grad():
+        c = pipelines.check(model, x, policy, ("dense_gather", "ragvit"), "fp16")
+    assert c["ok"], c
+    assert set(c["err_exact"]) == set(c["err_reference_exact"]) == {"dense_gather", "ragvit"}
+    for name in ("dense_gather", "ragvit"):
+        assert c["err_exact"][name] <= 2 * c["err_reference_exact"][name] + 1e-3
+
+    real = pipelines.dense_gather_forward
+    shift = 10 * pipelines.EXACT_FLOOR["fp16"]
+
+    def shifted(*args, **kwargs):
+        out = real(*args, **kwargs)
+        return (out[0] + shift, *out[1:]) if isinstance(out, tuple) else out + shift
+
+    monkeypatch.setattr(pipelines, "dense_gather_forward", shifted)
+    with torch.no_grad():
+        bad = pipelines.check(model, x, policy, ("dense_gather", "ragvit"), "fp16")
+    assert not bad["ok"]
+    assert bad["err_exact"]["dense_gather"] >= shift - 1e-4
+    assert bad["err_exact"]["ragvit"] == pytest.approx(c["err_exact"]["ragvit"])
+
+
 def test_bench_cpu_smoke(tmp_path):
     """bench_cpu.py on DeiT-T at 64 px: every pipeline checked ("all results match" before
     any timing row), one row per batch and round, the table and JSON written."""
