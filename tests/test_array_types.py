@@ -2,12 +2,12 @@
 
 Every op that allocates is called without out= on arrays of one library and must return that
 library's arrays with the values the NumPy path computes (the same C backend on the CPU, the
-float64 reference for attention): array_api_strict on the CPU; CuPy (on the default and on a
-non-default stream), JAX and Numba (through the CUDA Array Interface) on the GPU. NumPy stays
-NumPy. A producer with neither an allocator nor __array_namespace__ gets the ragvit.Buffer
-itself, which must round-trip through numpy.from_dlpack and torch.from_dlpack without a copy,
-honour stream=, max_version=, dl_device= and copy= as the array API standard says, outlive
-the inputs and be freed when its last consumer goes.
+float64 reference for attention): array_api_strict and JAX on the CPU; CuPy (on the default
+and on a non-default stream), JAX and Numba (through the CUDA Array Interface) on the GPU.
+NumPy stays NumPy. A producer with neither an allocator nor __array_namespace__ gets the
+ragvit.Buffer itself, which must round-trip through numpy.from_dlpack and torch.from_dlpack
+without a copy, honour stream=, max_version=, dl_device= and copy= as the array API standard
+says, outlive the inputs and be freed when its last consumer goes.
 """
 
 from __future__ import annotations
@@ -125,6 +125,27 @@ def test_numpy_inputs_get_numpy_outputs(op, seed):
     call, inputs = _problems(_rng(seed))[op]
     for result in _as_tuple(call(inputs)):
         assert type(result) is np.ndarray, f"{op}: got {type(result).__name__}"
+
+
+@pytest.mark.parametrize("op", OPS)
+def test_jax_cpu_inputs_get_jax_outputs(op, seed):
+    """JAX arrays on the CPU come back as JAX arrays on the CPU (through
+    jax.numpy.from_dlpack, their namespace's), equal to the NumPy path's."""
+    jax = pytest.importorskip("jax")
+    cpu = jax.devices("cpu")[0]
+    was_x64 = jax.config.jax_enable_x64
+    jax.config.update("jax_enable_x64", True)  # topk_index returns int64, pack int64 indices
+    try:
+        call, inputs = _problems(_rng(seed))[op]
+        expected = _as_tuple(call(inputs))
+        got = _as_tuple(call({name: jax.device_put(a, cpu) for name, a in inputs.items()}))
+        assert len(got) == len(expected)
+        for g, e in zip(got, expected, strict=True):
+            assert isinstance(g, jax.Array), f"{op}: got {type(g).__name__}"
+            assert g.devices() == {cpu}
+            _check_same(np.asarray(g), e, exact=True, note=f"{op}, seed={seed}")
+    finally:
+        jax.config.update("jax_enable_x64", was_x64)
 
 
 def test_array_api_strict_attention_matches_the_reference(seed):
