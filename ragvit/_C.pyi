@@ -26,6 +26,10 @@ Array = Any
 
 #: Most columns (L) topk_index takes: a row's keys fit one block's shared memory.
 TOPK_INDEX_MAX_COLS: int
+#: Most dimensions an imported array may have.
+MAX_DIMS: int
+#: Most outputs graph_replay copies out of a graph.
+GRAPH_MAX_OUTPUTS: int
 #: The DLPack version this module speaks.
 dlpack_version: str
 

@@ -142,11 +142,9 @@ def _raw_stream(device_index: int) -> int:
     return torch.cuda.current_stream(device_index).cuda_stream  # pragma: no cover
 
 
-# What _C.graph_replay takes (ragvit's dtypes; RAGVIT_GRAPH_MAX_OUTPUTS, RAGVIT_MAX_DIMS).
+# The dtypes _C.graph_replay takes (ragvit's).
 _REPLAY_DTYPES = frozenset({torch.float16, torch.bfloat16, torch.float32, torch.float64,
                             torch.int32, torch.int64, torch.uint8, torch.bool})
-_REPLAY_MAX_OUTPUTS = 6
-_REPLAY_MAX_DIMS = 6
 # Global replay hooks that torch's CUDAGraph.replay() runs (profilers register them; torch
 # versions without them: none). While one is registered, calls replay through torch.
 _TORCH_REPLAY_HOOKS = tuple(
@@ -177,10 +175,10 @@ def _replay_handle(entry: _Graph, generator, offset_before) -> int:
     offset and advances the generator); that prologue does nothing for a graph that drew
     no random numbers, which is what an unchanged offset of the device's default generator
     across the first replay shows. The C call also needs tensors it can copy whole."""
-    if not _C.cuda_is_compiled() or len(entry.outputs) > _REPLAY_MAX_OUTPUTS:
+    if not _C.cuda_is_compiled() or len(entry.outputs) > _C.GRAPH_MAX_OUTPUTS:
         return 0
     for t in (entry.static_x, *entry.outputs):
-        if (t.dtype not in _REPLAY_DTYPES or t.dim() > _REPLAY_MAX_DIMS
+        if (t.dtype not in _REPLAY_DTYPES or t.dim() > _C.MAX_DIMS
                 or not t.is_contiguous()):
             return 0
     if offset_before is None or _rng_offset(generator) != offset_before:

@@ -111,7 +111,9 @@ static int module_exec(PyObject *module) {
         PyModule_AddObjectRef(module, "Buffer", (PyObject *)st->buffer_type) < 0) {
         return -1;
     }
-    if (PyModule_AddIntConstant(module, "TOPK_INDEX_MAX_COLS", RAGVIT_TOPK_MAX_COLS) < 0) {
+    if (PyModule_AddIntConstant(module, "TOPK_INDEX_MAX_COLS", RAGVIT_TOPK_MAX_COLS) < 0 ||
+        PyModule_AddIntConstant(module, "MAX_DIMS", RAGVIT_MAX_DIMS) < 0 ||
+        PyModule_AddIntConstant(module, "GRAPH_MAX_OUTPUTS", RAGVIT_GRAPH_MAX_OUTPUTS) < 0) {
         return -1;
     }
     return PyModule_AddStringConstant(module, "dlpack_version", "1.3");
