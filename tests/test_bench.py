@@ -467,6 +467,33 @@ def test_bench_e2e_tiny_baselines_suite(tmp_path):
         md = f.read()
     assert "| fastest alternative | ragvit's best |" in md
     assert "| DeiT-T 64 | 2 | " in md and "| dense_gather | ragvit" in md
+    # the compiled suite's targets, from the same rows: no graph on the CPU, no batch 256
+    assert "- batch 1-16: compiled (reduce-overhead) >= 0.95x ragvit graph: not measured" in md
+    assert "- batch 256: compiled (default) >= ragvit eager: not measured" in md
+
+
+def test_compiled_targets_judge_each_row():
+    """bench_e2e.compiled_targets: compiled >= 0.95x the graph at batch <= 16 and >= eager at
+    batch >= 256, one verdict per timed row; failed and skipped rows are left out."""
+    bench_e2e = load_script("bench_e2e")
+
+    def row(batch, eager, graph, compiled, **extra):
+        timing = {n: {"images_per_s": v} for n, v in
+                  (("ragvit", eager), ("ragvit_graph", graph), ("ragvit_compiled", compiled))
+                  if v is not None}
+        return {"model": "M", "batch": batch, "check": {"ok": True}, "timing": timing, **extra}
+
+    rows = [row(1, 300, 1000, 950), row(16, 3000, 10000, 9400), row(256, 5000, None, 5000),
+            row(256, 5000, None, 4999), row(1, 1, 1, 0.1, skipped="budget"),
+            {"model": "M", "batch": 4, "check": {"ok": False}, "timing": {}}]
+    graph, eager = bench_e2e.compiled_targets(rows)
+    assert graph == ("- batch 1-16: compiled (reduce-overhead) >= 0.95x ragvit graph: 1/2 "
+                     "MISSED for M BS 16 (0.94x)")
+    assert eager == ("- batch 256: compiled (default) >= ragvit eager: 1/2 MISSED for "
+                     "M BS 256 (1.00x)")
+    assert bench_e2e.compiled_targets(rows[:1] + rows[2:3]) == [
+        "- batch 1-16: compiled (reduce-overhead) >= 0.95x ragvit graph: 1/1 met",
+        "- batch 256: compiled (default) >= ragvit eager: 1/1 met"]
 
 
 def test_bench_e2e_lossless_bar_fails_the_run(monkeypatch, capsys):
