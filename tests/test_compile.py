@@ -251,20 +251,30 @@ def assert_equals_eager(traced, eager, expected, floor, seed):
 
 
 COMPILE_CASES = [
-    pytest.param("l2_keep", {}, id="l2_keep"),
-    pytest.param("evit", {}, id="evit"),
+    pytest.param("l2_keep", {}, {}, id="l2_keep"),
+    pytest.param("evit", {}, {}, id="evit"),
     # the data-dependent policy on the path CUDA takes: every op through torch.ops.ragvit
     # (ragvit's row ops and attention with cls_attn; linear and GELU in place)
-    pytest.param("ats", {"row_ops": True, "attention": c_attention}, id="ats_c_ops"),
+    pytest.param("ats", {"row_ops": True, "attention": c_attention}, {}, id="ats_c_ops"),
+    # Inductor freezing (docs/compile.md): the parameters become constants of the graph
+    pytest.param("ats", {"row_ops": True, "attention": c_attention}, {"freezing": True},
+                 id="ats_c_ops-freezing"),
 ]
 
 
-@pytest.mark.parametrize("policy_name,kwargs", COMPILE_CASES)
-def test_compile_fullgraph_equals_eager(policy_name, kwargs, gen, seed):
+def compile_options(mode: str) -> dict:
+    """torch.compile's options for a test mode: a torch.compile mode's own options, plus
+    freezing where the name ends in "+freezing" (docs/compile.md's recipe)."""
+    base, _, extra = mode.partition("+")
+    return {**torch._inductor.list_mode_options(base), **({"freezing": True} if extra else {})}
+
+
+@pytest.mark.parametrize("policy_name,kwargs,options", COMPILE_CASES)
+def test_compile_fullgraph_equals_eager(policy_name, kwargs, options, gen, seed):
     model = patched_tiny(gen, policy_name, **kwargs)
     x = images(gen, 3, IMG)
     eager, expected = eager_and_reference(model, x)
-    compiled = torch.compile(model, fullgraph=True)
+    compiled = torch.compile(model, fullgraph=True, options=options)
     with torch.no_grad():
         got = compiled(x)
     assert_equals_eager(got, eager, expected, ERROR_FLOOR[torch.float32], seed)
@@ -312,6 +322,8 @@ GPU_COMPILE_CASES = [
     pytest.param("deit_small_patch16_224", "reduce-overhead", "l2_threshold",
                  id="deit_s-reduce-overhead-l2_threshold"),
     pytest.param("deit_small_patch16_224", "default", "evit", id="deit_s-default-evit"),
+    pytest.param("deit_small_patch16_224", "reduce-overhead+freezing", "l2_keep",
+                 id="deit_s-reduce-overhead+freezing-l2_keep"),
 ]
 
 
@@ -331,7 +343,7 @@ def test_gpu_compile_fp16_equals_eager(name, mode, policy_name, gen, seed):
         eager, decided = timm_patch.forward_with_decisions(model, x)
         exact = reference.vit_forward_reference(copy.deepcopy(model).float(), x32, policy,
                                                 decisions=decided)
-        compiled = torch.compile(model, fullgraph=True, mode=mode)
+        compiled = torch.compile(model, fullgraph=True, options=compile_options(mode))
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # inductor's notes on cudagraph warm-up
             got = [compiled(x).clone() for _ in range(3)]
