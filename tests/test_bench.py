@@ -359,12 +359,26 @@ def test_bench_attention_refuses_counts_below_one(flag):
 
 @pytest.mark.parametrize("script", ["bench_attention.py", "bench_pack.py", "bench_interop.py",
                                     "bench_host_ab.py", "bench_dense_sdpa.py", "profile_e2e.py",
-                                    "run_notebook.py"])
+                                    "run_notebook.py", "bench_compile_call.py"])
 def test_benchmark_scripts_help(script):
     """Every entry script imports (ragvit.bench, no path tricks) and prints its usage."""
     r = run_script(script, "--help")
     assert r.returncode == 0, r.stderr
     assert r.stdout.startswith("usage:")
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--variants", "reduce-overhead+fast"], "unknown variant 'reduce-overhead+fast': MODE or "
+                                            "MODE+freezing"),
+    (["--variants", "quick"], "unknown variant 'quick': Unrecognized mode=quick"),
+    (["--calls", "0"], "--calls, --reps and --batch must be >= 1"),
+])
+def test_bench_compile_call_usage_errors(args, message):
+    """bench_compile_call.py refuses a variant that is not MODE[+freezing] and counts below 1,
+    before it looks for a GPU."""
+    r = run_script("bench_compile_call.py", *args)
+    assert r.returncode == 2, r.stderr
+    assert message in r.stderr and "Traceback" not in r.stderr
 
 
 def test_bench_host_ab_against_its_own_build(tmp_path):
