@@ -14,9 +14,13 @@ from __future__ import annotations
 
 import ctypes
 import gc
+import json
+import subprocess
 import sys
 import tracemalloc
+import types
 import weakref
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -234,6 +238,163 @@ def test_outputs_come_back_through_the_defining_package_without_a_namespace(monk
     assert tag == "wrapped" and received == [buf] and isinstance(buf, ragvit.Buffer)
     torch.testing.assert_close(torch.from_dlpack(buf), torch.nn.functional.gelu(x))
     assert isinstance(ragvit.gelu(Plain(x)), ragvit.Buffer)
+
+
+# ---- CuPy outputs, built in C: the construction, with a stand-in CuPy ----
+
+
+def _fake_cupy(has_extension_base: bool):
+    """A stand-in `cupy` module whose constructors record their calls: an ndarray with the
+    public constructor, or (has_extension_base) CuPy's own layout, a Python ndarray whose
+    __new__ calls its extension base's _init (ragvit calls _init itself)."""
+    calls = []
+
+    class UnownedMemory:
+        def __init__(self, ptr, size, owner, device_id=-1):
+            calls.append(("UnownedMemory", ptr, size, owner, device_id))
+            self.ptr, self.size, self._owner, self.device_id = ptr, size, owner, device_id
+
+    class MemoryPointer:
+        def __init__(self, mem, offset):
+            calls.append(("MemoryPointer", mem, offset))
+            self.mem, self.ptr = mem, mem.ptr + offset
+
+    def init(self, shape, dtype=float, memptr=None, strides=None, order="C"):
+        calls.append(("init", shape, dtype, memptr, strides, order))
+        self.shape, self.dtype, self.data = shape, dtype, memptr
+
+    if has_extension_base:
+        base = type("_ndarray_base", (), {"_init": init})
+
+        def new(cls, *args, **kwargs):
+            calls.append(("__new__",))
+            x = super(ndarray, cls).__new__(cls)
+            x._init(*args, **kwargs)
+            return x
+
+        ndarray = type("ndarray", (base,), {"__module__": "cupy", "__new__": new})
+    else:
+        ndarray = type("ndarray", (), {"__module__": "cupy", "__init__": init})
+
+    def get_current_stream(device_id=-1):
+        raise AssertionError("_cupy_ndarray touches no stream")
+
+    cuda = types.SimpleNamespace(UnownedMemory=UnownedMemory, MemoryPointer=MemoryPointer,
+                                 get_current_stream=get_current_stream)
+    module = types.ModuleType("cupy")
+    module.ndarray, module.cuda = ndarray, cuda
+    return module, calls
+
+
+@pytest.mark.parametrize("layout", ["constructor", "extension_base"])
+def test_cupy_outputs_are_built_over_the_buffer(layout, monkeypatch):
+    """The array is ndarray(shape, dtype, memptr=MemoryPointer(UnownedMemory(ptr, nbytes,
+    buffer, device), 0)), with a NumPy dtype object and CuPy's default (compact) strides; CuPy's
+    layout with an extension base skips the Python __new__; the array holds the Buffer."""
+    fake, calls = _fake_cupy(layout == "extension_base")
+    monkeypatch.setitem(sys.modules, "cupy", fake)
+    like = object.__new__(fake.ndarray)
+    buf, _ = _host_buffer()
+    ptr = buf.__array_interface__["data"][0]
+    array = ragvit._C._cupy_ndarray(buf, like)
+    assert type(array) is fake.ndarray
+    unowned, memptr, made = calls
+    assert unowned[:3] == ("UnownedMemory", ptr, 5 * 8 * 4) and unowned[3] is buf
+    assert unowned[4] == 0
+    assert memptr[0] == "MemoryPointer" and memptr[1] is array.data.mem and memptr[2] == 0
+    assert made[0] == "init" and made[1] == (5, 8) and made[3] is array.data
+    assert type(made[2]) is type(np.dtype(np.float32)) and made[2] == np.float32
+    assert made[4:] == (None, "C"), "compact outputs take CuPy's default strides"
+    calls.clear()
+    for dtype, op, source in ((np.int64, lambda a: ragvit.topk_index(a, 2), np.float32),
+                              (np.float16, ragvit.gelu, np.float16)):
+        out = op(DLPackOnly(np.ones((2, 6), source)))
+        array_of = ragvit._C._cupy_ndarray(out, like)
+        assert calls[-1][2] == dtype and array_of.shape == out.shape
+    ref = weakref.ref(buf)
+    del buf, unowned, memptr, made, array_of, out
+    calls.clear()
+    gc.collect()
+    assert ref() is not None, "the array must hold its Buffer"
+    del array
+    gc.collect()
+    assert ref() is None
+
+
+def test_cupy_route_skips_what_it_cannot_build(monkeypatch):
+    """bfloat16 (no NumPy dtype) and arguments that are no cupy.ndarray: None, no call."""
+    fake, calls = _fake_cupy(True)
+    monkeypatch.setitem(sys.modules, "cupy", fake)
+    like = object.__new__(fake.ndarray)
+    buf16, _ = _host_buffer(dtype=torch.bfloat16)
+    assert ragvit._C._cupy_ndarray(buf16, like) is None
+    buf, _ = _host_buffer()
+    other = type("ndarray", (), {"__module__": "numpy_like"})()
+    assert ragvit._C._cupy_ndarray(buf, other) is None
+    assert ragvit._C._cupy_ndarray(buf, np.ones(2)) is None
+    assert calls == []
+    with pytest.raises(TypeError, match="buffer must be a ragvit.Buffer"):
+        ragvit._C._cupy_ndarray(np.ones(2), like)
+
+
+def test_cupy_route_builds_real_cupy_arrays_without_a_gpu():
+    """With CuPy installed, its own constructors over a host Buffer (no CUDA call is made:
+    UnownedMemory is given the device)."""
+    cupy = pytest.importorskip("cupy")
+    buf, _ = _host_buffer((3, 20))
+    ptr = buf.__array_interface__["data"][0]
+    memory = cupy.cuda.UnownedMemory(ptr, 4, None, 0)
+    like = cupy.ndarray((1,), np.float32, memptr=cupy.cuda.MemoryPointer(memory, 0))
+    array = ragvit._C._cupy_ndarray(buf, like)
+    assert type(array) is cupy.ndarray
+    assert array.shape == (3, 20) and array.dtype == np.float32
+    assert array.strides == (80, 4) and array.flags.c_contiguous
+    assert array.data.ptr == ptr and array.data.mem.size == 3 * 20 * 4
+    assert array.data.mem._owner is buf and array.data.device_id == 0
+    ref = weakref.ref(buf)
+    del buf
+    gc.collect()
+    assert ref() is not None
+    del array
+    gc.collect()
+    assert ref() is None
+
+
+_NO_CUPY_SCRIPT = """
+import json, sys
+import numpy as np, torch
+
+attempts = []
+
+
+class Watch:
+    def find_spec(self, name, path=None, target=None):
+        if name.split(".")[0] in ("cupy", "cupy_backends"):
+            attempts.append(name)
+        return None
+
+
+sys.meta_path.insert(0, Watch())
+sys.path.insert(0, sys.argv[1])
+import test_array_types as t  # noqa: E402
+
+for op, (call, inputs) in t._problems(np.random.default_rng(0)).items():
+    call(inputs)
+    call({n: t.DLPackOnly(a) for n, a in inputs.items()})
+    call({n: torch.from_numpy(a) for n, a in inputs.items()})
+loaded = [m for m in sys.modules if m.split(".")[0] in ("cupy", "cupy_backends")]
+print(json.dumps({"attempts": attempts, "loaded": loaded}))
+"""
+
+
+def test_no_op_looks_for_cupy_without_cupy_arrays():
+    """Every allocating op on NumPy, torch and plain DLPack inputs, in a fresh interpreter:
+    nothing imports cupy or asks an importer for it."""
+    result = subprocess.run([sys.executable, "-c", _NO_CUPY_SCRIPT, str(Path(__file__).parent)],
+                            capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr
+    report = json.loads(result.stdout.strip().splitlines()[-1])
+    assert report == {"attempts": [], "loaded": []}
 
 
 def test_host_buffer_has_no_cuda_array_interface():
@@ -466,10 +627,86 @@ def test_cupy_inputs_get_cupy_outputs(op, stream_kind, seed):
     cupy.cuda.Device().synchronize()
     for g, e in zip(got, expected, strict=True):
         assert type(g) is cupy.ndarray, f"{op}: got {type(g).__name__}"
+        memory = g.data.mem  # built over the Buffer in C, not through cupy.from_dlpack
+        assert type(memory) is cupy.cuda.UnownedMemory, type(memory).__name__
+        assert isinstance(memory._owner, ragvit.Buffer) and memory.ptr == g.data.ptr
         _check_same(cupy.asnumpy(g), e, exact=op in ("pack", "repack", "unpack",
                                                     "gather_prefix", "topk_index"),
                     note=f"{op}, {stream_kind}, seed={seed}")
-    del got, g  # before the stream their free is ordered on
+    del got, g, memory  # before the stream their free is ordered on
+
+
+@pytest.mark.gpu
+@requires_cuda
+def test_cupy_output_buffer_goes_with_its_array(seed):
+    """The cupy.ndarray (and any view of it) holds the ragvit.Buffer it was built over; the
+    Buffer goes when the last of them goes."""
+    cupy = _cupy()
+    x = _rng(seed).standard_normal((6, 8)).astype(np.float32)
+    y = ragvit.gelu(cupy.asarray(x))
+    assert type(y) is cupy.ndarray
+    buf = y.data.mem._owner
+    assert isinstance(buf, ragvit.Buffer)
+    assert buf.shape == y.shape and buf.dtype == y.dtype.name
+    assert buf.__cuda_array_interface__["data"][0] == y.data.ptr
+    ref = weakref.ref(buf)
+    view = y[2:]
+    del buf, y
+    gc.collect()
+    assert ref() is not None, "a view of the array must hold the Buffer"
+    garbage = [ragvit.gelu(cupy.asarray(x + 7)) for _ in range(4)]  # would reuse freed memory
+    np.testing.assert_allclose(cupy.asnumpy(view), torch.nn.functional.gelu(
+        torch.from_numpy(x[2:])).numpy(), rtol=1e-5, atol=1e-5)
+    del view, garbage
+    gc.collect()
+    assert ref() is None, "the Buffer outlived its arrays"
+    cupy.cuda.Device().synchronize()
+
+
+@pytest.mark.gpu
+@requires_cuda
+@pytest.mark.sanitizer
+@pytest.mark.parametrize("launch", ["stream_given", "legacy_default"])
+def test_cupy_output_is_ready_on_the_current_stream(launch, seed):
+    """The op runs on its launch stream behind a long sleep; its output is read at once on
+    another CuPy current stream, which must wait for the launch: a copy that ran early would
+    read the memory's earlier contents."""
+    cupy = _cupy()
+    x = _rng(seed).standard_normal((1024, 256)).astype(np.float32)
+    expected = torch.nn.functional.gelu(torch.from_numpy(x)).numpy()
+    cx, stale = cupy.asarray(x), cupy.asarray(x + 100)
+    for _ in range(3):
+        ragvit.gelu(stale)  # dropped at once: leaves other values in the pool's memory
+    launch_stream = torch.cuda.Stream() if launch == "stream_given" else None
+    kw = {"stream": launch_stream.cuda_stream} if launch_stream is not None else {}
+    reader = cupy.cuda.Stream(non_blocking=True)
+    cupy.cuda.Device().synchronize()
+    torch.cuda.synchronize()
+    with torch.cuda.stream(launch_stream):  # None: torch's default stream, the legacy one
+        torch.cuda._sleep(50_000_000)
+    with reader:
+        assert ragvit._C._cupy_current_stream(cx.device.id) in (None, reader.ptr)
+        y = ragvit.gelu(cx, **kw)
+        copy = y.copy()  # queued on reader
+        assert ragvit._C._cupy_current_stream(cx.device.id) == reader.ptr
+    reader.synchronize()
+    np.testing.assert_allclose(cupy.asnumpy(copy), expected, rtol=1e-5, atol=1e-5)
+    torch.cuda.synchronize()
+    del y, copy
+    cupy.cuda.Device().synchronize()
+
+
+@pytest.mark.gpu
+@requires_cuda
+def test_cupy_current_stream_is_read_as_cupy_reports_it():
+    cupy = _cupy()
+    ragvit.gelu(cupy.ones((2, 3), cupy.float32))  # resolves CuPy's constructors
+    device = cupy.cuda.Device().id
+    assert ragvit._C._cupy_current_stream(device) == cupy.cuda.get_current_stream().ptr
+    side = cupy.cuda.Stream(non_blocking=True)
+    with side:
+        assert ragvit._C._cupy_current_stream(device) == side.ptr
+    assert ragvit._C._cupy_current_stream(device) == cupy.cuda.get_current_stream().ptr
 
 
 @pytest.mark.gpu
@@ -517,20 +754,30 @@ def test_deleting_an_output_while_its_kernel_runs_is_safe(gen, seed):
 
 @pytest.mark.gpu
 @requires_cuda
-def test_cupy_ten_thousand_calls_keep_device_memory_flat(seed):
+@pytest.mark.parametrize("current", ["default", "non_default"])
+def test_cupy_ten_thousand_calls_keep_device_memory_flat(current, seed):
+    """Device memory, the inputs' reference counts and the marks' events stay flat; on a
+    non-default current stream each call also orders that stream after the launch."""
     cupy = _cupy()
     _, inputs = _problems(_rng(seed))["attention"]
     args = [cupy.asarray(inputs[n]) for n in ("q", "k", "v", "cu_seqlens")]
-    for _ in range(100):
-        ragvit.attention(*args, 6)
-    cupy.cuda.Device().synchronize()
-    free_before = cupy.cuda.runtime.memGetInfo()[0]
-    for _ in range(10_000):
-        ragvit.attention(*args, 6)
-    cupy.cuda.Device().synchronize()
+    stream = cupy.cuda.Stream.null if current == "default" else cupy.cuda.Stream(
+        non_blocking=True)
+    with stream:
+        for _ in range(100):
+            ragvit.attention(*args, 6)
+        cupy.cuda.Device().synchronize()
+        free_before = cupy.cuda.runtime.memGetInfo()[0]
+        counts = [sys.getrefcount(a) for a in args]
+        events = _marks(args[0].device.id)[0]
+        for _ in range(10_000):
+            ragvit.attention(*args, 6)
+        cupy.cuda.Device().synchronize()
     free_after = cupy.cuda.runtime.memGetInfo()[0]
     assert free_before - free_after <= 2 * 2**20, (
         f"device memory fell by {free_before - free_after} bytes over 10k calls")
+    assert [sys.getrefcount(a) for a in args] == counts
+    assert _marks(args[0].device.id)[0] == events, "the marks' events were not reused"
 
 
 def _marks(device: int = 0) -> tuple[int, int]:

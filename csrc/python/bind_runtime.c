@@ -1,7 +1,8 @@
 /* bind_runtime.c — ragvit._C's functions about the build and the process
  * rather than an op: build_info, cuda_is_compiled, cuda_device_count,
  * set_debug/is_debug (the module state's debug flag), _launch_empty, the
- * benchmarks' floor, and _memory_stats, the counters of the marks' event pool.
+ * benchmarks' floor, _memory_stats, the counters of the marks' event pool, and
+ * _cupy_ndarray and _cupy_current_stream, the tests' view of the CuPy hand-off.
  * Decision: _launch_empty parses by hand instead of through an op_signature:
  * it must accept any further arguments, so it can be called with exactly the
  * call shape of the op it is compared with. */
@@ -107,4 +108,27 @@ PyObject *py_memory_stats(PyObject *module, PyObject *const *args, Py_ssize_t na
     int64_t events = 0, marks = 0;
     if (raise_status(ragvit_memory_stats((int32_t)device, &events, &marks))) return NULL;
     return Py_BuildValue("{s:L,s:L}", "events", (long long)events, "marks", (long long)marks);
+}
+
+/* _cupy_ndarray(buffer, like): the cupy.ndarray that a call whose first array argument is
+ * like would return for buffer (host buffers too, so a stand-in CuPy can check the
+ * construction without a GPU), or None where that route does not apply. */
+PyObject *py_cupy_ndarray(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 2) {
+        PyErr_Format(PyExc_TypeError, "_cupy_ndarray() takes 2 arguments, got %zd", nargs);
+        return NULL;
+    }
+    return cupy_ndarray_like((module_state *)PyModule_GetState(module), args[1], args[0]);
+}
+
+/* _cupy_current_stream(device): CuPy's current stream on device as ragvit reads it for the
+ * hand-off (None before an output went to a cupy.ndarray). */
+PyObject *py_cupy_current_stream(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 1) {
+        PyErr_Format(PyExc_TypeError, "_cupy_current_stream() takes 1 argument, got %zd", nargs);
+        return NULL;
+    }
+    const long device = PyLong_AsLong(args[0]);
+    if (device == -1 && PyErr_Occurred()) return NULL;
+    return cupy_current_stream_of((module_state *)PyModule_GetState(module), (int32_t)device);
 }

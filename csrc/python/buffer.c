@@ -60,6 +60,7 @@ PyObject *buffer_new(call_state *cs, int32_t device_type, int32_t device_id, int
     for (int i = 0; i < ndim; i++) {
         if (self->shape[i] == 0) bytes = 0;
     }
+    self->nbytes = bytes;
     if (raise_status(ragvit_memory_alloc(&cs->st->ctx, device_type, device_id, bytes, cs->stream,
                                          &self->data))) {
         Py_DECREF(self);

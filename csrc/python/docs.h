@@ -38,11 +38,12 @@ PyDoc_STRVAR(
     "        every op's allocated outputs follow this rule): through its library's\n"
     "        DLPack exchange-API allocator (torch); as a NumPy array for NumPy\n"
     "        arguments; else ragvit allocates a ragvit.Buffer on q's device (CUDA:\n"
-    "        stream-ordered, on the call's stream) and returns\n"
-    "        type(q).__array_namespace__().from_dlpack(buffer) (JAX,\n"
-    "        array_api_strict; CuPy through its package's from_dlpack), or the Buffer\n"
-    "        itself (Numba and other DLPack or CUDA Array Interface producers: wrap it\n"
-    "        with theirs). The output outlives the inputs. A\n"
+    "        stream-ordered, on the call's stream) and returns a cupy.ndarray over\n"
+    "        it for CuPy arguments (made ready on CuPy's current stream),\n"
+    "        type(q).__array_namespace__().from_dlpack(buffer) for others (JAX,\n"
+    "        array_api_strict), or the Buffer itself (Numba and other DLPack or CUDA\n"
+    "        Array Interface producers: wrap it with theirs). The output outlives\n"
+    "        the inputs. A\n"
     "        torch out (and cls_attn, and every output an op is given) has its\n"
     "        autograd version counter bumped, so backward() through a tensor saved\n"
     "        before the call raises instead of using the overwritten values.\n"
@@ -418,8 +419,9 @@ PyDoc_STRVAR(buffer_doc,
              "An output ragvit allocated itself, for arguments whose array library offers no\n"
              "allocator: a compact array on a CPU or CUDA device, owned by ragvit, freed when the\n"
              "last reference to it (or to an array made from it) goes. The ops return it wrapped\n"
-             "in the caller's array type when that type has __array_namespace__ (or its package\n"
-             "has from_dlpack, as CuPy's), else as it is.\n"
+             "in the caller's array type: a cupy.ndarray over it for CuPy arguments, through\n"
+             "__array_namespace__().from_dlpack (or the package's from_dlpack) for others that\n"
+             "have one, else as it is.\n"
              "\n"
              "Exported without a copy through __dlpack__ / __dlpack_device__ (numpy.from_dlpack,\n"
              "torch.from_dlpack, cupy.from_dlpack, jax.numpy.from_dlpack), the CUDA Array\n"
@@ -479,5 +481,16 @@ PyDoc_STRVAR(memory_stats_doc,
              "_memory_stats(device=0) -> dict\n\nCounters of the device's marks, for the tests: "
              "'events' (CUDA events the pool created) and 'marks' (marks recorded, one per CUDA "
              "call that touched a ragvit.Buffer).");
+
+PyDoc_STRVAR(cupy_ndarray_doc,
+             "_cupy_ndarray(buffer, like) -> cupy.ndarray or None\n\nThe cupy.ndarray over buffer "
+             "that an op whose first array argument is like returns (None where like is no "
+             "cupy.ndarray or the dtype has no NumPy counterpart), for the tests; no stream is "
+             "touched.");
+
+PyDoc_STRVAR(cupy_current_stream_doc,
+             "_cupy_current_stream(device) -> int or None\n\nCuPy's current stream on device as "
+             "ragvit reads it to order a CuPy output (None before any output went to a "
+             "cupy.ndarray), for the tests.");
 
 #endif /* RAGVIT_DOCS_H */

@@ -36,7 +36,25 @@ typedef struct {
     PyTypeObject *type;    /* identity only */
     PyObject *type_ref;    /* weak reference to type */
     PyObject *from_dlpack; /* type().__array_namespace__().from_dlpack; NULL: none */
+    int is_cupy;           /* type is CuPy's ndarray (see cupy_state) */
 } namespace_cache_entry;
+
+/* CuPy's constructors, resolved (never imported: a cupy.ndarray was an argument) the first
+ * time an output goes to a cupy.ndarray argument, so that output is built as a cupy.ndarray
+ * in C instead of through cupy.from_dlpack. All NULL until then. */
+typedef struct {
+    PyTypeObject *ndarray;    /* cupy.ndarray (strong reference) */
+    newfunc base_new;         /* tp_new of its extension base, when `init` is set */
+    PyObject *init;           /* the base's _init(shape, dtype, memptr); NULL: the constructor */
+    PyObject *memory_pointer; /* cupy.cuda.MemoryPointer */
+    PyObject *unowned_memory; /* cupy.cuda.UnownedMemory */
+    PyObject *current_stream; /* cupy.cuda.get_current_stream, where stream_ptr is NULL */
+    intptr_t (*stream_ptr)(int device_id); /* CuPy's C function behind it (its raw handle) */
+    PyObject *kw_memptr;                   /* ("memptr",), the constructor's kwnames */
+    PyObject *str_ptr;                     /* "ptr" */
+    PyObject *empty_tuple;
+    PyObject *dtypes[RAGVIT_DTYPE_COUNT]; /* numpy.dtype per ragvit dtype; NULL: none (bfloat16) */
+} cupy_state;
 
 typedef struct {
     ragvit_context ctx;
@@ -59,6 +77,7 @@ typedef struct {
     PyObject *str_array_namespace;
     PyObject *str_from_dlpack;
     PyObject *max_version; /* (1, 0) */
+    cupy_state cupy;
 } module_state;
 
 enum import_kind { IMPORT_EXCHANGE = 1, IMPORT_NUMPY, IMPORT_DLPACK, IMPORT_CAI, IMPORT_BUFFER };
@@ -69,6 +88,7 @@ enum import_kind { IMPORT_EXCHANGE = 1, IMPORT_NUMPY, IMPORT_DLPACK, IMPORT_CAI,
 typedef struct {
     PyObject ob_base;    /* PyObject_HEAD, spelled out so clang-format keeps one field a line */
     void *data;          /* owned: ragvit_memory_alloc */
+    size_t nbytes;       /* the array's bytes (at least one byte is allocated) */
     int32_t device_type; /* RAGVIT_DEVICE_* */
     int32_t device_id;
     int32_t dtype;
@@ -129,7 +149,8 @@ typedef struct {
     int64_t max_numel;              /* elements of the largest array imported or allocated */
     PyObject *written[MAX_IMPORTS]; /* borrowed: torch outputs given by the caller */
     int written_count;
-    PyObject *wrap_arg; /* borrowed: the first array argument, once a Buffer was allocated */
+    PyObject *wrap_arg;     /* borrowed: the first array argument, once a Buffer was allocated */
+    int is_handoff_ordered; /* CuPy's current stream waits on this call's mark already */
 } call_state;
 
 /* *result: obj.name, or NULL when obj has no such attribute (AttributeError
@@ -218,10 +239,23 @@ int bump_versions(call_state *cs);
  * Its view goes to *view. NULL with an exception. */
 PyObject *alloc_like(call_state *cs, const ragvit_tensor *like, const char *name, int32_t dtype,
                      int ndim, const int64_t *shape, ragvit_tensor *view);
-/* obj (stolen) as the caller gets it: a Buffer alloc_like made goes through
+/* obj (stolen) as the caller gets it: a CUDA Buffer alloc_like made for a cupy.ndarray
+ * argument becomes a cupy.ndarray over it, built in C (CuPy's current stream made to wait on
+ * the call's mark when it is not the call's stream); another Buffer goes through
  * `type(arg).__array_namespace__().from_dlpack` (cached per type) when that exists;
  * anything else is returned as it is. NULL with an exception. */
 PyObject *wrap_output(call_state *cs, PyObject *obj);
+/* The cupy.ndarray that wrap_output would return for buffer when like is the first array
+ * argument (the tests' view of that route; no stream is touched): a new reference, Py_None
+ * (new reference) when the route does not apply, or NULL with an exception. */
+PyObject *cupy_ndarray_like(module_state *st, PyObject *like, PyObject *buffer);
+/* CuPy's current stream on device (its raw handle, as an int), or None before CuPy's
+ * constructors were resolved (the tests' view). NULL with an exception. */
+PyObject *cupy_current_stream_of(module_state *st, int32_t device_id);
+/* Releases the references st->cupy holds (module clear). */
+void cupy_state_clear(cupy_state *cupy);
+/* Visits them (module traverse). */
+int cupy_state_traverse(const cupy_state *cupy, visitproc visit, void *arg);
 /* Marks the point after this call's launches on every CUDA Buffer it read or returned
  * (outputs[0..count), NULL entries and non-Buffers skipped), so their frees wait for it: one
  * mark (one event record) per call, shared by them all; -1 with an exception set. */
@@ -258,6 +292,7 @@ static inline void call_init(call_state *cs, PyObject *module, const char *op) {
     cs->max_numel = 0;
     cs->written_count = 0;
     cs->wrap_arg = NULL;
+    cs->is_handoff_ordered = 0;
 }
 
 /* Starts an op wrapper's call: the state, then sig's arguments into values. */
@@ -332,6 +367,8 @@ PyObject *py_topk_index(FASTCALL_ARGS);
 PyObject *py_graph_replay(FASTCALL_ARGS);
 PyObject *py_launch_empty(FASTCALL_ARGS);
 PyObject *py_memory_stats(PyObject *module, PyObject *const *args, Py_ssize_t nargs);
+PyObject *py_cupy_ndarray(PyObject *module, PyObject *const *args, Py_ssize_t nargs);
+PyObject *py_cupy_current_stream(PyObject *module, PyObject *const *args, Py_ssize_t nargs);
 PyObject *py_build_info(PyObject *module, PyObject *unused);
 PyObject *py_cuda_is_compiled(PyObject *module, PyObject *unused);
 PyObject *py_cuda_device_count(PyObject *module, PyObject *unused);

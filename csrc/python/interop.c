@@ -5,7 +5,8 @@
  * capsules, then legacy), (4) `__cuda_array_interface__` v2/v3; ragvit's own
  * Buffer is read directly. Outputs come from the first argument's library
  * (exchange-API allocator), NumPy for NumPy arguments, else a ragvit.Buffer handed
- * back through the argument type's `__array_namespace__().from_dlpack` (cached).
+ * back as a cupy.ndarray built here (CuPy arguments) or through the argument type's
+ * `__array_namespace__().from_dlpack` (cached).
  * Decision: two phases. Phase 1 runs every Python-level protocol of every argument
  * (it may run arbitrary producer code, which may free or resize another argument);
  * phase 2 then takes the raw views with C calls only. torch tensors cost one
@@ -899,6 +900,245 @@ PyObject *alloc_like(call_state *cs, const ragvit_tensor *like, const char *name
     return buffer;
 }
 
+/* ---- CuPy: its ndarray built in C ---- */
+
+/* A type's name without its module (tp_name holds both for static types). */
+static const char *short_type_name(const PyTypeObject *type) {
+    const char *dot = strrchr(type->tp_name, '.');
+    return dot != NULL ? dot + 1 : type->tp_name;
+}
+
+/* Whether type is CuPy's ndarray: named ndarray in module cupy (cupy._core.core where the
+ * ndarray is the extension type itself). Asked once per type, on a miss of the namespace
+ * cache; nothing is imported. */
+static int is_cupy_ndarray_type(PyTypeObject *type) {
+    if (strcmp(short_type_name(type), "ndarray") != 0) return 0;
+    PyObject *module = PyObject_GetAttrString((PyObject *)type, "__module__");
+    const int is_cupy = module != NULL && PyUnicode_Check(module) &&
+                        (PyUnicode_CompareWithASCIIString(module, "cupy") == 0 ||
+                         PyUnicode_CompareWithASCIIString(module, "cupy._core.core") == 0);
+    Py_XDECREF(module);
+    PyErr_Clear();
+    return is_cupy;
+}
+
+void cupy_state_clear(cupy_state *cupy) {
+    Py_CLEAR(cupy->ndarray);
+    cupy->base_new = NULL;
+    cupy->stream_ptr = NULL;
+    Py_CLEAR(cupy->init);
+    Py_CLEAR(cupy->memory_pointer);
+    Py_CLEAR(cupy->unowned_memory);
+    Py_CLEAR(cupy->current_stream);
+    Py_CLEAR(cupy->kw_memptr);
+    Py_CLEAR(cupy->str_ptr);
+    Py_CLEAR(cupy->empty_tuple);
+    for (int i = 0; i < RAGVIT_DTYPE_COUNT; i++) Py_CLEAR(cupy->dtypes[i]);
+}
+
+int cupy_state_traverse(const cupy_state *cupy, visitproc visit, void *arg) {
+    Py_VISIT(cupy->ndarray);
+    Py_VISIT(cupy->init);
+    Py_VISIT(cupy->memory_pointer);
+    Py_VISIT(cupy->unowned_memory);
+    Py_VISIT(cupy->current_stream);
+    for (int i = 0; i < RAGVIT_DTYPE_COUNT; i++) Py_VISIT(cupy->dtypes[i]);
+    return 0;
+}
+
+/* The attribute name of obj, or NULL with the error cleared. */
+static PyObject *cupy_attr(PyObject *obj, const char *name) {
+    PyObject *value = obj == NULL ? NULL : PyObject_GetAttrString(obj, name);
+    if (value == NULL) PyErr_Clear();
+    return value;
+}
+
+/* st->cupy for type, CuPy's ndarray, from the cupy module already imported: 1, or 0 (no
+ * exception, st->cupy left empty) when CuPy lacks a piece: outputs take from_dlpack then.
+ * CuPy (since 11) makes its ndarray in a Python __new__ that calls its extension base's
+ * tp_new and then _init(shape, dtype, memptr); ragvit calls those two itself when the base
+ * has _init, which skips the Python __new__ and __init__ frames and the keyword dict (about
+ * half of the constructor's cost), else the public constructor. */
+static int resolve_cupy(module_state *st, PyTypeObject *type) {
+    cupy_state fresh;
+    memset(&fresh, 0, sizeof fresh);
+    PyObject *name = PyUnicode_FromString("cupy");
+    PyObject *cupy = name == NULL ? NULL : PyImport_GetModule(name);
+    Py_XDECREF(name);
+    PyObject *cuda = cupy_attr(cupy, "cuda");
+    PyObject *ndarray = cupy_attr(cupy, "ndarray");
+    fresh.memory_pointer = cupy_attr(cuda, "MemoryPointer");
+    fresh.unowned_memory = cupy_attr(cuda, "UnownedMemory");
+    fresh.current_stream = cupy_attr(cuda, "get_current_stream");
+    /* The C function CuPy's own modules call for the stream (Cython exports it by its
+     * signature): a thread-local read instead of a Python call and an attribute. */
+    name = PyUnicode_FromString("cupy_backends.cuda.stream");
+    PyObject *backend = name == NULL ? NULL : PyImport_GetModule(name);
+    Py_XDECREF(name);
+    PyObject *capi = cupy_attr(backend, "__pyx_capi__");
+    PyObject *capsule = capi != NULL && PyDict_Check(capi)
+                            ? PyDict_GetItemString(capi, "get_stream_ptr") /* borrowed */
+                            : NULL;
+    if (capsule != NULL && PyCapsule_IsValid(capsule, "intptr_t (int)")) {
+        fresh.stream_ptr = (intptr_t (*)(int))PyCapsule_GetPointer(capsule, "intptr_t (int)");
+    }
+    Py_XDECREF(capi);
+    Py_XDECREF(backend);
+    fresh.kw_memptr = Py_BuildValue("(s)", "memptr");
+    fresh.str_ptr = PyUnicode_InternFromString("ptr");
+    fresh.empty_tuple = PyTuple_New(0);
+    PyTypeObject *base = type->tp_base;
+    if (base != NULL && strcmp(short_type_name(base), "_ndarray_base") == 0 &&
+        base->tp_new != NULL && base->tp_new != type->tp_new && base->tp_dict != NULL) {
+        PyObject *init = PyDict_GetItemString(base->tp_dict, "_init"); /* borrowed */
+        if (init != NULL && PyCallable_Check(init)) {
+            fresh.init = Py_NewRef(init);
+            fresh.base_new = base->tp_new;
+        }
+    }
+    static const int typenums[RAGVIT_DTYPE_COUNT] = {
+        [RAGVIT_DTYPE_F16] = NPY_FLOAT16, [RAGVIT_DTYPE_BF16] = -1,
+        [RAGVIT_DTYPE_F32] = NPY_FLOAT32, [RAGVIT_DTYPE_I32] = NPY_INT32,
+        [RAGVIT_DTYPE_I64] = NPY_INT64,   [RAGVIT_DTYPE_U8] = NPY_UINT8,
+        [RAGVIT_DTYPE_BOOL] = NPY_BOOL,   [RAGVIT_DTYPE_F64] = NPY_FLOAT64,
+    };
+    for (int i = 0; i < RAGVIT_DTYPE_COUNT; i++) {
+        if (typenums[i] >= 0) fresh.dtypes[i] = (PyObject *)PyArray_DescrFromType(typenums[i]);
+    }
+    const int is_complete = ndarray == (PyObject *)type && fresh.memory_pointer != NULL &&
+                            fresh.unowned_memory != NULL && fresh.current_stream != NULL &&
+                            fresh.kw_memptr != NULL && fresh.str_ptr != NULL &&
+                            fresh.empty_tuple != NULL && fresh.dtypes[RAGVIT_DTYPE_F32] != NULL;
+    PyErr_Clear();
+    Py_XDECREF(cupy);
+    Py_XDECREF(cuda);
+    Py_XDECREF(ndarray);
+    cupy_state_clear(&st->cupy);
+    if (!is_complete) {
+        cupy_state_clear(&fresh);
+        return 0;
+    }
+    fresh.ndarray = (PyTypeObject *)Py_NewRef(type);
+    st->cupy = fresh;
+    return 1;
+}
+
+/* Whether b goes out as a cupy.ndarray built here: st->cupy describes type, and b's dtype
+ * has a NumPy dtype (bfloat16 takes from_dlpack). */
+static int cupy_route_applies(const module_state *st, PyTypeObject *type, const buffer_object *b) {
+    return type == st->cupy.ndarray && st->cupy.dtypes[b->dtype] != NULL;
+}
+
+/* cupy.ndarray(shape, dtype, memptr=MemoryPointer(UnownedMemory(ptr, nbytes, b, device), 0))
+ * over b's memory, compact in C order (CuPy's default strides). The UnownedMemory holds b, so
+ * the Buffer lives as long as the array or any view of it. New reference, or NULL. */
+static PyObject *cupy_array_over(const cupy_state *cupy, buffer_object *b) {
+    PyObject *shape = NULL, *ptr = NULL, *nbytes = NULL, *device = NULL, *zero = NULL;
+    PyObject *mem = NULL, *memptr = NULL, *array = NULL;
+    shape = PyTuple_New(b->ndim);
+    if (shape == NULL) goto done;
+    for (int i = 0; i < b->ndim; i++) {
+        PyObject *extent = PyLong_FromLongLong(b->shape[i]);
+        if (extent == NULL) goto done;
+        PyTuple_SET_ITEM(shape, i, extent); /* stolen */
+    }
+    ptr = PyLong_FromVoidPtr(b->data);
+    nbytes = PyLong_FromSize_t(b->nbytes);
+    device = PyLong_FromLong(b->device_id);
+    zero = PyLong_FromLong(0);
+    if (ptr == NULL || nbytes == NULL || device == NULL || zero == NULL) goto done;
+    {
+        PyObject *args[4] = {ptr, nbytes, (PyObject *)b, device}; /* all borrowed */
+        mem = PyObject_Vectorcall(cupy->unowned_memory, args, 4, NULL);
+    }
+    if (mem == NULL) goto done;
+    {
+        PyObject *args[2] = {mem, zero}; /* borrowed */
+        memptr = PyObject_Vectorcall(cupy->memory_pointer, args, 2, NULL);
+    }
+    if (memptr == NULL) goto done;
+    PyObject *dtype = cupy->dtypes[b->dtype]; /* borrowed from the state */
+    if (cupy->init != NULL) {
+        array = cupy->base_new(cupy->ndarray, cupy->empty_tuple, NULL);
+        if (array == NULL) goto done;
+        PyObject *args[4] = {array, shape, dtype, memptr}; /* borrowed */
+        PyObject *none = PyObject_Vectorcall(cupy->init, args, 4, NULL);
+        if (none == NULL) Py_CLEAR(array);
+        Py_XDECREF(none);
+    } else {
+        PyObject *args[3] = {shape, dtype, memptr}; /* borrowed; memptr by keyword */
+        array = PyObject_Vectorcall((PyObject *)cupy->ndarray, args, 2, cupy->kw_memptr);
+    }
+done:
+    Py_XDECREF(shape);
+    Py_XDECREF(ptr);
+    Py_XDECREF(nbytes);
+    Py_XDECREF(device);
+    Py_XDECREF(zero);
+    Py_XDECREF(mem);
+    Py_XDECREF(memptr);
+    return array;
+}
+
+/* cudaStreamLegacy (1) and 0 name the same stream. */
+static void *canonical_stream(void *stream) { return stream == (void *)1 ? NULL : stream; }
+
+/* *stream: CuPy's current stream on device (0 for the legacy default one). */
+static int cupy_current_stream(const cupy_state *cupy, int32_t device_id, void **stream) {
+    if (cupy->stream_ptr != NULL) {
+        /* entered with no exception set: one after the call is the function's */
+        const intptr_t handle = cupy->stream_ptr((int)device_id);
+        if (PyErr_Occurred()) return -1;
+        *stream = (void *)handle;
+        return 0;
+    }
+    PyObject *device = PyLong_FromLong(device_id);
+    if (device == NULL) return -1;
+    PyObject *current = PyObject_Vectorcall(cupy->current_stream, &device, 1, NULL);
+    Py_DECREF(device);
+    if (current == NULL) return -1;
+    PyObject *ptr = PyObject_GetAttr(current, cupy->str_ptr);
+    Py_DECREF(current);
+    if (ptr == NULL) return -1;
+    *stream = PyLong_AsVoidPtr(ptr);
+    Py_DECREF(ptr);
+    return *stream == NULL && PyErr_Occurred() ? -1 : 0;
+}
+
+PyObject *cupy_current_stream_of(module_state *st, int32_t device_id) {
+    void *stream = NULL;
+    if (st->cupy.ndarray == NULL) Py_RETURN_NONE;
+    if (cupy_current_stream(&st->cupy, device_id, &stream)) return NULL;
+    return PyLong_FromVoidPtr(stream);
+}
+
+/* Orders CuPy's current stream on b's device after the call: it waits on the call's mark
+ * unless it is the call's own stream (already ordered after the launch). Once per call: the
+ * outputs of a call share its mark. */
+static int cupy_order_handoff(call_state *cs, const buffer_object *b) {
+    if (cs->is_handoff_ordered) return 0;
+    void *consumer = NULL;
+    if (cupy_current_stream(&cs->st->cupy, b->device_id, &consumer)) return -1;
+    if (canonical_stream(consumer) != canonical_stream(cs->stream) &&
+        raise_status(ragvit_memory_wait(b->device_id, consumer, b->mark))) {
+        return -1;
+    }
+    cs->is_handoff_ordered = 1;
+    return 0;
+}
+
+PyObject *cupy_ndarray_like(module_state *st, PyObject *like, PyObject *buffer) {
+    if (!Py_IS_TYPE(buffer, st->buffer_type)) {
+        PyErr_Format(PyExc_TypeError, "_cupy_ndarray: buffer must be a ragvit.Buffer, got %s",
+                     Py_TYPE(buffer)->tp_name);
+        return NULL;
+    }
+    PyTypeObject *type = Py_TYPE(like);
+    if (type != st->cupy.ndarray && is_cupy_ndarray_type(type)) resolve_cupy(st, type);
+    if (!cupy_route_applies(st, type, (const buffer_object *)buffer)) Py_RETURN_NONE;
+    return cupy_array_over(&st->cupy, (buffer_object *)buffer);
+}
+
 /* ---- outputs in the caller's array type ---- */
 
 /* Whether entry still describes type: its weak reference is alive (a dead type's address
@@ -951,12 +1191,15 @@ static int namespace_from_dlpack(module_state *st, PyObject *obj, PyObject **fro
     PyTypeObject *type = Py_TYPE(obj);
     *from_dlpack = NULL;
     for (int i = 0; i < NAMESPACE_CACHE_SIZE; i++) {
-        const namespace_cache_entry *entry = &st->namespace_cache[i];
+        namespace_cache_entry *entry = &st->namespace_cache[i];
         if (namespace_entry_matches(entry, type)) {
+            /* another CuPy-like type (a test's stand-in) was resolved since */
+            if (entry->is_cupy && st->cupy.ndarray != type) entry->is_cupy = resolve_cupy(st, type);
             *from_dlpack = Py_XNewRef(entry->from_dlpack);
             return 0;
         }
     }
+    const int is_cupy = is_cupy_ndarray_type(type) && resolve_cupy(st, type);
     PyObject *method = NULL, *ns = NULL, *fn = NULL;
     if (lookup_optional(obj, st->str_array_namespace, &method) < 0) return -1;
     if (method != NULL) {
@@ -980,6 +1223,7 @@ static int namespace_from_dlpack(module_state *st, PyObject *obj, PyObject **fro
         entry->type = type;
         entry->type_ref = type_ref;
         entry->from_dlpack = Py_XNewRef(fn);
+        entry->is_cupy = is_cupy;
     }
     *from_dlpack = fn;
     return 0;
@@ -1019,18 +1263,34 @@ int mark_buffers(call_state *cs, PyObject *const *outputs, int count) {
     return rc;
 }
 
+/* A CUDA Buffer for a cupy.ndarray argument: the ndarray built here (the first such output
+ * of a call resolves CuPy's constructors, through the namespace cache's miss). */
+static PyObject *wrap_cupy(call_state *cs, buffer_object *b) {
+    PyObject *array = NULL;
+    if (cupy_order_handoff(cs, b) == 0) array = cupy_array_over(&cs->st->cupy, b);
+    Py_DECREF(b);
+    return array;
+}
+
 PyObject *wrap_output(call_state *cs, PyObject *obj) {
     module_state *st = cs->st;
     if (obj == NULL || !Py_IS_TYPE(obj, st->buffer_type) || cs->wrap_arg == NULL) return obj;
+    buffer_object *b = (buffer_object *)obj;
+    PyTypeObject *type = Py_TYPE(cs->wrap_arg);
+    const int is_cuda = b->device_type == RAGVIT_DEVICE_CUDA;
+    if (is_cuda && cupy_route_applies(st, type, b)) return wrap_cupy(cs, b);
     PyObject *from_dlpack = NULL;
     if (namespace_from_dlpack(st, cs->wrap_arg, &from_dlpack) < 0) {
         Py_DECREF(obj);
         return NULL;
     }
+    if (is_cuda && cupy_route_applies(st, type, b)) {
+        Py_XDECREF(from_dlpack);
+        return wrap_cupy(cs, b);
+    }
     if (from_dlpack == NULL) return obj;
     /* A consumer on the call's own stream is ordered after the launch already: its
      * __dlpack__ skips the wait on the mark (recorded there by mark_buffers). */
-    buffer_object *b = (buffer_object *)obj;
     b->is_handing_off = 1;
     b->handoff_stream = cs->stream;
     PyObject *wrapped = PyObject_Vectorcall(from_dlpack, &obj, 1, NULL);

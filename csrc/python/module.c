@@ -1,7 +1,8 @@
 /* module.c — ragvit._C's lifecycle: the method table, the PyModuleDef with
  * multi-phase init (Py_mod_exec), and the module state (core context, exchange
  * API cache, the array-namespace cache, the ragvit.Buffer type, torch's is_neg
- * and _increment_version once a torch tensor was seen, interned attribute names)
+ * and _increment_version once a torch tensor was seen, CuPy's constructors once an
+ * output went to a cupy.ndarray, interned attribute names)
  * with its traverse/clear/free.
  * Layout of the glue: errors.c raises, args.c parses, interop.c imports and
  * allocates, buffer.c holds ragvit.Buffer, bind_<family>.c wrap the ops, docs.h
@@ -40,6 +41,10 @@ static PyMethodDef module_methods[] = {
      launch_empty_doc},
     {"_memory_stats", (PyCFunction)(void (*)(void))py_memory_stats, METH_FASTCALL,
      memory_stats_doc},
+    {"_cupy_ndarray", (PyCFunction)(void (*)(void))py_cupy_ndarray, METH_FASTCALL,
+     cupy_ndarray_doc},
+    {"_cupy_current_stream", (PyCFunction)(void (*)(void))py_cupy_current_stream, METH_FASTCALL,
+     cupy_current_stream_doc},
     {NULL, NULL, 0, NULL},
 };
 
@@ -131,7 +136,7 @@ static int module_traverse(PyObject *module, visitproc visit, void *arg) {
     Py_VISIT(st->torch_is_neg);
     Py_VISIT(st->torch_increment_version);
     Py_VISIT(st->torch_is_grad_enabled);
-    return 0;
+    return cupy_state_traverse(&st->cupy, visit, arg);
 }
 
 static int module_clear(PyObject *module) {
@@ -158,6 +163,7 @@ static int module_clear(PyObject *module) {
     Py_CLEAR(st->torch_is_neg);
     Py_CLEAR(st->torch_increment_version);
     Py_CLEAR(st->torch_is_grad_enabled);
+    cupy_state_clear(&st->cupy);
     return 0;
 }
 
