@@ -9,15 +9,17 @@ of any op that launches a kernel), and `ragvit.attention` on one token (five ten
 through the DLPack C exchange API, the current stream, checks and one launch). The launch
 floor and the attention call are also timed side by side in alternating blocks, so their
 ratio is free of clock drift. With CuPy installed, the same attention call on CuPy arrays with
-`out=` and without it (the output a ragvit.Buffer from ragvit's stream-ordered pool, returned
-as a CuPy array through `cupy.from_dlpack`), side by side: their difference is the host cost
-of an output ragvit allocates for a library without an allocator. Next to them, in the same
-alternating blocks, the ways a ragvit.Buffer can become a cupy.ndarray: `cupy.from_dlpack` of
-the buffer, of a capsule, `cupy.asarray` through the CUDA Array Interface (CuPy synchronizes
-the host with the interface's stream), an ndarray over `UnownedMemory` owned by the buffer,
-the bare ndarray construction over a ready MemoryPointer (the floor of every route that
-returns a cupy.ndarray), `cupy.empty`, and ragvit's own share (a call that returns the Buffer
-itself). Needs a CUDA GPU.
+`out=`, without it (the output a ragvit.Buffer from ragvit's stream-ordered pool, returned as a
+cupy.ndarray built over it in C) and with `out=cupy.empty(...)` made in the call (what a user
+writes to allocate the output in CuPy), side by side: the first two differ by the host cost of
+an output ragvit allocates for a library without an allocator, the last two compare that
+output with the user's own allocation. Next to them, in the same alternating blocks, the ways
+a ragvit.Buffer can become a cupy.ndarray from Python: `cupy.from_dlpack` of the buffer, of a
+capsule, `cupy.asarray` through the CUDA Array Interface (CuPy synchronizes the host with the
+interface's stream), an ndarray over `UnownedMemory` owned by the buffer, the bare ndarray
+construction over a ready MemoryPointer (the public constructor's floor), the same through
+CuPy's extension base and `_init` (what ragvit calls), `cupy.empty`, and ragvit's own share
+(a call that returns the Buffer itself). Needs a CUDA GPU.
 ``python benchmarks/bench_interop.py [--out PREFIX]`` writes PREFIX.md/.json.
 """
 
@@ -90,11 +92,21 @@ def cupy_calls() -> tuple[dict, dict] | None:
         cupy.cuda.UnownedMemory
     from_dlpack, asarray, empty = cupy.from_dlpack, cupy.asarray, cupy.empty
     current_stream = cupy.cuda.get_current_stream
+    base_new = type(v).__mro__[1].__new__  # CuPy's extension base, under its Python ndarray
+
+    def construct_init():
+        array = base_new(ndarray)
+        array._init(shape, dtype, mem)
+        return array
+
     fns = {
         "cupy_out": ("CuPy: `ragvit.attention(q, k, v, cu_seqlens, 1, out=out)`, T = 1",
                      lambda: attention(q, k, v, cu, 1, out=out)),
         "cupy_alloc": ("CuPy: the same call without `out=` (a CuPy array over a ragvit.Buffer, "
                        "dropped)", lambda: attention(q, k, v, cu, 1)),
+        "cupy_empty_out": ("CuPy: `out=cupy.empty((1, 1, 64), cupy.float16)` made for the same "
+                           "call (the user's own allocation, dropped)",
+                           lambda: attention(q, k, v, cu, 1, out=empty((1, 1, 64), cupy.float16))),
         "buffer_alloc": ("ragvit's share: the same call on CAI-only views of the arrays, "
                          "returning the ragvit.Buffer itself (allocation, mark, free)",
                          lambda: attention(cq, ck, cv, ccu, 1)),
@@ -114,8 +126,11 @@ def cupy_calls() -> tuple[dict, dict] | None:
                     lambda: ndarray(shape, dtype, memptr=memory_pointer(
                         unowned(ptr, nbytes, buf, device), 0))),
         "construct": ("`cupy.ndarray(shape, dtype, memptr=mem)` over a ready MemoryPointer "
-                      "(CuPy's construction alone: the floor of any hand-off)",
+                      "(CuPy's public constructor alone)",
                       lambda: ndarray(shape, dtype, memptr=mem)),
+        "construct_init": ("the same through CuPy's extension base: `base.__new__(ndarray)` then "
+                           "`_init(shape, dtype, mem)` (the construction ragvit calls from C)",
+                           construct_init),
         "current_stream": ("`cupy.cuda.get_current_stream().ptr`",
                            lambda: current_stream().ptr),
         "empty": ("`cupy.empty((1, 1, 64), cupy.float16)`",
@@ -123,12 +138,13 @@ def cupy_calls() -> tuple[dict, dict] | None:
     }
     expected = {name: v for name in fns}
     expected["buffer_alloc"] = expected["buffer_out"] = expected["capsule"] = None
-    expected["current_stream"] = expected["empty"] = None
+    expected["current_stream"] = expected["empty"] = expected["cupy_empty_out"] = None
     return fns, expected
 
 
 # The CuPy rows' ratios: (numerator, denominator) of the alternating blocks' medians.
 CUPY_PAIRS = {"alloc_over_out": ("cupy_alloc", "cupy_out"),
+              "alloc_over_empty": ("cupy_alloc", "cupy_empty_out"),
               "buffer_over_out": ("buffer_alloc", "buffer_out")}
 
 
@@ -160,6 +176,11 @@ def render(rows: list, env: dict) -> str:
                   f"{c['median']:.2f} (p10-p90 {c['p10']:.2f}-{c['p90']:.2f}); the blocks' "
                   f"medians: without {c['alloc_us']:.2f} µs, with {c['out_us']:.2f} µs, "
                   f"difference {c['alloc_us'] - c['out_us']:.2f} µs.", ""]
+        e = next(r for r in rows if r["name"] == "cupy_alloc_over_empty")
+        lines += [f"Without `out=` against `out=cupy.empty(...)` made for the call, in the same "
+                  f"blocks: {e['median']:.2f} (p10-p90 {e['p10']:.2f}-{e['p90']:.2f}); without "
+                  f"{e['alloc_us']:.2f} µs, with cupy.empty {e['out_us']:.2f} µs, difference "
+                  f"{e['alloc_us'] - e['out_us']:.2f} µs.", ""]
         b = next(r for r in rows if r["name"] == "buffer_alloc_over_out")
         lines += [f"ragvit's own share (the Buffer returned as it is, CAI-only inputs): "
                   f"{b['alloc_us'] - b['out_us']:.2f} µs ({b['alloc_us']:.2f} against "
@@ -226,7 +247,7 @@ def main(argv=None) -> int:
                          "p10": s.p10, "p90": s.p90})
         for key, (num, den) in CUPY_PAIRS.items():
             r = ratios[key]
-            rows.append({"name": f"{num}_over_{den.split('_')[1]}", "what": "ratio",
+            rows.append({"name": f"{num}_over_{key.split('_over_')[1]}", "what": "ratio",
                          "median": r.median, "p10": r.p10, "p90": r.p90,
                          "alloc_us": stats[num].median, "out_us": stats[den].median})
     return report.publish(rows, 0, render, args.out, device="cuda", calls=args.calls)
