@@ -731,22 +731,26 @@ def test_cupy_attention_matches_the_reference_on_two_streams(gen, seed):
 @pytest.mark.gpu
 @requires_cuda
 @pytest.mark.sanitizer
-def test_deleting_an_output_while_its_kernel_runs_is_safe(gen, seed):
+@pytest.mark.parametrize("launch", ["side_stream", "legacy_default"])
+def test_deleting_an_output_while_its_kernel_runs_is_safe(launch, gen, seed):
     """The free is stream-ordered: the memory is reused only after the kernel that writes
-    it has run, so the next output's values stay right."""
+    it has run, so the next output's values stay right (on the legacy default stream the
+    memory is kept for the next call there, which the stream itself orders)."""
     cupy = _cupy()
     x = torch.randn(4096, 256, generator=gen).cuda()
     expected = torch.nn.functional.gelu(x)
-    stream = torch.cuda.Stream()
+    is_side = launch == "side_stream"
+    stream = torch.cuda.Stream() if is_side else torch.cuda.default_stream()
+    kw = {"stream": stream.cuda_stream} if is_side else {}
     with torch.cuda.stream(stream):
         cx = cupy.asarray(x)  # CAI v2 of torch: ready now (synchronized above)
         torch.cuda.synchronize()
         for _ in range(8):
             torch.cuda._sleep(20_000_000)  # keeps the stream busy while outputs are dropped
-            out = ragvit.gelu(cx, stream=stream.cuda_stream)
+            out = ragvit.gelu(cx, **kw)
             del out
         torch.cuda._sleep(20_000_000)
-        kept = ragvit.gelu(cx, stream=stream.cuda_stream)
+        kept = ragvit.gelu(cx, **kw)
     stream.synchronize()
     torch.testing.assert_close(torch.as_tensor(kept, device="cuda"), expected,
                                rtol=1e-5, atol=1e-5)
@@ -786,10 +790,43 @@ def _marks(device: int = 0) -> tuple[int, int]:
     return stats["events"], stats["marks"]
 
 
+@pytest.mark.gpu
+@requires_cuda
+@pytest.mark.parametrize("launch", ["legacy_default", "side_stream"])
+def test_outputs_dropped_on_the_legacy_stream_are_kept_for_the_next_call(launch, seed):
+    """An output whose last use was on the legacy default stream keeps its memory for the
+    next allocation of its size there (no CUDA call); after a call on another stream it goes
+    back to the pool. Either way the next output's values are right."""
+    x = torch.randn(64, 32, device="cuda")
+    expected = torch.nn.functional.gelu(x)
+    fake = DLPackOnly(x)
+    side = torch.cuda.Stream()
+    kw = {"stream": side.cuda_stream} if launch == "side_stream" else {}
+    torch.cuda.synchronize()
+    first = ragvit.gelu(fake, **kw)
+    ptr = first.__cuda_array_interface__["data"][0]
+    del first
+    reused = ragvit._C._memory_stats(0)["reused"]
+    second = ragvit.gelu(fake, **kw)
+    count = ragvit._C._memory_stats(0)["reused"] - reused
+    if launch == "legacy_default":
+        assert count == 1 and second.__cuda_array_interface__["data"][0] == ptr
+    else:
+        assert count == 0
+    torch.cuda.synchronize()
+    torch.testing.assert_close(torch.from_dlpack(second), expected, rtol=1e-5, atol=1e-5)
+    big = DLPackOnly(torch.randn(2048, 1024, device="cuda"))  # 8 MiB: back to the pool
+    del second
+    for _ in range(2):
+        ragvit.gelu(big)
+    assert ragvit._C._memory_stats(0)["reused"] - reused == count
+    torch.cuda.synchronize()
+
+
 def test_memory_stats_counts_marks_in_a_cuda_build():
     if ragvit._C.cuda_is_compiled():
         stats = ragvit._C._memory_stats(0)
-        assert set(stats) == {"events", "marks"} and min(stats.values()) >= 0
+        assert set(stats) == {"events", "marks", "reused"} and min(stats.values()) >= 0
     else:
         with pytest.raises(RuntimeError, match="needs a CUDA build of ragvit"):
             ragvit._C._memory_stats(0)

@@ -4,7 +4,8 @@
  * no cudaMalloc and no synchronization. Sizes are bytes; at least one byte is allocated, so
  * an empty output still has a data pointer to hand over.
  * A CUDA buffer is ordered by marks (kernels/device.cu: pooled events, shared by the buffers of
- * one call, reference counted).
+ * one call, reference counted); one last used on the legacy default stream is kept for the next
+ * allocation of its size there, which that stream orders by itself.
  * Decision: the free takes no context: the glue's buffer object frees from its deallocator,
  * which may run after the module (and its context) is gone. */
 #include <stdlib.h>
@@ -103,28 +104,32 @@ ragvit_status ragvit_memory_stream(int32_t device_id, void *mark, void **stream)
 #endif
 }
 
-ragvit_status ragvit_memory_free(int32_t device_type, int32_t device_id, void *data, void *mark) {
+ragvit_status ragvit_memory_free(int32_t device_type, int32_t device_id, void *data, size_t bytes,
+                                 void *mark) {
     if (data == NULL) return RAGVIT_STATUS_OK;
     if (device_type == RAGVIT_DEVICE_CPU) {
         free(data);
         return RAGVIT_STATUS_OK;
     }
 #ifdef RAGVIT_WITH_CUDA
-    return ragvit_cuda_memory_free(device_id, data, mark);
+    return ragvit_cuda_memory_free(device_id, data, bytes == 0 ? 1 : bytes, mark);
 #else
     (void)device_id;
+    (void)bytes;
     (void)mark;
     return memory_no_cuda();
 #endif
 }
 
-ragvit_status ragvit_memory_stats(int32_t device_id, int64_t *events, int64_t *marks) {
+ragvit_status ragvit_memory_stats(int32_t device_id, int64_t *events, int64_t *marks,
+                                  int64_t *reused) {
 #ifdef RAGVIT_WITH_CUDA
-    return ragvit_cuda_memory_stats(device_id, events, marks);
+    return ragvit_cuda_memory_stats(device_id, events, marks, reused);
 #else
     (void)device_id;
     *events = 0;
     *marks = 0;
+    *reused = 0;
     return memory_no_cuda();
 #endif
 }

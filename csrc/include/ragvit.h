@@ -190,12 +190,17 @@ ragvit_status ragvit_memory_wait(int32_t device_id, void *stream, void *mark);
 /* *stream: a stream of ragvit's own on the device, alive for the process, made to wait for
  * mark (what a CUDA Array Interface consumer synchronizes on). */
 ragvit_status ragvit_memory_stream(int32_t device_id, void *mark, void **stream);
-/* Frees data from ragvit_memory_alloc once the work before mark is done, in order on ragvit's
- * own stream, and releases the reference to mark (CUDA; without a mark, after the device's work so
- * far; host memory at once). Needs no context: it may run after the module is gone. */
-ragvit_status ragvit_memory_free(int32_t device_type, int32_t device_id, void *data, void *mark);
-/* Debug counters of a device's marks: events the pool ever created, marks ever recorded. */
-ragvit_status ragvit_memory_stats(int32_t device_id, int64_t *events, int64_t *marks);
+/* Frees data (`bytes`, as allocated) from ragvit_memory_alloc once the work before mark is
+ * done, in order on ragvit's own stream, and releases the reference to mark (CUDA; without a
+ * mark, after the device's work so far; host memory at once). CUDA memory whose mark is on the
+ * legacy default stream may instead be kept, with the mark, for the next allocation of the
+ * same size on that stream. Needs no context: it may run after the module is gone. */
+ragvit_status ragvit_memory_free(int32_t device_type, int32_t device_id, void *data, size_t bytes,
+                                 void *mark);
+/* Debug counters of a device: events the marks' pool ever created, marks ever recorded, kept
+ * blocks ever reused. */
+ragvit_status ragvit_memory_stats(int32_t device_id, int64_t *events, int64_t *marks,
+                                  int64_t *reused);
 
 /* ---- core/attention.c ----
  * out: (T, H, D) of q's dtype; q, k, v: (T, H, D) float16/bfloat16/float32, head dim

@@ -2,7 +2,8 @@
  * one-time device init (SM count, compute capability, opt-in shared memory, the PDL op mask, the
  * one-word error flag), error-flag and int32 read-back, cross-stream waits, the stream-ordered
  * memory pool of the outputs ragvit allocates with the pooled events (marks) that order their
- * frees, the CUDA error -> ragvit_status mapping, and an
+ * frees and the blocks kept for reuse on the legacy default stream, the CUDA error ->
+ * ragvit_status mapping, and an
  * empty kernel for the launch-floor benchmark (grid = (1), 1 thread, launched as attention is:
  * cudaLaunchKernelEx with attention's PDL setting, waiting like it).
  * Decision: the error flag is a __device__ word, zero when the module loads, so init allocates
@@ -169,23 +170,40 @@ extern "C" ragvit_status ragvit_cuda_pointer_device(const void *ptr, int32_t *de
  * marks were ever alive at once. */
 struct device_mark {
     cudaEvent_t event;
+    void *stream; /* the stream it was recorded on (kept blocks: see device_block_take) */
     int32_t device_id;
     int refs;          /* atomic: the buffers (and the marking call) that hold it */
     uint64_t serial;   /* this record, unique per device: see device_own_wait */
     device_mark *next; /* the free list */
 };
 
+/* A freed block of pool memory kept, with the mark of its last use (one reference), for the
+ * next allocation of the same size on the legacy default stream. */
+struct device_block {
+    void *data;
+    size_t bytes;
+    device_mark *mark;
+};
+
+/* Kept blocks per device, and the largest size kept: at most 64 MiB held out of the pool. Host
+ * time matters for small outputs; large ones go back to the pool. */
+#define DEVICE_BLOCK_COUNT 16
+#define DEVICE_BLOCK_MAX_BYTES ((size_t)4 << 20)
+
 /* Per device, under device_lock: the free marks, ragvit's own stream (created on first use
  * and kept for the process; frees are ordered there, after the mark of the memory's last known
  * use, never on a caller's stream, which may be destroyed by the time the memory goes), the
- * serial of the mark that stream last waited on, and counters for the tests. */
+ * serial of the mark that stream last waited on, the kept blocks, and counters for the tests. */
 struct device_event_state {
     device_mark *free_marks;
     cudaStream_t own;
     uint64_t own_waited;
     uint64_t next_serial;
+    device_block blocks[DEVICE_BLOCK_COUNT]; /* oldest first */
+    int block_count;
     int64_t created;  /* events created */
     int64_t recorded; /* marks recorded */
+    int64_t reused;   /* allocations served by a kept block */
 };
 
 static pthread_mutex_t device_lock = PTHREAD_MUTEX_INITIALIZER;
@@ -231,6 +249,7 @@ static ragvit_status device_mark_record(int32_t device_id, void *stream, device_
         pthread_mutex_unlock(&device_lock);
     }
     m->refs = 1;
+    m->stream = stream;
     const cudaError_t e = cudaEventRecord(m->event, (cudaStream_t)stream);
     pthread_mutex_lock(&device_lock);
     if (e == cudaSuccess) {
@@ -316,9 +335,69 @@ static ragvit_status device_create_pool(int32_t device_id, cudaMemPool_t *pool) 
     return RAGVIT_STATUS_OK;
 }
 
+/* The legacy default stream (0 or cudaStreamLegacy): one stream per device for the whole
+ * process, which no caller can destroy. */
+static bool device_is_legacy(const void *stream) {
+    return stream == NULL || stream == (const void *)cudaStreamLegacy;
+}
+
+/* A kept block of `bytes` for an allocation on `stream`, or NULL. Kept blocks were last used
+ * before a mark on the legacy default stream, so an allocation on that stream is ordered after
+ * their last use by the stream itself: no CUDA call (no wait, free or allocation), where the
+ * pool's way costs three (cudaStreamWaitEvent and cudaFreeAsync on ragvit's own stream at the
+ * free, cudaMallocFromPoolAsync at the allocation). Any other stream takes the pool's way. */
+static void *device_block_take(int32_t device_id, size_t bytes, const void *stream) {
+    if (!device_is_legacy(stream) || device_id < 0 || device_id >= RAGVIT_MAX_DEVICES) return NULL;
+    device_event_state *state = &device_events[device_id];
+    void *data = NULL;
+    device_mark *mark = NULL;
+    pthread_mutex_lock(&device_lock);
+    for (int i = state->block_count - 1; i >= 0; i--) {
+        if (state->blocks[i].bytes != bytes) continue;
+        data = state->blocks[i].data;
+        mark = state->blocks[i].mark;
+        memmove(&state->blocks[i], &state->blocks[i + 1],
+                (size_t)(state->block_count - i - 1) * sizeof state->blocks[0]);
+        state->block_count--;
+        state->reused++;
+        break;
+    }
+    pthread_mutex_unlock(&device_lock);
+    if (mark != NULL) device_mark_release(mark); /* takes device_lock itself */
+    return data;
+}
+
+/* Keeps a freed block whose mark is on the legacy default stream (the buffer's reference to
+ * the mark moves to the block); *evicted: the oldest block, to free, when there was no room
+ * ({NULL} otherwise). 0: not kept (another stream, no mark, too large). */
+static int device_block_keep(int32_t device_id, void *data, size_t bytes, device_mark *mark,
+                             device_block *evicted) {
+    evicted->data = NULL;
+    evicted->mark = NULL;
+    if (mark == NULL || !device_is_legacy(mark->stream) || bytes > DEVICE_BLOCK_MAX_BYTES ||
+        device_id < 0 || device_id >= RAGVIT_MAX_DEVICES) {
+        return 0;
+    }
+    device_event_state *state = &device_events[device_id];
+    pthread_mutex_lock(&device_lock);
+    if (state->block_count == DEVICE_BLOCK_COUNT) {
+        *evicted = state->blocks[0];
+        memmove(&state->blocks[0], &state->blocks[1],
+                (size_t)(DEVICE_BLOCK_COUNT - 1) * sizeof state->blocks[0]);
+        state->block_count--;
+    }
+    state->blocks[state->block_count].data = data;
+    state->blocks[state->block_count].bytes = bytes;
+    state->blocks[state->block_count].mark = mark;
+    state->block_count++;
+    pthread_mutex_unlock(&device_lock);
+    return 1;
+}
+
 extern "C" ragvit_status ragvit_cuda_memory_alloc(ragvit_device_info *dev, size_t bytes,
                                                   void *stream, void **data) {
-    *data = NULL;
+    *data = device_block_take(dev->device_id, bytes, stream);
+    if (*data != NULL) return RAGVIT_STATUS_OK;
     cuda_device_guard guard;
     RAGVIT_TRY(guard.enter(dev->device_id));
     if (dev->memory_pool == NULL) {
@@ -368,7 +447,14 @@ extern "C" ragvit_status ragvit_cuda_memory_stream(int32_t device_id, void *mark
 
 /* Without a mark (a buffer dropped before its call marked it) the device's work so far is
  * waited for. At exit the runtime may be unloading: the process frees everything. */
-extern "C" ragvit_status ragvit_cuda_memory_free(int32_t device_id, void *data, void *mark) {
+extern "C" ragvit_status ragvit_cuda_memory_free(int32_t device_id, void *data, size_t bytes,
+                                                 void *mark) {
+    device_block evicted;
+    if (device_block_keep(device_id, data, bytes, (device_mark *)mark, &evicted)) {
+        if (evicted.data == NULL) return RAGVIT_STATUS_OK;
+        data = evicted.data;
+        mark = evicted.mark;
+    }
     cuda_device_guard guard;
     RAGVIT_TRY(guard.enter(device_id));
     cudaStream_t own = NULL;
@@ -387,13 +473,15 @@ extern "C" ragvit_status ragvit_cuda_memory_free(int32_t device_id, void *data, 
 }
 
 extern "C" ragvit_status ragvit_cuda_memory_stats(int32_t device_id, int64_t *events,
-                                                  int64_t *marks) {
+                                                  int64_t *marks, int64_t *reused) {
     *events = 0;
     *marks = 0;
+    *reused = 0;
     RAGVIT_TRY(device_check_id(device_id));
     pthread_mutex_lock(&device_lock);
     *events = device_events[device_id].created;
     *marks = device_events[device_id].recorded;
+    *reused = device_events[device_id].reused;
     pthread_mutex_unlock(&device_lock);
     return RAGVIT_STATUS_OK;
 }

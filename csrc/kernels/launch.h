@@ -33,13 +33,14 @@ ragvit_status ragvit_cuda_stream_wait(int32_t device_id, void *consumer, void *p
 /* Stream-ordered allocation from dev's pool (created on first use) and its free. */
 ragvit_status ragvit_cuda_memory_alloc(ragvit_device_info *dev, size_t bytes, void *stream,
                                        void **data);
-ragvit_status ragvit_cuda_memory_free(int32_t device_id, void *data, void *mark);
+ragvit_status ragvit_cuda_memory_free(int32_t device_id, void *data, size_t bytes, void *mark);
 /* Marks (pooled events, reference counted) on a stream, waits on them, the device's own stream
  * and the pool's counters (memory.c). */
 ragvit_status ragvit_cuda_memory_mark(int32_t device_id, void *stream, void **mark);
 void ragvit_cuda_memory_mark_retain(void *mark);
 void ragvit_cuda_memory_mark_release(void *mark);
-ragvit_status ragvit_cuda_memory_stats(int32_t device_id, int64_t *events, int64_t *marks);
+ragvit_status ragvit_cuda_memory_stats(int32_t device_id, int64_t *events, int64_t *marks,
+                                       int64_t *reused);
 ragvit_status ragvit_cuda_memory_wait(int32_t device_id, void *stream, void *mark);
 ragvit_status ragvit_cuda_memory_stream(int32_t device_id, void *mark, void **stream);
 /* Records a CUDA failure's string and expression; used by CUDA_TRY. */

@@ -95,8 +95,9 @@ PyObject *py_launch_empty(PyObject *module, PyObject *const *args, Py_ssize_t na
     Py_RETURN_NONE;
 }
 
-/* _memory_stats(device=0): the counters of a device's marks (the tests' view of the event
- * pool): {"events": events created, "marks": marks recorded}, both for the process so far. */
+/* _memory_stats(device=0): the counters of a device's memory (the tests' view of the event
+ * pool and the kept blocks): {"events": events created, "marks": marks recorded, "reused": kept
+ * blocks reused}, all for the process so far. */
 PyObject *py_memory_stats(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {
     (void)module;
     if (nargs > 1) {
@@ -105,9 +106,10 @@ PyObject *py_memory_stats(PyObject *module, PyObject *const *args, Py_ssize_t na
     }
     const long device = nargs == 1 ? PyLong_AsLong(args[0]) : 0;
     if (device == -1 && PyErr_Occurred()) return NULL;
-    int64_t events = 0, marks = 0;
-    if (raise_status(ragvit_memory_stats((int32_t)device, &events, &marks))) return NULL;
-    return Py_BuildValue("{s:L,s:L}", "events", (long long)events, "marks", (long long)marks);
+    int64_t events = 0, marks = 0, reused = 0;
+    if (raise_status(ragvit_memory_stats((int32_t)device, &events, &marks, &reused))) return NULL;
+    return Py_BuildValue("{s:L,s:L,s:L}", "events", (long long)events, "marks", (long long)marks,
+                         "reused", (long long)reused);
 }
 
 /* _cupy_ndarray(buffer, like): the cupy.ndarray that a call whose first array argument is

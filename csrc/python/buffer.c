@@ -75,7 +75,8 @@ void buffer_dealloc(PyObject *obj) {
     buffer_object *self = (buffer_object *)obj;
     PyTypeObject *type = Py_TYPE(obj);
     if (self->weakreflist != NULL) PyObject_ClearWeakRefs(obj);
-    (void)ragvit_memory_free(self->device_type, self->device_id, self->data, self->mark);
+    (void)ragvit_memory_free(self->device_type, self->device_id, self->data, self->nbytes,
+                             self->mark);
     self->mark = NULL;
     self->data = NULL;
     type->tp_free(obj);

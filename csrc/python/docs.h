@@ -478,9 +478,10 @@ PyDoc_STRVAR(launch_empty_doc,
              "(benchmark floor); further arguments are ignored.");
 
 PyDoc_STRVAR(memory_stats_doc,
-             "_memory_stats(device=0) -> dict\n\nCounters of the device's marks, for the tests: "
-             "'events' (CUDA events the pool created) and 'marks' (marks recorded, one per CUDA "
-             "call that touched a ragvit.Buffer).");
+             "_memory_stats(device=0) -> dict\n\nCounters of the device's memory, for the tests: "
+             "'events' (CUDA events the pool created), 'marks' (marks recorded, one per CUDA "
+             "call that touched a ragvit.Buffer) and 'reused' (allocations served by a kept "
+             "block, with no CUDA call).");
 
 PyDoc_STRVAR(cupy_ndarray_doc,
              "_cupy_ndarray(buffer, like) -> cupy.ndarray or None\n\nThe cupy.ndarray over buffer "
