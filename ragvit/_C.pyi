@@ -15,9 +15,10 @@ MemoryError, CUDA failure -> RuntimeError. A rejected call writes nothing.
 
 Outputs left out are allocated in the caller's array type, the first array
 argument's: its library's DLPack exchange-API allocator (torch), NumPy for NumPy
-arguments, else a ``Buffer`` returned as
-``type(first).__array_namespace__().from_dlpack(buffer)`` (CuPy, JAX,
-array_api_strict) or as the ``Buffer`` itself when the type has no namespace.
+arguments, else a ``Buffer`` returned as a ``cupy.ndarray`` over it for CuPy
+arguments (made ready on CuPy's current stream), as
+``type(first).__array_namespace__().from_dlpack(buffer)`` (JAX,
+array_api_strict), or as the ``Buffer`` itself when the type has no namespace.
 """
 
 from typing import Any
