@@ -7,15 +7,15 @@
  * threads a CTA; GEMM stages deal 32x64 output tiles (x K splits) round-robin over the CTAs,
  * attention deals one warp per (sequence, head, 16 query rows). Checked against a float64 CPU
  * reference (and --cpu-selftest checks that reference without a GPU); docs/kernels/fused_block.md
- * has the design, dev/README.md the options. Build, check, sanitize and time (cc 9.0 GPUs; for
- * sm_80 use -gencode=arch=compute_80,code=sm_80):
+ * has the design, dev/README.md the options. Build, check (then time, with --bench) and
+ * sanitize on cc 9.0 GPUs (for sm_80 GPUs: -gencode=arch=compute_80,code=sm_80):
  *   nvcc -std=c++17 -O3 -gencode=arch=compute_90a,code=sm_90a -Xptxas -v dev/fused_block.cu \
- *     -o dev/fused_block.bin && dev/fused_block.bin && dev/fused_block.bin --bench
+ *     -o dev/fused_block.bin && dev/fused_block.bin --bench
  *   nvcc -std=c++17 -O3 -lineinfo -gencode=arch=compute_90a,code=sm_90a dev/fused_block.cu \
  *     -o dev/fused_block_debug.bin
  *   compute-sanitizer --tool memcheck dev/fused_block_debug.bin --quick
  *   compute-sanitizer --tool racecheck dev/fused_block_debug.bin --quick
- *   dev/fused_block.bin --cpu-selftest      (no GPU needed) */
+ *   dev/fused_block.bin --cpu-selftest      (the reference and the checker; no GPU needed) */
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -954,7 +954,19 @@ struct device_block {
     fused_block_params p;
 };
 
+/* What the kernel supports: C = 64 H up to kMaxPanelK, lengths that sum to T. */
+static bool fused_block_supports(const block_case &c) {
+    bool is_ok = c.channels % kTileN == 0 && c.channels <= kMaxPanelK &&
+                 c.channels == c.num_heads * kHeadDim && c.cu.size() >= 2 && c.cu[0] == 0;
+    for (size_t s = 0; s + 1 < c.cu.size(); ++s) is_ok = is_ok && c.cu[s + 1] >= c.cu[s];
+    return is_ok && c.cu.back() > 0;
+}
+
 static device_block upload(const block_case &c, const block_data &d, int grid) {
+    if (!fused_block_supports(c)) {
+        fprintf(stderr, "fused_block: unsupported case %s\n", c.name.c_str());
+        exit(2);
+    }
     device_block b;
     b.dtype = c.dtype;
     b.C = d.C;
@@ -1237,8 +1249,8 @@ int main(int argc, char **argv) {
     }
     int num_devices = 0;
     if (!is_cpu && (cudaGetDeviceCount(&num_devices) != cudaSuccess || num_devices == 0)) {
-        printf("no CUDA device: running the CPU self-test only\n");
-        is_cpu = true;
+        printf("FAIL: no CUDA device (--cpu-selftest checks the reference without one)\n");
+        return 1;
     }
     int failures = 0;
     if (is_cpu) {
