@@ -35,17 +35,21 @@
 // ---- shapes and parameters ----
 
 enum { kThreads = 128, kWarps = kThreads / 32 };
-enum { kTileM = 32, kTileN = 64, kTileK = 64, kStages = 3 }; /* GEMM tiles, W ring depth */
+enum { kTileM = 32, kTileN = 64, kTileK = 64 }; /* GEMM tiles */
+enum { kMaxSlots = 8 };    /* W ring slots at most (a wait_group count of 0..6) */
 enum { kMaxPanelK = 768 }; /* K columns of A one GEMM item holds (C of DeiT-B) */
 enum { kHeadDim = 64, kKeyTile = 64, kQueryRows = 16 };
 enum { kRowPad = 8 }; /* shared rows padded by 16 bytes: ldmatrix is conflict-free */
 enum { kNumStamps = 6 };
 
-/* Dynamic shared memory: the larger of a GEMM item (A panel + W ring) and the attention
- * stage (per warp: a K tile and a V tile; Q passes through the K tile first). */
-static constexpr int kGemmSmem =
-    (kTileM * (kMaxPanelK + kRowPad) + kStages * kTileN * (kTileK + kRowPad)) * 2;
-static constexpr int kAttnSmem = kWarps * 2 * kKeyTile * (kHeadDim + kRowPad) * 2;
+/* Dynamic shared memory: the larger of a GEMM item (A panel + a W ring of as many slots as
+ * fit: enough for every W tile of a K = 384 item at once, 3 at K = 768) and the attention
+ * stage (per warp: a Q tile, a K tile and a V tile). */
+static constexpr int kWSlotElems = kTileN * (kTileK + kRowPad);
+static constexpr int kGemmSmem384 = (kTileM * (384 + kRowPad) + 6 * kWSlotElems) * 2;
+static constexpr int kGemmSmem768 = (kTileM * (kMaxPanelK + kRowPad) + 3 * kWSlotElems) * 2;
+static constexpr int kGemmSmem = kGemmSmem384 > kGemmSmem768 ? kGemmSmem384 : kGemmSmem768;
+static constexpr int kAttnSmem = kWarps * (2 * kKeyTile + kQueryRows) * (kHeadDim + kRowPad) * 2;
 static constexpr int kSmemBytes = kGemmSmem > kAttnSmem ? kGemmSmem : kAttnSmem;
 
 /* Every tensor is row-major in the block's dtype; weights as torch.nn.Linear keeps them. */
@@ -131,6 +135,19 @@ static __device__ __forceinline__ void cp_async_commit() {
 
 template <int N> static __device__ __forceinline__ void cp_async_wait() {
     asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
+}
+
+/* cp.async.wait_group with a count known only at run time (0..6; more waits for all). */
+static __device__ __forceinline__ void cp_async_wait_upto(int n) {
+    switch (n) {
+    case 1: cp_async_wait<1>(); break;
+    case 2: cp_async_wait<2>(); break;
+    case 3: cp_async_wait<3>(); break;
+    case 4: cp_async_wait<4>(); break;
+    case 5: cp_async_wait<5>(); break;
+    case 6: cp_async_wait<6>(); break;
+    default: cp_async_wait<0>(); break;
+    }
 }
 
 static __device__ __forceinline__ void ldsm_x4(uint32_t r[4], const void *smem) {
@@ -246,7 +263,8 @@ static __device__ void layer_norm_panel(T *sa, int stride, int k, const T *ln_w,
 
 /* Items are (split, row tile, column tile), split fastest, dealt round-robin over the CTAs;
  * each CTA computes a 32x64 tile with 4 warps of 16x32. The A panel (32 rows x K / splits)
- * is loaded whole, the W tiles stream through a kStages ring, one cp.async group each. With
+ * is loaded whole; the W tiles stream through a ring of as many slots as the shared memory
+ * left by the panel holds (up to one per W tile), one cp.async group a tile. With
  * splits > 1 every item writes its fp32 partial tile; the last of a tile's items to finish
  * (an acq_rel counter) sums the partials in split order, so the result does not depend on
  * which CTA finished last. */
@@ -261,10 +279,12 @@ static __device__ void gemm_run(const gemm_stage<T> &g, int num_rows, char *smem
     const int a_stride = kc + kRowPad;
     const int w_stride = kTileK + kRowPad;
     T *sa = reinterpret_cast<T *>(smem);
-    T *sw = sa + kTileM * (kMaxPanelK + kRowPad);
+    T *sw = sa + kTileM * a_stride;
     const int row_tiles = (num_rows + kTileM - 1) / kTileM, col_tiles = g.n / kTileN;
     const int items = row_tiles * col_tiles * g.splits;
     const int k_tiles = kc / kTileK;
+    const int free_slots = (kSmemBytes / 2 - kTileM * a_stride) / kWSlotElems;
+    const int slots = max(2, min(k_tiles, min(free_slots, (int)kMaxSlots)));
     for (int item = blockIdx.x; item < items; item += gridDim.x) {
         const int split = item % g.splits, tile = item / g.splits;
         const int m0 = (tile % row_tiles) * kTileM, n0 = (tile / row_tiles) * kTileN;
@@ -281,7 +301,7 @@ static __device__ void gemm_run(const gemm_stage<T> &g, int num_rows, char *smem
         cp_async_commit();
         auto load_w = [&](int kt) {
             if (kt < k_tiles) {
-                T *dst = sw + (kt % kStages) * kTileN * w_stride;
+                T *dst = sw + (kt % slots) * kWSlotElems;
                 const T *src = g.w + (size_t)n0 * g.k + k0 + kt * kTileK;
                 for (int c = tid; c < kTileN * 8; c += kThreads)
                     cp_async16(dst + (c >> 3) * w_stride + (c & 7) * 8,
@@ -289,19 +309,19 @@ static __device__ void gemm_run(const gemm_stage<T> &g, int num_rows, char *smem
             }
             cp_async_commit(); /* empty groups keep the group count = tile index */
         };
-        for (int s = 0; s < kStages - 1; ++s) load_w(s);
+        for (int s = 0; s < slots - 1; ++s) load_w(s);
         float acc[4][4];
         for (int j = 0; j < 4; ++j)
             for (int e = 0; e < 4; ++e) acc[j][e] = 0.0f;
         for (int kt = 0; kt < k_tiles; ++kt) {
-            cp_async_wait<kStages - 2>(); /* the A panel and W tile kt have landed */
+            cp_async_wait_upto(slots - 2); /* the A panel and W tile kt have landed */
             __syncthreads();
             if (kt == 0 && g.ln_w != nullptr) {
                 layer_norm_panel<T>(sa, a_stride, kc, g.ln_w, g.ln_b);
                 __syncthreads();
             }
-            load_w(kt + kStages - 1); /* into the slot tile kt - 1 used */
-            const T *swt = sw + (kt % kStages) * kTileN * w_stride;
+            load_w(kt + slots - 1); /* into the slot tile kt - 1 used */
+            const T *swt = sw + (kt % slots) * kWSlotElems;
             for (int kk = 0; kk < kTileK / 16; ++kk) {
                 uint32_t a[4];
                 ldsm_x4(a, sa + (wm * 16 + (lane & 15)) * a_stride + kt * kTileK + kk * 16 +
@@ -386,11 +406,12 @@ static __device__ void gemm_run(const gemm_stage<T> &g, int num_rows, char *smem
     cp_async_wait<0>();
 }
 
-/* Attention: each warp takes (sequence, head, 16 query rows) items with its own K and V
- * tiles in shared memory: Q is staged through the K tile into registers, then 64-key
- * tiles of K and V come by cp.async (rows past the sequence are zeros), S = Q K^T and
- * O += P V run on mma.sync with the online softmax in fp32 (P rounded to the dtype for the
- * second product). A sequence longer than max_seqlen, or outside [0, T], is skipped. */
+/* Attention: each warp takes (sequence, head, 16 query rows) items with its own Q, K and V
+ * tiles in shared memory: 64-key tiles of K and V come by cp.async (rows past the sequence
+ * are zeros; Q comes with the first tile, and each V tile in a group of its own, so that
+ * S = Q K^T starts before V lands), S = Q K^T and O += P V run on mma.sync with the online
+ * softmax in fp32 (P rounded to the dtype for the second product). A sequence longer than
+ * max_seqlen, or outside [0, T], is skipped. */
 template <typename T>
 static __device__ void attention_run(const fused_block_params &p, char *smem) {
     using ops = elem_ops<T>;
@@ -398,8 +419,9 @@ static __device__ void attention_run(const fused_block_params &p, char *smem) {
     const int g8 = lane >> 2, t4 = lane & 3;
     const int C = p.channels, H = p.num_heads;
     const int stride = kHeadDim + kRowPad;
-    T *sk = reinterpret_cast<T *>(smem) + warp * 2 * kKeyTile * stride;
+    T *sk = reinterpret_cast<T *>(smem) + warp * (2 * kKeyTile + kQueryRows) * stride;
     T *sv = sk + kKeyTile * stride;
+    T *sq = sv + kKeyTile * stride;
     const T *qkv = static_cast<const T *>(p.qkv);
     T *out = static_cast<T *>(p.attn);
     const int q_tiles = (p.max_seqlen + kQueryRows - 1) / kQueryRows;
@@ -414,38 +436,40 @@ static __device__ void attention_run(const fused_block_params &p, char *smem) {
         const T *base = qkv + (size_t)start * 3 * C + h * kHeadDim;
         for (int c = lane; c < kQueryRows * 8; c += 32) {
             const int r = c >> 3, cc = c & 7;
-            T *dst = sk + r * stride + cc * 8;
+            T *dst = sq + r * stride + cc * 8;
             if (q0 + r < len)
                 cp_async16(dst, base + (size_t)(q0 + r) * 3 * C + cc * 8);
             else
                 *reinterpret_cast<uint4 *>(dst) = make_uint4(0u, 0u, 0u, 0u);
         }
-        cp_async_commit();
-        cp_async_wait<0>();
-        __syncwarp();
         uint32_t qf[4][4];
-        for (int kk = 0; kk < 4; ++kk)
-            ldsm_x4(qf[kk], sk + (lane & 15) * stride + kk * 16 + (lane >> 4) * 8);
-        __syncwarp();
         float o[8][4], m[2] = {-INFINITY, -INFINITY}, l[2] = {0.0f, 0.0f};
         for (int j = 0; j < 8; ++j)
             for (int e = 0; e < 4; ++e) o[j][e] = 0.0f;
         for (int kb = 0; kb < len; kb += kKeyTile) {
             for (int c = lane; c < kKeyTile * 8; c += 32) {
                 const int r = c >> 3, cc = c & 7;
-                T *dk = sk + r * stride + cc * 8, *dv = sv + r * stride + cc * 8;
-                if (kb + r < len) {
-                    const T *src = base + (size_t)(kb + r) * 3 * C + cc * 8;
-                    cp_async16(dk, src + C);
-                    cp_async16(dv, src + 2 * C);
-                } else {
+                T *dk = sk + r * stride + cc * 8;
+                if (kb + r < len)
+                    cp_async16(dk, base + (size_t)(kb + r) * 3 * C + C + cc * 8);
+                else
                     *reinterpret_cast<uint4 *>(dk) = make_uint4(0u, 0u, 0u, 0u);
-                    *reinterpret_cast<uint4 *>(dv) = make_uint4(0u, 0u, 0u, 0u);
-                }
             }
-            cp_async_commit();
-            cp_async_wait<0>();
+            cp_async_commit(); /* K (and Q, on the first tile) */
+            for (int c = lane; c < kKeyTile * 8; c += 32) {
+                const int r = c >> 3, cc = c & 7;
+                T *dv = sv + r * stride + cc * 8;
+                if (kb + r < len)
+                    cp_async16(dv, base + (size_t)(kb + r) * 3 * C + 2 * C + cc * 8);
+                else
+                    *reinterpret_cast<uint4 *>(dv) = make_uint4(0u, 0u, 0u, 0u);
+            }
+            cp_async_commit(); /* V */
+            cp_async_wait<1>();
             __syncwarp();
+            if (kb == 0)
+                for (int kk = 0; kk < 4; ++kk)
+                    ldsm_x4(qf[kk], sq + (lane & 15) * stride + kk * 16 + (lane >> 4) * 8);
             float sc[8][4];
             for (int j = 0; j < 8; ++j)
                 for (int e = 0; e < 4; ++e) sc[j][e] = 0.0f;
@@ -480,6 +504,8 @@ static __device__ void attention_run(const fused_block_params &p, char *smem) {
                 }
             l[0] = l[0] * alpha[0] + sum[0];
             l[1] = l[1] * alpha[1] + sum[1];
+            cp_async_wait<0>();
+            __syncwarp();
             for (int kk = 0; kk < 4; ++kk) {
                 uint32_t a[4];
                 a[0] = ops::pack(sc[2 * kk][0], sc[2 * kk][1]);
