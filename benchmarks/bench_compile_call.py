@@ -26,8 +26,6 @@ Every variant must compile a graph of its own (Dynamo's counters), or the run st
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
 
 import torch
 
@@ -50,18 +48,14 @@ def compile_options(variant: str) -> dict:
 
 
 def host_us(fn, calls: int, wait: bool = False) -> dict:
-    """Median and p90 host µs of fn() from an empty queue; with wait, of fn() + synchronize."""
-    samples = []
-    for _ in range(calls):
-        torch.cuda.synchronize()
-        t0 = time.perf_counter_ns()
+    """Median and p90 host µs of fn() from an empty queue (timing.host_us, synchronized after
+    every call, untimed); with wait, of fn() and a synchronize (timed)."""
+    def call_and_wait():
         fn()
-        if wait:
-            torch.cuda.synchronize()
-        samples.append((time.perf_counter_ns() - t0) / 1e3)
-    samples.sort()
-    return {"median": statistics.median(samples),
-            "p90": samples[min(len(samples) - 1, int(0.9 * len(samples)))]}
+        torch.cuda.synchronize()
+
+    stats = timing.host_us(call_and_wait if wait else fn, calls, warmup=0, sync_every=1)
+    return {"median": stats.median, "p90": stats.p90}
 
 
 def launches(fn) -> dict:
