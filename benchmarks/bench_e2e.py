@@ -28,7 +28,7 @@ Suites:
             suite's targets too; not in `all` (its compiles take minutes).
   compiled  DeiT-S/B 224, batch 1/16/256, ThresholdL2 keep 50% after block 4: ragvit_compiled
             (torch.compile of the patched model; reduce-overhead at batch <= 16, default
-            above, freezing: pipelines.compile_options) vs ragvit_graph and ragvit eager.
+            above) vs ragvit_graph and ragvit eager.
 Pipelines (ragvit.bench.pipelines.make_pipeline builds them; same process, same inputs):
   timm_eager / timm_graph  the unpruned timm model, eager / replayed as one CUDA graph
   reference    ragvit.reference.vit_forward_reference: the same pruning on padded tensors,
@@ -546,9 +546,9 @@ def render_compiled(rows, on_cpu: bool = False) -> list[str]:
     head = ("| model | BS | compile mode | kept | max dlogit ragvit / compiled | img/s: "
             + " / ".join(names) + " | compiled / graph | compiled / ragvit eager |")
     lines = ["ThresholdL2 keep 50% after block 4; compiled = torch.compile(patched model, "
-             "fullgraph=True) with ragvit.bench.pipelines.compile_options (reduce-overhead up "
-             f"to batch {pipelines.COMPILE_REDUCE_OVERHEAD_MAX_BATCH}, default above; "
-             "freezing).", "", *_table_head(head)]
+             "fullgraph=True) in ragvit.bench.pipelines.compile_mode (reduce-overhead up to "
+             f"batch {pipelines.COMPILE_REDUCE_OVERHEAD_MAX_BATCH}, default above).", "",
+             *_table_head(head)]
     for r in rows:
         c = r.get("check", {})
         mode = pipelines.compile_mode(r["batch"], "cpu" if on_cpu else "cuda")
@@ -623,7 +623,7 @@ def render_baselines(rows) -> list[str]:
     lines = ["ThresholdL2 keep 50% after block 4, fixed counts: every pipeline a competent "
              "user could write for them. dense_gather: timm's own blocks on the gathered kept "
              "tokens (dense_gather_compiled: the same under torch.compile, reduce-overhead at "
-             "batch <= 16, default above, freezing); paper_fa2: the paper's FA2-varlen baseline "
+             "batch <= 16, default above); paper_fa2: the paper's FA2-varlen baseline "
              "pipeline (three host syncs); fa2_packed_graph: ragvit's packed pipeline on FA2 "
              "varlen and torch's modules, replayed as a CUDA graph.", "",
              *_table_head(head)]

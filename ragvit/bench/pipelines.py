@@ -16,8 +16,7 @@ import math
 
 __all__ = [
     "COMPILED", "COMPILE_REDUCE_OVERHEAD_MAX_BATCH", "DTYPES", "EXACT_FLOOR", "GPU_ONLY",
-    "MODELS", "PIPELINES", "TOLERANCE", "UNPRUNED", "check", "compile_mode", "compile_options",
-    "compiled",
+    "MODELS", "PIPELINES", "TOLERANCE", "UNPRUNED", "check", "compile_mode", "compiled",
     "dense_gather_forward", "dense_gather_unsupported", "fa2_attention", "fa2_attention_cls",
     "fa2_attention_for", "fa2_unsupported", "graphed", "kept_decisions", "load_model",
     "make_pipeline",
@@ -34,14 +33,13 @@ MODELS = {
 }
 # timm_eager        the unpruned timm model (its own forward)
 # timm_graph        the same, replayed as one CUDA graph (GPU only)
-# timm_compiled     the same under torch.compile (compile_options: reduce-overhead at batch
-#                   <= 16, default above, with freezing)
+# timm_compiled     the same under torch.compile (compile_mode: reduce-overhead at batch <= 16)
 # reference         ragvit.reference.vit_forward_reference: the same pruning on padded tensors
 #                   with key-padding masks and SDPA (what users write without ragvit)
 # dense_gather      fixed keep counts only: timm's own blocks on the kept tokens gathered
 #                   into a dense (B, P + k, C) batch (dense_gather_forward)
 # dense_gather_compiled  the same under torch.compile: the strongest alternative for fixed
-#                   counts (compile_options, as timm_compiled)
+#                   counts (reduce-overhead at batch <= 16, default above)
 # paper_fa2         the paper's FA2-varlen baseline pipeline (paper_forward), not the paper's
 #                   Triton method: its syncing packer (three host syncs) and FA2 varlen on
 #                   torch's modules (GPU only; ThresholdL2 with a fixed keep, one pruning point)
@@ -52,7 +50,7 @@ MODELS = {
 # ragvit_graph      the same through ragvit.cuda_graph, one CUDA graph per batch size (GPU
 #                   only; data-dependent policies, e.g. a ThresholdL2 threshold, run in
 #                   capacity mode)
-# ragvit_compiled   torch.compile(patched model, fullgraph=True), in compile_options(batch):
+# ragvit_compiled   torch.compile(patched model, fullgraph=True), in compile_mode(batch):
 #                   capacity mode as ragvit_graph
 PIPELINES = ("timm_eager", "timm_graph", "timm_compiled", "reference", "dense_gather",
              "dense_gather_compiled", "paper_fa2", "fa2_packed", "fa2_packed_graph", "ragvit",
@@ -383,34 +381,21 @@ def compile_mode(batch: int, device: str) -> str:
     return "reduce-overhead" if device == "cuda" and small else "default"
 
 
-def compile_options(batch: int, device: str) -> dict:
-    """The compiled pipelines' Inductor options: compile_mode(batch, device)'s own options
-    (torch._inductor.list_mode_options) plus freezing, which turns the model's parameters
-    into constants of the graph (inference only: the bench never changes a weight after
-    compiling). Fewer graph inputs make each call of a reduce-overhead forward cheaper on the
-    host (CUDA graph trees check and copy fewer of them), and constant folding may fuse more."""
-    import torch
-
-    return {**torch._inductor.list_mode_options(compile_mode(batch, device)), "freezing": True}
-
-
 def compiled(fn, x):
-    """torch.compile(fn, fullgraph=True, dynamic=False) with compile_options (compile_mode
-    plus freezing), compiled on x now and called twice more (reduce-overhead records its CUDA
-    graph on the second call and replays it from the third), so no timed call includes
-    compilation. Dynamo's caches are reset first: every patched model shares its forward's
-    code, and past the recompile limit Dynamo refuses to compile it (fullgraph=True);
-    compiled artifacts of an earlier identical graph come back from Inductor's cache in
-    seconds. The reset also drops what pipelines set up before compiled: they compile again
-    on their next call, a warm-up call where several are timed side by side
-    (timing.interleaved_ms warms every one up after all are set up). The options go to
-    torch.compile itself (not torch._inductor.config), so they hold when a reset compiles
-    again."""
+    """torch.compile(fn, fullgraph=True, dynamic=False) in compile_mode, compiled on x now
+    and called twice more (reduce-overhead records its CUDA graph on the second call and
+    replays it from the third), so no timed call includes compilation. Dynamo's caches are
+    reset first: every patched model shares its forward's code, and past the recompile
+    limit Dynamo refuses to compile it (fullgraph=True); compiled artifacts of an earlier
+    identical graph come back from Inductor's cache in seconds. The reset also drops what
+    pipelines set up before compiled: they compile again on their next call, a warm-up call
+    where several are timed side by side (timing.interleaved_ms warms every one up after all
+    are set up)."""
     import torch
 
     torch._dynamo.reset()
     run = torch.compile(fn, fullgraph=True, dynamic=False,
-                        options=compile_options(x.shape[0], x.device.type))
+                        mode=compile_mode(x.shape[0], x.device.type))
     for _ in range(3):
         run(x)
     return run
