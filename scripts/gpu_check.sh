@@ -18,9 +18,15 @@
 #   packbench   benchmarks/bench_pack.py -> DIR/pack_<tag>
 #   interop     benchmarks/bench_interop.py -> DIR/interop_<tag>
 #   e2e         benchmarks/bench_e2e.py --quick; e2e_all: every suite in one process
-#               (DIR/e2e_<tag>); e2e_paper, e2e_policies, e2e_graph: one suite each
-#               (DIR/e2e_<suite>_<tag>, about 2 / 2.5 / 1 min on an H200)
-#   profile     benchmarks/profile_e2e.py, DeiT-S batch 1 and DeiT-B batch 256
+#               (DIR/e2e_<tag>); e2e_paper, e2e_policies, e2e_graph, e2e_baselines,
+#               e2e_compiled: one suite each (DIR/e2e_<suite>_<tag>, about 2 / 2.5 / 1 / 6 / 5
+#               min on an H200)
+#   compile     benchmarks/bench_compile_call.py, DeiT-S and DeiT-B batch 1, reduce-overhead
+#               with and without freezing -> DIR/compile_call_<tag>
+#   profile     benchmarks/profile_e2e.py, DeiT-S batch 1 and DeiT-B batch 256, and the
+#               strongest alternative (dense_gather_compiled) at DeiT-B batch 256
+#   fused       builds dev/fused_block.cu (dev/README.md) for sm_90a, runs its checks and
+#               timing (--bench), then memcheck and racecheck on its --quick cases
 #   notebook    benchmarks/run_notebook.py on DIR and benchmarks/results plus its own sweep
 #               (NB_SWEEP=0 skips it) -> DIR/notebook/
 #   tar         packs everything into DIR/gpu_check_logs.tar.gz, leaving it and summary.txt
@@ -36,7 +42,7 @@ while [ $# -ge 1 ]; do
         --out) out=$2; shift 2 ;;
         --archs) archs=$2; shift 2 ;;
         --tag) tag=$2; shift 2 ;;
-        -h | --help) sed -n 2,28p "$0"; exit 0 ;;
+        -h | --help) sed -n 2,34p "$0"; exit 0 ;;
         -*) echo "gpu_check.sh: unknown option $1" >&2; exit 2 ;;
         *) steps+=("$1"); shift ;;
     esac
@@ -128,7 +134,7 @@ if has e2e_all; then
     run e2e_all timeout "${E2E_ALL_TIMEOUT:-560}" python3 benchmarks/bench_e2e.py --suite all \
         --budget-s $(( ${E2E_ALL_TIMEOUT:-560} - 50 )) --out "$OUT/e2e_$tag"
 fi
-for suite in paper policies graph; do
+for suite in paper policies graph baselines compiled; do
     if has "e2e_$suite"; then
         budget_var="E2E_${suite^^}_TIMEOUT"
         limit=${!budget_var:-$([ "$suite" = graph ] && echo 240 || echo 540)}
@@ -146,6 +152,23 @@ if has profile; then
         --batch 1
     run profile_b256 timeout 120 python3 benchmarks/profile_e2e.py --model deit_base_patch16_224 \
         --batch 256
+    run profile_b256_dense_gather timeout 180 python3 benchmarks/profile_e2e.py \
+        --model deit_base_patch16_224 --batch 256 --pipeline dense_gather_compiled
+fi
+if has compile; then
+    run compile_call timeout "${COMPILE_TIMEOUT:-300}" python3 benchmarks/bench_compile_call.py \
+        --models deit_s deit_b --out "$OUT/compile_call_$tag"
+fi
+if has fused; then
+    # sm_90a: the prototype needs no Hopper instruction, but the machines this runs on are
+    # Hopper; dev/README.md has the sm_80 command
+    run fused_build nvcc -std=c++17 -O3 -lineinfo -gencode=arch=compute_90a,code=sm_90a \
+        -Xptxas -v dev/fused_block.cu -o dev/fused_block.bin
+    run fused timeout 120 ./dev/fused_block.bin --bench
+    for tool in memcheck racecheck; do
+        run "fused_$tool" timeout "${SANITIZER_TIMEOUT:-150}" compute-sanitizer --tool "$tool" \
+            --error-exitcode 9 ./dev/fused_block.bin --quick
+    done
 fi
 if has quick; then
     run bench_quick python3 benchmarks/bench_attention.py --quick
