@@ -337,6 +337,56 @@ def test_cupy_route_skips_what_it_cannot_build(monkeypatch):
         ragvit._C._cupy_ndarray(np.ones(2), like)
 
 
+# ctypes functions the module state may point to after the test that resolved them
+_STREAM_FUNCTIONS = []
+
+
+def _stream_capsule(signature: bytes, stream_of):
+    """A capsule named signature over a C function intptr_t (int) calling stream_of, as
+    Cython exports CuPy's get_stream_ptr in cupy_backends.cuda.stream.__pyx_capi__."""
+    function = ctypes.CFUNCTYPE(ctypes.c_ssize_t, ctypes.c_int)(stream_of)
+    _STREAM_FUNCTIONS.append((function, signature))  # the capsule keeps pointers to both
+    new = ctypes.pythonapi.PyCapsule_New
+    new.restype, new.argtypes = ctypes.py_object, (ctypes.c_void_p, ctypes.c_char_p,
+                                                   ctypes.c_void_p)
+    return new(ctypes.cast(function, ctypes.c_void_p), signature, None)
+
+
+def test_cupy_current_stream_is_read_for_the_buffers_device(monkeypatch):
+    """CuPy's current stream on the device asked for: through the C function CuPy exports
+    (its capsule's signature must be CuPy's), else cupy.cuda.get_current_stream(device).ptr,
+    whose exception propagates."""
+    buf, _ = _host_buffer()
+    asked = []
+
+    def current_stream(device_id=-1):
+        asked.append(device_id)
+        if device_id < 0:
+            raise ValueError("no current device")
+        return types.SimpleNamespace(ptr=1000 + device_id)
+
+    for capsule, expected in ((None, 1003), (_stream_capsule(b"intptr_t (void)", abs), 1003),
+                              (_stream_capsule(b"intptr_t (int)", lambda d: 2000 + d), 2003)):
+        fake, calls = _fake_cupy(True)
+        fake.cuda.get_current_stream = current_stream
+        monkeypatch.setitem(sys.modules, "cupy", fake)
+        backend = types.ModuleType("cupy_backends.cuda.stream")
+        backend.__pyx_capi__ = {} if capsule is None else {"get_stream_ptr": capsule}
+        monkeypatch.setitem(sys.modules, "cupy_backends.cuda.stream", backend)
+        asked.clear()
+        assert type(ragvit._C._cupy_ndarray(buf, object.__new__(fake.ndarray))) is fake.ndarray
+        assert asked == [], "building the array touches no stream"
+        assert ragvit._C._cupy_current_stream(3) == expected
+        assert asked == ([3] if expected == 1003 else [])
+    fake, _ = _fake_cupy(True)
+    fake.cuda.get_current_stream = current_stream
+    monkeypatch.setitem(sys.modules, "cupy", fake)
+    monkeypatch.delitem(sys.modules, "cupy_backends.cuda.stream")
+    ragvit._C._cupy_ndarray(buf, object.__new__(fake.ndarray))
+    with pytest.raises(ValueError, match="no current device"):
+        ragvit._C._cupy_current_stream(-1)
+
+
 def test_cupy_route_builds_real_cupy_arrays_without_a_gpu():
     """With CuPy installed, its own constructors over a host Buffer (no CUDA call is made:
     UnownedMemory is given the device)."""
@@ -351,6 +401,11 @@ def test_cupy_route_builds_real_cupy_arrays_without_a_gpu():
     assert array.strides == (80, 4) and array.flags.c_contiguous
     assert array.data.ptr == ptr and array.data.mem.size == 3 * 20 * 4
     assert array.data.mem._owner is buf and array.data.device_id == 0
+    public = cupy.ndarray(array.shape, array.dtype, memptr=array.data)  # CuPy's own __new__
+    for name in ("strides", "size", "nbytes", "base", "_c_contiguous", "_f_contiguous",
+                 "_index_32_bits"):
+        assert getattr(array, name) == getattr(public, name), name
+    del public
     ref = weakref.ref(buf)
     del buf
     gc.collect()
