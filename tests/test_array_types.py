@@ -246,22 +246,30 @@ def test_outputs_come_back_through_the_defining_package_without_a_namespace(monk
 def _fake_cupy(has_extension_base: bool):
     """A stand-in `cupy` module whose constructors record their calls: an ndarray with the
     public constructor, or (has_extension_base) CuPy's own layout, a Python ndarray whose
-    __new__ calls its extension base's _init (ragvit calls _init itself)."""
-    calls = []
+    __new__ calls its extension base's _init (ragvit calls _init itself). A constructor
+    named in module.failing raises."""
+    calls, failing = [], set()
+
+    def fail_if(name):
+        if name in failing:
+            raise OSError(f"{name} failed")
 
     class UnownedMemory:
         def __init__(self, ptr, size, owner, device_id=-1):
+            fail_if("UnownedMemory")
             calls.append(("UnownedMemory", ptr, size, owner, device_id))
             self.ptr, self.size, self._owner, self.device_id = ptr, size, owner, device_id
 
     class MemoryPointer:
         def __init__(self, mem, offset):
+            fail_if("MemoryPointer")
             calls.append(("MemoryPointer", mem, offset))
             self.mem, self.ptr = mem, mem.ptr + offset
 
     def init(self, shape, dtype=float, memptr=None, strides=None, order="C"):
         calls.append(("init", shape, dtype, memptr, strides, order))
         self.shape, self.dtype, self.data = shape, dtype, memptr
+        fail_if("init")  # after the half-made array took memptr
 
     if has_extension_base:
         base = type("_ndarray_base", (), {"_init": init})
@@ -282,7 +290,7 @@ def _fake_cupy(has_extension_base: bool):
     cuda = types.SimpleNamespace(UnownedMemory=UnownedMemory, MemoryPointer=MemoryPointer,
                                  get_current_stream=get_current_stream)
     module = types.ModuleType("cupy")
-    module.ndarray, module.cuda = ndarray, cuda
+    module.ndarray, module.cuda, module.failing = ndarray, cuda, failing
     return module, calls
 
 
@@ -335,6 +343,30 @@ def test_cupy_route_skips_what_it_cannot_build(monkeypatch):
     assert calls == []
     with pytest.raises(TypeError, match="buffer must be a ragvit.Buffer"):
         ragvit._C._cupy_ndarray(np.ones(2), like)
+
+
+@pytest.mark.parametrize("layout", ["constructor", "extension_base"])
+@pytest.mark.parametrize("failing", ["UnownedMemory", "MemoryPointer", "init"])
+def test_cupy_construction_errors_propagate_and_release_the_buffer(layout, failing,
+                                                                   monkeypatch):
+    """An exception from any of CuPy's constructors propagates, and whatever was built
+    before it (the half-made array included) lets go of the Buffer."""
+    fake, calls = _fake_cupy(layout == "extension_base")
+    monkeypatch.setitem(sys.modules, "cupy", fake)
+    like = object.__new__(fake.ndarray)
+    buf, _ = _host_buffer()
+    assert type(ragvit._C._cupy_ndarray(buf, like)) is fake.ndarray  # resolved, then dropped
+    calls.clear()
+    gc.collect()
+    count = sys.getrefcount(buf)
+    fake.failing.add(failing)
+    with pytest.raises(OSError, match=f"{failing} failed"):
+        ragvit._C._cupy_ndarray(buf, like)
+    calls.clear()
+    gc.collect()
+    assert sys.getrefcount(buf) == count, "an error path kept a reference to the Buffer"
+    fake.failing.clear()
+    assert type(ragvit._C._cupy_ndarray(buf, like)) is fake.ndarray
 
 
 # ctypes functions the module state may point to after the test that resolved them
