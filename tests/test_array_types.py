@@ -762,10 +762,12 @@ def test_cupy_output_is_ready_on_the_current_stream(launch, seed):
     x = _rng(seed).standard_normal((1024, 256)).astype(np.float32)
     expected = torch.nn.functional.gelu(torch.from_numpy(x)).numpy()
     cx, stale = cupy.asarray(x), cupy.asarray(x + 100)
-    for _ in range(3):
-        ragvit.gelu(stale)  # dropped at once: leaves other values in the pool's memory
     launch_stream = torch.cuda.Stream() if launch == "stream_given" else None
     kw = {"stream": launch_stream.cuda_stream} if launch_stream is not None else {}
+    for _ in range(3):
+        # dropped at once on the launch stream: other values where y's memory comes from (a
+        # kept block on the legacy stream, the pool on another)
+        ragvit.gelu(stale, **kw)
     reader = cupy.cuda.Stream(non_blocking=True)
     cupy.cuda.Device().synchronize()
     torch.cuda.synchronize()
