@@ -35,18 +35,6 @@ from ragvit.bench import pipelines, report, timing
 BURST = 3  # as the e2e suites' graph, baselines and compiled suites
 
 
-def compile_options(variant: str) -> dict:
-    """Inductor options of a variant: its torch.compile mode's, plus freezing on "+freezing"."""
-    mode, _, extra = variant.partition("+")
-    if extra not in ("", "freezing"):
-        raise ValueError(f"unknown variant {variant!r}: MODE or MODE+freezing")
-    try:
-        options = torch._inductor.list_mode_options(mode)
-    except RuntimeError as exc:  # an unknown mode
-        raise ValueError(f"unknown variant {variant!r}: {exc}") from None
-    return {**options, **({"freezing": True} if extra else {})}
-
-
 def host_us(fn, calls: int, wait: bool = False) -> dict:
     """Median and p90 host µs of fn() from an empty queue (timing.host_us, synchronized after
     every call, untimed); with wait, of fn() and a synchronize (timed)."""
@@ -80,7 +68,7 @@ def measure(name: str, batch: int, args) -> dict:
     forms = {"ragvit_graph": ragvit.cuda_graph(model, clone_output=False)}
     for variant in args.variants:
         forms[variant] = torch.compile(model, fullgraph=True, dynamic=False,
-                                       options=compile_options(variant))
+                                       options=pipelines.compile_options(variant))
     fns = {form: (lambda f=f: f(x)) for form, f in forms.items()}
     row = {"model": name, "batch": batch, "forms": {}}
     graphs = torch._dynamo.utils.counters["stats"]
@@ -149,7 +137,7 @@ def main(argv=None) -> int:
         p.error("--calls, --reps and --batch must be >= 1")
     for variant in args.variants:
         try:
-            compile_options(variant)
+            pipelines.compile_options(variant)
         except ValueError as exc:
             p.error(str(exc))
     if not torch.cuda.is_available():

@@ -27,6 +27,7 @@ from support.models import images, make_model, max_diff, top1_agrees  # noqa: E4
 
 import ragvit  # noqa: E402
 from ragvit import library, pruning, reference, timm_patch  # noqa: E402
+from ragvit.bench import pipelines  # noqa: E402
 from ragvit.pruning import ATS, DynamicViT, DynamicViTPredictor, EViT, ThresholdL2, ToMe  # noqa: E402
 from ragvit.timm_patch import patch  # noqa: E402
 
@@ -262,13 +263,6 @@ COMPILE_CASES = [
 ]
 
 
-def compile_options(mode: str) -> dict:
-    """torch.compile's options for a test mode: a torch.compile mode's own options, plus
-    freezing where the name ends in "+freezing" (docs/compile.md's recipe)."""
-    base, _, extra = mode.partition("+")
-    return {**torch._inductor.list_mode_options(base), **({"freezing": True} if extra else {})}
-
-
 @pytest.mark.parametrize("policy_name,kwargs,options", COMPILE_CASES)
 def test_compile_fullgraph_equals_eager(policy_name, kwargs, options, gen, seed):
     model = patched_tiny(gen, policy_name, **kwargs)
@@ -343,7 +337,7 @@ def test_gpu_compile_fp16_equals_eager(name, mode, policy_name, gen, seed):
         eager, decided = timm_patch.forward_with_decisions(model, x)
         exact = reference.vit_forward_reference(copy.deepcopy(model).float(), x32, policy,
                                                 decisions=decided)
-        compiled = torch.compile(model, fullgraph=True, options=compile_options(mode))
+        compiled = torch.compile(model, fullgraph=True, options=pipelines.compile_options(mode))
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # inductor's notes on cudagraph warm-up
             got = [compiled(x).clone() for _ in range(3)]

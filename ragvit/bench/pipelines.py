@@ -16,7 +16,8 @@ import math
 
 __all__ = [
     "COMPILED", "COMPILE_REDUCE_OVERHEAD_MAX_BATCH", "DTYPES", "EXACT_FLOOR", "GPU_ONLY",
-    "MODELS", "PIPELINES", "TOLERANCE", "UNPRUNED", "check", "compile_mode", "compiled",
+    "MODELS", "PIPELINES", "TOLERANCE", "UNPRUNED", "check", "compile_mode", "compile_options",
+    "compiled",
     "dense_gather_forward", "dense_gather_unsupported", "fa2_attention", "fa2_attention_cls",
     "fa2_attention_for", "fa2_unsupported", "graphed", "kept_decisions", "load_model",
     "make_pipeline",
@@ -370,6 +371,26 @@ def graphed(fn, x):
 
     run.graph = graph  # keep the graph alive as long as the callable
     return run
+
+
+def compile_options(variant: str) -> dict:
+    """torch.compile's options for a variant "MODE" or "MODE+freezing": the mode's own
+    Inductor options (torch._inductor.list_mode_options), plus Inductor freezing where named
+    (docs/compile.md).
+
+    Raises:
+        ValueError: an unknown mode or suffix.
+    """
+    import torch
+
+    mode, _, extra = variant.partition("+")
+    if extra not in ("", "freezing"):
+        raise ValueError(f"unknown variant {variant!r}: MODE or MODE+freezing")
+    try:
+        options = torch._inductor.list_mode_options(mode)
+    except RuntimeError as exc:  # an unknown mode
+        raise ValueError(f"unknown variant {variant!r}: {exc}") from None
+    return {**options, **({"freezing": True} if extra else {})}
 
 
 def compile_mode(batch: int, device: str) -> str:
