@@ -26,6 +26,7 @@ Every variant must compile a graph of its own (Dynamo's counters), or the run st
 from __future__ import annotations
 
 import argparse
+import json
 
 import torch
 
@@ -143,7 +144,12 @@ def main(argv=None) -> int:
     if not torch.cuda.is_available():
         p.error("needs a CUDA GPU")
     report.start_run()
-    rows = [measure(name, batch, args) for name in args.models for batch in args.batch]
+    rows = []
+    for name in args.models:
+        for batch in args.batch:
+            rows.append(measure(name, batch, args))
+            # each row as it comes: a run stopped by a time limit still leaves what it measured
+            print(json.dumps(rows[-1]), flush=True)
     env = report.environment("cuda")
     text = render(rows, env)
     print(text)
