@@ -1174,6 +1174,58 @@ def test_exchange_callback_failing_without_an_error_is_a_buffer_error(cls, callb
     assert torch.isnan(a["out"]).all()
 
 
+class _DLPackOnly:
+    """A user's heap type that speaks __dlpack__ alone, delegating to a torch tensor."""
+
+    def __init__(self, tensor):
+        self.tensor = tensor
+
+    def __dlpack__(self, **kwargs):
+        return self.tensor.__dlpack__(**kwargs)
+
+    def __dlpack_device__(self):
+        return self.tensor.__dlpack_device__()
+
+
+def test_a_heap_type_gaining_an_exchange_api_is_seen_on_the_next_call(seed):
+    """What ragvit remembers about a heap type without an exchange API lasts only while the
+    type is unchanged: a class that gains one after a call is imported through it."""
+    cls = type("LateExchange", (_DLPackOnly,), {})
+    a = _safety_problem()
+    ragvit.attention(cls(a["q"]), a["k"], a["v"], a["cu_seqlens"], out=a["out"])
+    check_attention(a["out"], a["q"], a["k"], a["v"], a["cu_seqlens"], seed=seed)
+    ragvit.attention(cls(a["q"]), a["k"], a["v"], a["cu_seqlens"], out=a["out"])  # remembered
+    cls.__dlpack_c_exchange_api__ = _EXCHANGE_SILENT.__dlpack_c_exchange_api__
+    a["out"].fill_(float("nan"))
+    with pytest.raises(BufferError, match="attention: q must be importable, got a failing "
+                                          "dltensor_from_py_object_no_sync that set no error"):
+        ragvit.attention(cls(a["q"]), a["k"], a["v"], a["cu_seqlens"], out=a["out"])
+    assert torch.isnan(a["out"]).all()
+
+
+def test_a_heap_type_seen_as_an_argument_is_not_kept_alive():
+    cls = type("Passing", (_DLPackOnly,), {})
+    a = _safety_problem()
+    for _ in range(2):
+        ragvit.attention(cls(a["q"]), a["k"], a["v"], a["cu_seqlens"], out=a["out"])
+    ref = weakref.ref(cls)
+    del cls
+    gc.collect()
+    assert ref() is None
+
+
+def test_many_heap_types_in_turn_each_import_as_their_own(seed):
+    """More heap types than ragvit remembers, each called twice in turn: every call reads its
+    own argument."""
+    a = _safety_problem()
+    classes = [type(f"Turn{i}", (_DLPackOnly,), {}) for i in range(20)]
+    for _ in range(2):
+        for i, cls in enumerate(classes):
+            q = a["q"] * (1 + i / 8)
+            ragvit.attention(cls(q), a["k"], a["v"], a["cu_seqlens"], out=a["out"])
+            check_attention(a["out"], q, a["k"], a["v"], a["cu_seqlens"], seed=seed)
+
+
 # ---- torch's negative bit ----
 
 

@@ -18,16 +18,28 @@
 #include "ragvit.h"
 
 #define API_CACHE_SIZE 8
+#define PLAIN_CACHE_SIZE 8
 #define NAMESPACE_CACHE_SIZE 8
 #define MAX_IMPORTS 8
 
 /* A type seen as an argument. Only types with an exchange API and static types
- * (NumPy's ndarray) are cached, so the cache never keeps a user's class alive. */
+ * (NumPy's ndarray) are cached here, so the cache never keeps a user's class alive; other
+ * heap types go to plain_cache. */
 typedef struct {
     PyTypeObject *type;           /* strong reference */
     const DLPackExchangeAPI *api; /* NULL: the type has none */
     int is_torch;                 /* a subclass of torch's TensorBase: neg bit, version counter */
 } api_cache_entry;
+
+/* A heap type without an exchange API (a user's class, JAX's or Numba's array), known by
+ * identity and method-cache version tag and held by neither: CPython never hands a tag out
+ * twice and takes it back when the type or its bases change (PyType_Modified), so an entry
+ * whose tag still matches describes this very type as it is now. */
+typedef struct {
+    PyTypeObject *type;   /* identity only */
+    unsigned int version; /* its tp_version_tag when looked up; 0: empty entry */
+    int is_torch;
+} plain_cache_entry;
 
 /* The array namespace of a type that allocated through ragvit.Buffer. The type is held
  * weakly (a user's class is never kept alive): an entry whose type died is stale, even if
@@ -60,6 +72,8 @@ typedef struct {
     ragvit_context ctx;
     api_cache_entry api_cache[API_CACHE_SIZE];
     int api_cache_count;
+    plain_cache_entry plain_cache[PLAIN_CACHE_SIZE];
+    int plain_cache_next; /* the entry the next heap type replaces, round robin */
     namespace_cache_entry namespace_cache[NAMESPACE_CACHE_SIZE];
     int namespace_cache_next;          /* the entry the next miss replaces, round robin */
     PyTypeObject *buffer_type;         /* ragvit.Buffer (a heap type of this module) */

@@ -201,24 +201,47 @@ static int lookup_exchange_api(module_state *st, PyTypeObject *type,
     return 0;
 }
 
-/* The facts about type, from the cache or looked up into *scratch; NULL with an
+/* type's method-cache version tag; 0 when it has none (never assigned, or invalidated). */
+static unsigned int type_version(const PyTypeObject *type) {
+    return (type->tp_flags & Py_TPFLAGS_VALID_VERSION_TAG) ? type->tp_version_tag : 0;
+}
+
+/* The facts about type, from the caches or looked up into *scratch; NULL with an
  * exception when the lookup raised. */
 static const api_cache_entry *type_entry(module_state *st, PyTypeObject *type,
                                          api_cache_entry *scratch) {
     for (int i = 0; i < st->api_cache_count; i++) {
         if (st->api_cache[i].type == type) return &st->api_cache[i];
     }
-    if (lookup_exchange_api(st, type, &scratch->api) < 0) return NULL;
     scratch->type = type;
+    scratch->api = NULL;
+    const unsigned int version = type_version(type);
+    for (int i = 0; version != 0 && i < PLAIN_CACHE_SIZE; i++) {
+        const plain_cache_entry *plain = &st->plain_cache[i];
+        if (plain->type == type && plain->version == version) {
+            scratch->is_torch = plain->is_torch;
+            return scratch;
+        }
+    }
+    if (lookup_exchange_api(st, type, &scratch->api) < 0) return NULL;
     scratch->is_torch = resolve_torch(st, type);
-    /* A heap type without an exchange API (a user's class) is looked up again
-     * on every call rather than kept alive by the module. */
-    if (st->api_cache_count < API_CACHE_SIZE &&
-        (scratch->api != NULL || !(type->tp_flags & Py_TPFLAGS_HEAPTYPE))) {
-        api_cache_entry *entry = &st->api_cache[st->api_cache_count++];
-        *entry = *scratch;
-        Py_INCREF(type);
-        return entry;
+    if (scratch->api != NULL || !(type->tp_flags & Py_TPFLAGS_HEAPTYPE)) {
+        if (st->api_cache_count < API_CACHE_SIZE) {
+            api_cache_entry *entry = &st->api_cache[st->api_cache_count++];
+            *entry = *scratch;
+            Py_INCREF(type);
+            return entry;
+        }
+        return scratch;
+    }
+    /* The lookup above gave type a version tag, unless CPython ran out of them. */
+    const unsigned int looked_up = type_version(type);
+    if (looked_up != 0) {
+        plain_cache_entry *plain = &st->plain_cache[st->plain_cache_next];
+        st->plain_cache_next = (st->plain_cache_next + 1) % PLAIN_CACHE_SIZE;
+        plain->type = type;
+        plain->version = looked_up;
+        plain->is_torch = scratch->is_torch;
     }
     return scratch;
 }
