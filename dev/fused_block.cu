@@ -15,7 +15,10 @@
  *     -o dev/fused_block_debug.bin
  *   compute-sanitizer --tool memcheck dev/fused_block_debug.bin --quick
  *   compute-sanitizer --tool racecheck dev/fused_block_debug.bin --quick
- *   dev/fused_block.bin --cpu-selftest      (the reference and the checker; no GPU needed) */
+ *   dev/fused_block.bin --cpu-selftest      (the reference and the checker; no GPU needed)
+ * With -DFUSED_BLOCK_LIBRARY -Xcompiler -fPIC -shared it builds as a library of four C entry
+ * points instead (no main), which dev/fused_block_check.py loads to set the kernel beside
+ * ragvit's present path on a timm block. */
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -632,17 +635,6 @@ static const void *kernel_of(int dtype) {
                          : reinterpret_cast<const void *>(fused_block_kernel<__nv_bfloat16>);
 }
 
-/* CTAs an SM for this kernel (at most 2, the launch bounds), after opting in to its dynamic
- * shared memory. */
-static int fused_block_ctas_per_sm(int dtype) {
-    CHECK_CUDA(cudaFuncSetAttribute(kernel_of(dtype), cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                    kSmemBytes));
-    int n = 0;
-    CHECK_CUDA(
-        cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, kernel_of(dtype), kThreads, kSmemBytes));
-    return std::min(n, 2);
-}
-
 /* K splits of a residual GEMM: the most (up to 8, dividing K / 64) whose items still fit one
  * pass of the grid, and at least enough that a split's K fits the A panel. */
 static int fused_block_splits(int k, int tiles, int grid) {
@@ -662,6 +654,43 @@ static cudaError_t fused_block_launch(const fused_block_params &p, int dtype, in
     return cudaLaunchCooperativeKernel(kernel_of(dtype), dim3((unsigned)grid), dim3(kThreads), args,
                                        (size_t)kSmemBytes, stream);
 }
+
+// ---- C entry points of the library build (-DFUSED_BLOCK_LIBRARY, dev/fused_block_check.py) ----
+
+extern "C" {
+
+/* sizeof(fused_block_params), for the caller's mirror of the struct. */
+size_t fused_block_params_size(void) { return sizeof(fused_block_params); }
+
+/* CTAs an SM for dtype (0 fp16, 1 bf16; at most 2, the launch bounds), after opting in to
+ * the kernel's dynamic shared memory; a negative cudaError_t on failure. */
+int fused_block_occupancy(int dtype) {
+    if (dtype != kF16 && dtype != kBF16) return -(int)cudaErrorInvalidValue;
+    cudaError_t e = cudaFuncSetAttribute(kernel_of(dtype),
+                                         cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes);
+    int n = 0;
+    if (e == cudaSuccess) {
+        e = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, kernel_of(dtype), kThreads,
+                                                          kSmemBytes);
+    }
+    return e == cudaSuccess ? std::min(n, 2) : -(int)e;
+}
+
+/* The K splits the driver picks for a residual GEMM of K = k over total_tokens rows of
+ * channels columns on grid CTAs. */
+int fused_block_split_count(int k, int total_tokens, int channels, int grid) {
+    const int tiles = (total_tokens + kTileM - 1) / kTileM * (channels / kTileN);
+    return fused_block_splits(k, tiles, grid);
+}
+
+/* One launch on stream; the cudaError_t of the launch. */
+int fused_block_run(const fused_block_params *p, int dtype, int grid, void *stream) {
+    return (int)fused_block_launch(*p, dtype, grid, static_cast<cudaStream_t>(stream));
+}
+
+} /* extern "C" */
+
+#ifndef FUSED_BLOCK_LIBRARY
 
 // ---- host reference ----
 
@@ -1309,7 +1338,8 @@ int main(int argc, char **argv) {
             printf("FAIL: device %d cannot launch cooperative kernels\n", device);
             return 1;
         }
-        const int per_sm[2] = {fused_block_ctas_per_sm(kF16), fused_block_ctas_per_sm(kBF16)};
+        const int per_sm[2] = {fused_block_occupancy(kF16), fused_block_occupancy(kBF16)};
+        for (int n : per_sm) CHECK_CUDA(n < 0 ? (cudaError_t)-n : cudaSuccess);
         for (int t = 0; t < 2; ++t) {
             g_grid[t] = prop.multiProcessorCount * per_sm[t];
             if (grid_override > 0) g_grid[t] = std::min(g_grid[t], grid_override);
@@ -1351,3 +1381,5 @@ int main(int argc, char **argv) {
     printf("FAIL: %d case(s)\n", failures);
     return 1;
 }
+
+#endif /* FUSED_BLOCK_LIBRARY */
