@@ -77,6 +77,7 @@ struct fused_block_params {
     int num_seqs, total_tokens, channels, num_heads, max_seqlen;
     int proj_splits, fc2_splits; /* K splits of the two GEMMs with a residual epilogue */
     float scale_log2;            /* softmax scale * log2(e) */
+    int is_barriers_only;        /* 1: the launch's barriers (and stamps) without the stages */
 };
 
 // ---- device helpers ----
@@ -550,6 +551,14 @@ __global__ void __launch_bounds__(kThreads, 2) fused_block_kernel(const fused_bl
     const bool is_stamped = p.stamps != nullptr && blockIdx.x == 0 && threadIdx.x == 0;
     const int C = p.channels, M = p.total_tokens;
     if (is_stamped) p.stamps[0] = global_timer();
+    if (p.is_barriers_only) { /* the floor of a stage: its barrier, as the stages reach it */
+        for (int b = 1; b < kNumStamps; ++b) {
+            if (b + 1 == kNumStamps && p.stamps == nullptr) break;
+            grid_barrier(p.barrier);
+            if (is_stamped) p.stamps[b] = global_timer();
+        }
+        return;
+    }
 
     gemm_stage<T> g;
     g.a = static_cast<const T *>(p.x);
@@ -1176,15 +1185,19 @@ static block_case make_case(const std::string &name, int dtype, int C, const std
     return c;
 }
 
-/* GPU us per launch (median of 7 x 200 back-to-back launches, L2 warm), then 200 launches
+/* GPU us per launch (median of 7 x 200 back-to-back launches, L2 warm; the last column is a
+ * launch of the barriers alone, the floor under each stage), then 200 launches
  * with CTA 0's %globaltimer stamps at each barrier, averaged per stage. */
 static void bench(int sm_count) {
     struct shape {
         const char *name;
         int C, batch, len;
+        int is_barriers_only; /* the launch's barriers alone, on the grid of the others */
     };
-    const shape shapes[] = {
-        {"deit-s 1x99", 384, 1, 99}, {"deit-b 1x99", 768, 1, 99}, {"deit-s 4x99", 384, 4, 99}};
+    const shape shapes[] = {{"deit-s 1x99", 384, 1, 99, 0},
+                            {"deit-b 1x99", 768, 1, 99, 0},
+                            {"deit-s 4x99", 384, 4, 99, 0},
+                            {"barriers", 384, 1, 99, 1}};
     const char *stage_names[] = {"LN1 + qkv", "attention", "proj + residual", "LN2 + fc1 + GELU",
                                  "fc2 + residual"};
     std::vector<std::vector<double>> stage_us;
@@ -1195,6 +1208,7 @@ static void bench(int sm_count) {
         const block_data d = make_data(c);
         const int grid = g_grid[kF16];
         device_block b = upload(c, d, grid);
+        b.p.is_barriers_only = sh.is_barriers_only;
         cudaEvent_t e0, e1;
         CHECK_CUDA(cudaEventCreate(&e0));
         CHECK_CUDA(cudaEventCreate(&e1));

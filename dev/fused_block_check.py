@@ -54,7 +54,7 @@ class Params(ctypes.Structure):
         "tile_counters", "barrier", "stamps", "cu_seqlens")] + [
         (name, ctypes.c_int) for name in (
             "num_seqs", "total_tokens", "channels", "num_heads", "max_seqlen", "proj_splits",
-            "fc2_splits")] + [("scale_log2", ctypes.c_float)]
+            "fc2_splits")] + [("scale_log2", ctypes.c_float), ("is_barriers_only", ctypes.c_int)]
 
 
 def load(path: str) -> ctypes.CDLL:
@@ -149,7 +149,7 @@ class Fused:
             ptr(blk.norm2.bias), ptr(m.fc1.weight), ptr(m.fc1.bias), ptr(m.fc2.weight),
             ptr(m.fc2.bias), ptr(qkv), ptr(attn), ptr(x1), ptr(hidden), ptr(partials),
             ptr(counters), ptr(barrier), None, ptr(cu_seqlens), len(lengths), T, C,
-            a.num_heads, max(lengths), proj, fc2, a.scale * math.log2(math.e))
+            a.num_heads, max(lengths), proj, fc2, a.scale * math.log2(math.e), 0)
         self.splits = (proj, fc2)
 
     def __call__(self):
