@@ -9,7 +9,8 @@ present path's own error against float64 is the bar: the kernel passes where its
 most twice that plus 1e-3 (fp16; 8e-3 bf16), every value is finite and its output equals the
 present path's to the same bar. Then GPU µs per block of both, each as a CUDA graph of 12
 blocks back to back (the blocks of a forward; the weights stay in L2, as in the bench of
-fused_block.cu), replays of the two interleaved, median of --reps.
+fused_block.cu), timed in three rotating rounds of --reps replays each
+(ragvit.bench.timing.gpu_us_graphs), median.
 
 Build the kernel as a library, then run (a CUDA GPU of compute capability 9.0; torch, timm and
 a built ragvit):
@@ -24,10 +25,11 @@ from __future__ import annotations
 import argparse
 import ctypes
 import math
-import statistics
 import sys
 
 import torch
+
+from ragvit.bench import timing
 
 BLOCKS_PER_GRAPH = 12
 MODELS = {"deit-s": ("deit_small_patch16_224", 384), "deit-b": ("deit_base_patch16_224", 768)}
@@ -159,48 +161,6 @@ class Fused:
             raise RuntimeError(f"fused_block_run: cudaError_t {rc}")
 
 
-def graph_of(fn, n: int) -> torch.cuda.CUDAGraph:
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for _ in range(2):
-            fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(n):
-            fn()
-    return graph
-
-
-class Launches:
-    """n calls of fn where a graph could not be captured, with a graph's replay()."""
-
-    def __init__(self, fn, n: int):
-        self.fn, self.n = fn, n
-
-    def replay(self):
-        for _ in range(self.n):
-            self.fn()
-
-
-def timed_us(graphs: dict, reps: int) -> dict:
-    """GPU µs per block of each graph: CUDA events around one replay, the graphs' replays
-    interleaved, median of reps."""
-    for g in graphs.values():
-        g.replay()
-    times = {name: [] for name in graphs}
-    events = [torch.cuda.Event(enable_timing=True) for _ in range(2)]
-    for _ in range(reps):
-        for name, g in graphs.items():
-            events[0].record()
-            g.replay()
-            events[1].record()
-            events[1].synchronize()
-            times[name].append(events[0].elapsed_time(events[1]) * 1e3 / BLOCKS_PER_GRAPH)
-    return {name: statistics.median(t) for name, t in times.items()}
-
-
 def run_case(lib, model, dtype, lengths, seed, reps) -> tuple[str, bool]:
     blk = make_block(model, dtype, seed)
     C = MODELS[model][1]
@@ -221,36 +181,32 @@ def run_case(lib, model, dtype, lengths, seed, reps) -> tuple[str, bool]:
         bar = 2 * err_present + FLOOR[dtype]
         ok = bool(torch.isfinite(out).all()) and err_fused <= bar and diff <= bar
         rows = x.clone()
-        graphs = {"present": graph_of(lambda: present_block(blk, rows, cu, lengths),
-                                      BLOCKS_PER_GRAPH)}
-        fused_note = ""
-        try:
-            graphs["fused"] = graph_of(fused, BLOCKS_PER_GRAPH)
-        except RuntimeError as exc:  # a cooperative launch this CUDA cannot capture
-            print(f"  {model}: the fused launch was not captured ({exc}); timed as launches",
-                  flush=True)
-            graphs["fused"] = Launches(fused, BLOCKS_PER_GRAPH)
-            fused_note = " (launches)"
-        us = timed_us(graphs, reps)
+        stats = timing.gpu_us_graphs(
+            {"present": lambda: present_block(blk, rows, cu, lengths), "fused": fused},
+            rounds=3, reps=reps, calls_per_graph=BLOCKS_PER_GRAPH)
+        if "fused" not in stats:
+            sys.exit("fused_block_check: the fused launch could not be captured in a CUDA graph")
+        us = {name: st.median for name, st in stats.items()}
     shape = (f"{len(lengths)}x{lengths[0]}" if len(set(lengths)) == 1
              else ",".join(map(str, lengths)))
     line = (f"| {model} {shape} | {str(dtype)[6:]} | {T} | {fused.grid} | "
             f"{fused.splits[0]}/{fused.splits[1]} | {err_present:.2e} | {err_fused:.2e} | "
             f"{diff:.2e} | {'ok' if ok else 'FAIL'} | {us['present']:.2f} | "
-            f"{us['fused']:.2f}{fused_note} | {us['present'] / us['fused']:.2f} |")
+            f"{us['fused']:.2f} | {us['present'] / us['fused']:.2f} |")
     return line, ok
 
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--lib", default="dev/libfused_block.so")
-    p.add_argument("--reps", type=int, default=50, help="timed replays of each graph")
+    p.add_argument("--reps", type=int, default=50, help="timed replays of each graph a round")
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
         p.error("needs a CUDA GPU")
     lib = load(args.lib)
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}; "
-          f"GPU µs per block in graphs of {BLOCKS_PER_GRAPH} blocks, median of {args.reps}")
+          f"GPU µs per block in graphs of {BLOCKS_PER_GRAPH} blocks, median of 3 rounds of "
+          f"{args.reps} replays")
     print("| case | dtype | T | grid | splits | present err | fused err | fused - present | "
           "check | present µs | fused µs | present / fused |")
     print("|---|---|---|---|---|---|---|---|---|---|---|---|")
