@@ -1227,8 +1227,10 @@ static void bench(int sm_count) {
         }
         std::sort(reps.begin(), reps.end());
         const double C = sh.C, M = (double)b.M;
-        const double flops = 2.0 * M * 12.0 * C * C + 4.0 * sh.batch * (double)sh.len * sh.len * C;
-        const double weight_bytes = 2.0 * (12.0 * C * C + 13.0 * C);
+        const double work = sh.is_barriers_only ? 0.0 : 1.0; /* a barriers row does none */
+        const double flops =
+            work * (2.0 * M * 12.0 * C * C + 4.0 * sh.batch * (double)sh.len * sh.len * C);
+        const double weight_bytes = work * 2.0 * (12.0 * C * C + 13.0 * C);
         printf("  %-12s T=%4d grid %d CTAs on %d SMs, splits %d/%d  %7.2f us (p0 %.2f, p100 "
                "%.2f)  %.3f GFLOP  %.2f MB weights\n",
                sh.name, b.M, grid, sm_count, b.p.proj_splits, b.p.fc2_splits, reps[3], reps[0],
