@@ -819,29 +819,31 @@ def test_cupy_attention_matches_the_reference_on_two_streams(gen, seed):
 @pytest.mark.gpu
 @requires_cuda
 @pytest.mark.sanitizer
-@pytest.mark.parametrize("launch", ["side_stream", "legacy_default"])
-def test_deleting_an_output_while_its_kernel_runs_is_safe(launch, gen, seed):
-    """The free is stream-ordered: the memory is reused only after the kernel that writes
-    it has run, so the next output's values stay right (on the legacy default stream the
-    memory is kept for the next call there, which the stream itself orders)."""
+@pytest.mark.parametrize("drop_on, reuse_on", [("side", "side"), ("legacy", "legacy"),
+                                               ("side", "legacy"), ("legacy", "side")])
+def test_deleting_an_output_while_its_kernel_runs_is_safe(drop_on, reuse_on, gen, seed):
+    """The free is stream-ordered: memory is reused only after the kernel that writes it has
+    run. Outputs of distinct values are dropped while their kernels wait behind a busy stream,
+    then one more is made on the same or the other stream (torch's side streams do not
+    synchronize with the legacy default one) while those kernels are still queued: had it
+    been given a dropped output's memory early, a queued kernel would overwrite it."""
     cupy = _cupy()
     x = torch.randn(4096, 256, generator=gen).cuda()
-    expected = torch.nn.functional.gelu(x)
-    is_side = launch == "side_stream"
-    stream = torch.cuda.Stream() if is_side else torch.cuda.default_stream()
-    kw = {"stream": stream.cuda_stream} if is_side else {}
-    with torch.cuda.stream(stream):
-        cx = cupy.asarray(x)  # CAI v2 of torch: ready now (synchronized above)
-        torch.cuda.synchronize()
-        for _ in range(8):
-            torch.cuda._sleep(20_000_000)  # keeps the stream busy while outputs are dropped
-            out = ragvit.gelu(cx, **kw)
+    scales = [1.0 + i / 8 for i in range(9)]
+    inputs = [cupy.asarray(x * c) for c in scales]  # CAI v2 of torch: ready after the sync
+    torch.cuda.synchronize()
+    side = torch.cuda.Stream()
+    streams = {"side": side, "legacy": torch.cuda.default_stream()}
+    kwargs = {"side": {"stream": side.cuda_stream}, "legacy": {}}
+    with torch.cuda.stream(streams[drop_on]):
+        torch.cuda._sleep(100_000_000)  # keeps the stream busy while outputs are dropped
+        for cx in inputs[:-1]:
+            out = ragvit.gelu(cx, **kwargs[drop_on])
             del out
-        torch.cuda._sleep(20_000_000)
-        kept = ragvit.gelu(cx, **kw)
-    stream.synchronize()
-    torch.testing.assert_close(torch.as_tensor(kept, device="cuda"), expected,
-                               rtol=1e-5, atol=1e-5)
+    kept = ragvit.gelu(inputs[-1], **kwargs[reuse_on])
+    torch.cuda.synchronize()
+    torch.testing.assert_close(torch.as_tensor(kept, device="cuda"),
+                               torch.nn.functional.gelu(x * scales[-1]), rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.gpu
