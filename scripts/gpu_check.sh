@@ -21,8 +21,8 @@
 #               (DIR/e2e_<tag>); e2e_paper, e2e_policies, e2e_graph, e2e_baselines,
 #               e2e_compiled: one suite each (DIR/e2e_<suite>_<tag>, about 2 / 2.5 / 1 / 6 / 5
 #               min on an H200)
-#   compile     benchmarks/bench_compile_call.py, DeiT-S and DeiT-B batch 1, reduce-overhead
-#               with and without freezing -> DIR/compile_call_<tag>
+#   compile     benchmarks/bench_compile_call.py, DeiT-S and DeiT-B batch 1 and 16,
+#               reduce-overhead -> DIR/compile_call_<tag>
 #   profile     benchmarks/profile_e2e.py, DeiT-S batch 1 and DeiT-B batch 256, and the
 #               strongest alternative (dense_gather_compiled) at DeiT-B batch 256
 #   fused       builds dev/fused_block.cu (dev/README.md) for sm_90a, runs its checks and
@@ -158,7 +158,8 @@ if has profile; then
 fi
 if has compile; then
     run compile_call timeout "${COMPILE_TIMEOUT:-300}" python3 benchmarks/bench_compile_call.py \
-        --models deit_s deit_b --out "$OUT/compile_call_$tag"
+        --models deit_s deit_b --batch 1 16 --variants reduce-overhead \
+        --out "$OUT/compile_call_$tag"
 fi
 if has fused; then
     # sm_90a: the prototype needs no Hopper instruction, but the machines this runs on are
