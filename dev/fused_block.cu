@@ -71,14 +71,17 @@ struct fused_block_params {
     void *hidden;                /* scratch (T, 4C) */
     float *partials;             /* scratch (max splits, T, C) fp32 split-K partial sums */
     unsigned *tile_counters;     /* (ceil(T/32) * C/64,) zero at launch, zero again at exit */
-    unsigned *barrier;           /* (2,) arrival count (zero at launch) and generation */
+    unsigned *barrier;           /* (4,) zero at allocation; see grid_barrier */
     unsigned long long *stamps;  /* nullptr, or (kNumStamps,) %globaltimer at each barrier */
     const int *cu_seqlens;       /* (S+1,) */
     int num_seqs, total_tokens, channels, num_heads, max_seqlen;
     int proj_splits, fc2_splits; /* K splits of the two GEMMs with a residual epilogue */
     float scale_log2;            /* softmax scale * log2(e) */
     int is_barriers_only;        /* 1: the launch's barriers (and stamps) without the stages */
+    int barrier_kind;            /* kGenerationBarrier or kFlipBarrier (grid_barrier) */
 };
+
+enum { kGenerationBarrier = 0, kFlipBarrier = 1 };
 
 // ---- device helpers ----
 
@@ -185,6 +188,15 @@ static __device__ __forceinline__ unsigned load_acquire(const unsigned *p) {
     return v;
 }
 
+static __device__ __forceinline__ unsigned atomic_add_release(unsigned *p, unsigned v) {
+    unsigned old;
+    asm volatile("atom.add.release.gpu.global.u32 %0, [%1], %2;\n"
+                 : "=r"(old)
+                 : "l"(p), "r"(v)
+                 : "memory");
+    return old;
+}
+
 static __device__ __forceinline__ void store_release(unsigned *p, unsigned v) {
     asm volatile("st.release.gpu.global.u32 [%0], %1;\n" ::"l"(p), "r"(v) : "memory");
 }
@@ -195,24 +207,39 @@ static __device__ __forceinline__ unsigned long long global_timer() {
     return t;
 }
 
-/* Sense-reversing grid barrier: barrier[0] counts arrivals, barrier[1] is the generation. A
- * CTA reads the generation before it arrives (it cannot move until every CTA has arrived);
- * the last to arrive zeroes the count and then publishes generation + 1 with a release, so
- * a CTA that sees the new generation also sees the zero count and every write made before
- * the barrier. All CTAs must be resident: the launch is cooperative. */
-static __device__ __forceinline__ void grid_barrier(unsigned *barrier) {
+/* Grid-wide barrier of a cooperative launch (every CTA resident), in one of two kinds:
+ * - kGenerationBarrier, sense-reversing on barrier[0] (arrivals) and barrier[1] (generation):
+ *   a CTA reads the generation before it arrives (it cannot move until every CTA has
+ *   arrived); the last to arrive zeroes the count and publishes generation + 1 with a
+ *   release, so a CTA that sees the new generation also sees the zero count and every write
+ *   made before the barrier. Full fences on both sides of the arrival.
+ * - kFlipBarrier, one atomic a CTA on barrier[2]: CTA 0 adds 2^31 - (CTAs - 1) and every other
+ *   CTA 1, with release semantics, so the word gains exactly 2^31 per barrier and its top bit
+ *   flips on the last arrival, not before (its low 31 bits are zero between barriers); a CTA
+ *   waits, with acquire loads, until the top bit differs from the one its own add returned.
+ *   The release of every arrival and the acquire of the load that sees the flip order each
+ *   CTA's writes (made before the __syncthreads) before every other CTA's reads after it.
+ * Both leave their words ready for the next barrier and the next launch. */
+static __device__ __forceinline__ void grid_barrier(unsigned *barrier, int kind) {
     __syncthreads();
     if (threadIdx.x == 0) {
-        const unsigned gen = load_acquire(barrier + 1);
-        __threadfence();
-        const unsigned arrived = atomic_add_acq_rel(barrier, 1u);
-        if (arrived == gridDim.x - 1) {
-            barrier[0] = 0u;
-            store_release(barrier + 1, gen + 1u);
+        if (kind == kFlipBarrier) {
+            const unsigned add = blockIdx.x == 0 ? 0x80000000u - (gridDim.x - 1u) : 1u;
+            const unsigned old = atomic_add_release(barrier + 2, add);
+            while (((old ^ load_acquire(barrier + 2)) & 0x80000000u) == 0u) {
+            }
         } else {
-            while (load_acquire(barrier + 1) == gen) __nanosleep(32);
+            const unsigned gen = load_acquire(barrier + 1);
+            __threadfence();
+            const unsigned arrived = atomic_add_acq_rel(barrier, 1u);
+            if (arrived == gridDim.x - 1) {
+                barrier[0] = 0u;
+                store_release(barrier + 1, gen + 1u);
+            } else {
+                while (load_acquire(barrier + 1) == gen) __nanosleep(32);
+            }
+            __threadfence();
         }
-        __threadfence();
     }
     __syncthreads();
 }
@@ -554,7 +581,7 @@ __global__ void __launch_bounds__(kThreads, 2) fused_block_kernel(const fused_bl
     if (p.is_barriers_only) { /* the floor of a stage: its barrier, as the stages reach it */
         for (int b = 1; b < kNumStamps; ++b) {
             if (b + 1 == kNumStamps && p.stamps == nullptr) break;
-            grid_barrier(p.barrier);
+            grid_barrier(p.barrier, p.barrier_kind);
             if (is_stamped) p.stamps[b] = global_timer();
         }
         return;
@@ -574,11 +601,11 @@ __global__ void __launch_bounds__(kThreads, 2) fused_block_kernel(const fused_bl
     g.splits = 1;
     g.is_gelu = false;
     gemm_run<T>(g, M, smem, p.tile_counters, p.partials);
-    grid_barrier(p.barrier);
+    grid_barrier(p.barrier, p.barrier_kind);
     if (is_stamped) p.stamps[1] = global_timer();
 
     attention_run<T>(p, smem);
-    grid_barrier(p.barrier);
+    grid_barrier(p.barrier, p.barrier_kind);
     if (is_stamped) p.stamps[2] = global_timer();
 
     g.a = static_cast<const T *>(p.attn);
@@ -590,7 +617,7 @@ __global__ void __launch_bounds__(kThreads, 2) fused_block_kernel(const fused_bl
     g.n = C;
     g.splits = p.proj_splits;
     gemm_run<T>(g, M, smem, p.tile_counters, p.partials);
-    grid_barrier(p.barrier);
+    grid_barrier(p.barrier, p.barrier_kind);
     if (is_stamped) p.stamps[3] = global_timer();
 
     g.a = static_cast<const T *>(p.x1);
@@ -604,7 +631,7 @@ __global__ void __launch_bounds__(kThreads, 2) fused_block_kernel(const fused_bl
     g.splits = 1;
     g.is_gelu = true;
     gemm_run<T>(g, M, smem, p.tile_counters, p.partials);
-    grid_barrier(p.barrier);
+    grid_barrier(p.barrier, p.barrier_kind);
     if (is_stamped) p.stamps[4] = global_timer();
 
     g.a = static_cast<const T *>(p.hidden);
@@ -620,7 +647,7 @@ __global__ void __launch_bounds__(kThreads, 2) fused_block_kernel(const fused_bl
     g.is_gelu = false;
     gemm_run<T>(g, M, smem, p.tile_counters, p.partials);
     if (p.stamps != nullptr) { /* only a timed launch waits for the last stage */
-        grid_barrier(p.barrier);
+        grid_barrier(p.barrier, p.barrier_kind);
         if (is_stamped) p.stamps[5] = global_timer();
     }
 }
@@ -1067,8 +1094,8 @@ static device_block upload(const block_case &c, const block_data &d, int grid) {
     CHECK_CUDA(cudaMalloc(&b.partials, b.partial_bytes));
     CHECK_CUDA(cudaMalloc(&b.counters, (size_t)tiles * 4));
     CHECK_CUDA(cudaMemset(b.counters, 0, (size_t)tiles * 4));
-    CHECK_CUDA(cudaMalloc(&b.barrier, 8));
-    CHECK_CUDA(cudaMemset(b.barrier, 0, 8));
+    CHECK_CUDA(cudaMalloc(&b.barrier, 16));
+    CHECK_CUDA(cudaMemset(b.barrier, 0, 16));
     CHECK_CUDA(cudaMalloc(&b.cu, c.cu.size() * 4));
     CHECK_CUDA(cudaMemcpy(b.cu, c.cu.data(), c.cu.size() * 4, cudaMemcpyHostToDevice));
     fused_block_params &p = b.p;
@@ -1148,12 +1175,16 @@ static int run_case(const block_case &c) {
         device_block b = upload(c, d, grid);
         const std::vector<uint16_t> got = run_block(b, grid);
         const std::vector<uint16_t> again = run_block(b, grid);
+        b.p.barrier_kind = kFlipBarrier; /* the same sums in the same order: the same bits */
+        const std::vector<uint16_t> flip = run_block(b, grid);
+        b.p.barrier_kind = kGenerationBarrier;
         const check_result r = check_output(c, got, ref, rounded);
-        if (r.bad_values || r.bad_guard || got != again)
-            printf("    ^ grid %d, splits %d/%d: bad_values=%lld bad_guard=%lld%s\n", grid,
+        if (r.bad_values || r.bad_guard || got != again || got != flip)
+            printf("    ^ grid %d, splits %d/%d: bad_values=%lld bad_guard=%lld%s%s\n", grid,
                    b.p.proj_splits, b.p.fc2_splits, (long long)r.bad_values, (long long)r.bad_guard,
-                   got == again ? "" : " NOT BIT-IDENTICAL");
-        is_deterministic = is_deterministic && got == again;
+                   got == again ? "" : " NOT BIT-IDENTICAL",
+                   got == flip ? "" : " FLIP BARRIER DIFFERS");
+        is_deterministic = is_deterministic && got == again && got == flip;
         worst.max_err = std::max(worst.max_err, r.max_err);
         worst.tol = r.tol;
         worst.bad_values += r.bad_values;
@@ -1185,19 +1216,24 @@ static block_case make_case(const std::string &name, int dtype, int C, const std
     return c;
 }
 
-/* GPU us per launch (median of 7 x 200 back-to-back launches, L2 warm; the last column is a
- * launch of the barriers alone, the floor under each stage), then 200 launches
+/* GPU us per launch (median of 7 x 200 back-to-back launches, L2 warm; "barriers" is a launch
+ * of the barriers alone, the floor under each stage; "flip" columns use kFlipBarrier, the others
+ * kGenerationBarrier), then 200 launches
  * with CTA 0's %globaltimer stamps at each barrier, averaged per stage. */
 static void bench(int sm_count) {
     struct shape {
         const char *name;
         int C, batch, len;
         int is_barriers_only; /* the launch's barriers alone, on the grid of the others */
+        int barrier_kind;
     };
-    const shape shapes[] = {{"deit-s 1x99", 384, 1, 99, 0},
-                            {"deit-b 1x99", 768, 1, 99, 0},
-                            {"deit-s 4x99", 384, 4, 99, 0},
-                            {"barriers", 384, 1, 99, 1}};
+    const shape shapes[] = {{"deit-s 1x99", 384, 1, 99, 0, kGenerationBarrier},
+                            {"deit-b 1x99", 768, 1, 99, 0, kGenerationBarrier},
+                            {"deit-s 4x99", 384, 4, 99, 0, kGenerationBarrier},
+                            {"barriers", 384, 1, 99, 1, kGenerationBarrier},
+                            {"s 1x99 flip", 384, 1, 99, 0, kFlipBarrier},
+                            {"b 1x99 flip", 768, 1, 99, 0, kFlipBarrier},
+                            {"barriers flip", 384, 1, 99, 1, kFlipBarrier}};
     const char *stage_names[] = {"LN1 + qkv", "attention", "proj + residual", "LN2 + fc1 + GELU",
                                  "fc2 + residual"};
     std::vector<std::vector<double>> stage_us;
@@ -1209,6 +1245,7 @@ static void bench(int sm_count) {
         const int grid = g_grid[kF16];
         device_block b = upload(c, d, grid);
         b.p.is_barriers_only = sh.is_barriers_only;
+        b.p.barrier_kind = sh.barrier_kind;
         cudaEvent_t e0, e1;
         CHECK_CUDA(cudaEventCreate(&e0));
         CHECK_CUDA(cudaEventCreate(&e1));
@@ -1231,7 +1268,7 @@ static void bench(int sm_count) {
         const double flops =
             work * (2.0 * M * 12.0 * C * C + 4.0 * sh.batch * (double)sh.len * sh.len * C);
         const double weight_bytes = work * 2.0 * (12.0 * C * C + 13.0 * C);
-        printf("  %-12s T=%4d grid %d CTAs on %d SMs, splits %d/%d  %7.2f us (p0 %.2f, p100 "
+        printf("  %-13s T=%4d grid %d CTAs on %d SMs, splits %d/%d  %7.2f us (p0 %.2f, p100 "
                "%.2f)  %.3f GFLOP  %.2f MB weights\n",
                sh.name, b.M, grid, sm_count, b.p.proj_splits, b.p.fc2_splits, reps[3], reps[0],
                reps[6], flops * 1e-9, weight_bytes * 1e-6);
@@ -1263,11 +1300,11 @@ static void bench(int sm_count) {
     printf("per stage (us, mean of 200 stamped launches: CTA 0's %%globaltimer from one barrier "
            "to the next, a barrier's wait included; stamped launches add a last barrier):\n");
     printf("  %-18s", "stage");
-    for (const shape &sh : shapes) printf(" %12s", sh.name);
+    for (const shape &sh : shapes) printf(" %13s", sh.name);
     printf("\n");
     for (int s = 0; s < kNumStamps; ++s) {
         printf("  %-18s", s + 1 < kNumStamps ? stage_names[s] : "total (stamped)");
-        for (const auto &us : stage_us) printf(" %12.2f", us[(size_t)s]);
+        for (const auto &us : stage_us) printf(" %13.2f", us[(size_t)s]);
         printf("\n");
     }
 }

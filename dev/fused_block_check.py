@@ -17,6 +17,7 @@ a built ragvit):
   nvcc -std=c++17 -O3 -Xcompiler -fPIC -shared -DFUSED_BLOCK_LIBRARY \\
     -gencode=arch=compute_90a,code=sm_90a dev/fused_block.cu -o dev/libfused_block.so
   python3 dev/fused_block_check.py [--lib dev/libfused_block.so] [--reps 50]
+      [--barrier generation|flip]
 It prints a table and exits 1 if a case fails its check.
 """
 
@@ -45,6 +46,7 @@ CASES = [  # (model, dtype, sequence lengths)
     ("deit-b", torch.float16, [99] * 4),
 ]
 FLOOR = {torch.float16: 1e-3, torch.bfloat16: 8e-3}
+BARRIERS = {"generation": 0, "flip": 1}  # kGenerationBarrier, kFlipBarrier
 
 
 class Params(ctypes.Structure):
@@ -56,7 +58,8 @@ class Params(ctypes.Structure):
         "tile_counters", "barrier", "stamps", "cu_seqlens")] + [
         (name, ctypes.c_int) for name in (
             "num_seqs", "total_tokens", "channels", "num_heads", "max_seqlen", "proj_splits",
-            "fc2_splits")] + [("scale_log2", ctypes.c_float), ("is_barriers_only", ctypes.c_int)]
+            "fc2_splits")] + [("scale_log2", ctypes.c_float), ("is_barriers_only", ctypes.c_int),
+                              ("barrier_kind", ctypes.c_int)]
 
 
 def load(path: str) -> ctypes.CDLL:
@@ -123,7 +126,7 @@ def present_block(blk, rows: torch.Tensor, cu_seqlens: torch.Tensor, lengths: li
 class Fused:
     """The fused kernel's launch for one block: weights from blk, scratch of its own."""
 
-    def __init__(self, lib, blk, x, out, cu_seqlens, lengths):
+    def __init__(self, lib, blk, x, out, cu_seqlens, lengths, barrier_kind):
         dtype_id = {torch.float16: 0, torch.bfloat16: 1}[x.dtype]
         per_sm = lib.fused_block_occupancy(dtype_id)
         if per_sm < 1:
@@ -141,7 +144,7 @@ class Fused:
                      torch.empty(T, 4 * C, dtype=x.dtype, **kw),
                      torch.empty(max(proj, fc2), T, C, dtype=torch.float32, **kw),
                      torch.zeros(-(-T // 32) * (C // 64), dtype=torch.int32, **kw),
-                     torch.zeros(2, dtype=torch.int32, **kw)]
+                     torch.zeros(4, dtype=torch.int32, **kw)]
         qkv, attn, x1, hidden, partials, counters, barrier = self.keep[4:]
         a, m = blk.attn, blk.mlp
         ptr = torch.Tensor.data_ptr
@@ -151,7 +154,8 @@ class Fused:
             ptr(blk.norm2.bias), ptr(m.fc1.weight), ptr(m.fc1.bias), ptr(m.fc2.weight),
             ptr(m.fc2.bias), ptr(qkv), ptr(attn), ptr(x1), ptr(hidden), ptr(partials),
             ptr(counters), ptr(barrier), None, ptr(cu_seqlens), len(lengths), T, C,
-            a.num_heads, max(lengths), proj, fc2, a.scale * math.log2(math.e), 0)
+            a.num_heads, max(lengths), proj, fc2, a.scale * math.log2(math.e), 0,
+            barrier_kind)
         self.splits = (proj, fc2)
 
     def __call__(self):
@@ -161,7 +165,7 @@ class Fused:
             raise RuntimeError(f"fused_block_run: cudaError_t {rc}")
 
 
-def run_case(lib, model, dtype, lengths, seed, reps) -> tuple[str, bool]:
+def run_case(lib, model, dtype, lengths, seed, reps, barrier_kind) -> tuple[str, bool]:
     blk = make_block(model, dtype, seed)
     C = MODELS[model][1]
     T = sum(lengths)
@@ -172,7 +176,7 @@ def run_case(lib, model, dtype, lengths, seed, reps) -> tuple[str, bool]:
     with torch.inference_mode():
         present = present_block(blk, x.clone(), cu, lengths)
         out = torch.full_like(x, float("nan"))
-        fused = Fused(lib, blk, x, out, cu, lengths)
+        fused = Fused(lib, blk, x, out, cu, lengths, barrier_kind)
         fused()
         torch.cuda.synchronize()
         err_present = float((present.double() - ref).abs().max())
@@ -200,19 +204,22 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--lib", default="dev/libfused_block.so")
     p.add_argument("--reps", type=int, default=50, help="timed replays of each graph a round")
+    p.add_argument("--barrier", choices=list(BARRIERS), default="generation",
+                   help="the fused kernel's grid barrier (fused_block.cu's grid_barrier)")
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
         p.error("needs a CUDA GPU")
     lib = load(args.lib)
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}; "
           f"GPU µs per block in graphs of {BLOCKS_PER_GRAPH} blocks, median of 3 rounds of "
-          f"{args.reps} replays")
+          f"{args.reps} replays; {args.barrier} barrier")
     print("| case | dtype | T | grid | splits | present err | fused err | fused - present | "
           "check | present µs | fused µs | present / fused |")
     print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     failures = 0
     for seed, (model, dtype, lengths) in enumerate(CASES):
-        line, ok = run_case(lib, model, dtype, lengths, seed, args.reps)
+        line, ok = run_case(lib, model, dtype, lengths, seed, args.reps,
+                            BARRIERS[args.barrier])
         print(line, flush=True)
         failures += not ok
     print("ALL PASS" if failures == 0 else f"FAIL: {failures} case(s)")
