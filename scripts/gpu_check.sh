@@ -27,7 +27,8 @@
 #               strongest alternative (dense_gather_compiled) at DeiT-B batch 256
 #   fused       builds dev/fused_block.cu (dev/README.md) for sm_90a, runs its checks and
 #               timing (--bench), sets it beside ragvit's present path on timm blocks
-#               (dev/fused_block_check.py), then memcheck and racecheck on its --quick cases
+#               (dev/fused_block_check.py), profiles its first launch with ncu (stalls by
+#               source line), then memcheck and racecheck on its --quick cases
 #   notebook    benchmarks/run_notebook.py on DIR and benchmarks/results plus its own sweep
 #               (NB_SWEEP=0 skips it) -> DIR/notebook/
 #   tar         packs everything into DIR/gpu_check_logs.tar.gz, leaving it and summary.txt
@@ -43,7 +44,7 @@ while [ $# -ge 1 ]; do
         --out) out=$2; shift 2 ;;
         --archs) archs=$2; shift 2 ;;
         --tag) tag=$2; shift 2 ;;
-        -h | --help) sed -n 2,35p "$0"; exit 0 ;;
+        -h | --help) sed -n 2,36p "$0"; exit 0 ;;
         -*) echo "gpu_check.sh: unknown option $1" >&2; exit 2 ;;
         *) steps+=("$1"); shift ;;
     esac
@@ -170,6 +171,10 @@ if has fused; then
     run fused_lib_build nvcc -std=c++17 -O3 -Xcompiler -fPIC -shared -DFUSED_BLOCK_LIBRARY \
         -gencode=arch=compute_90a,code=sm_90a dev/fused_block.cu -o dev/libfused_block.so
     run fused_check timeout 180 python3 dev/fused_block_check.py --lib dev/libfused_block.so
+    # where the first launch (DeiT-S 1x99, full grid) stalls, by source line (-lineinfo above)
+    run fused_ncu timeout 180 ncu --section SpeedOfLight --section WarpStateStats \
+        --section SourceCounters --print-details all -k regex:fused_block_kernel -c 1 \
+        ./dev/fused_block.bin
     for tool in memcheck racecheck; do
         run "fused_$tool" timeout "${SANITIZER_TIMEOUT:-150}" compute-sanitizer --tool "$tool" \
             --error-exitcode 9 ./dev/fused_block.bin --quick
