@@ -190,7 +190,7 @@ static __device__ __forceinline__ unsigned load_acquire(const unsigned *p) {
 
 static __device__ __forceinline__ unsigned atomic_add_release(unsigned *p, unsigned v) {
     unsigned old;
-    asm volatile("atom.add.release.gpu.global.u32 %0, [%1], %2;\n"
+    asm volatile("atom.release.gpu.global.add.u32 %0, [%1], %2;\n"
                  : "=r"(old)
                  : "l"(p), "r"(v)
                  : "memory");
