@@ -75,10 +75,12 @@ struct fused_block_params {
     unsigned long long *stamps;  /* nullptr, or (kNumStamps,) %globaltimer at each barrier */
     const int *cu_seqlens;       /* (S+1,) */
     int num_seqs, total_tokens, channels, num_heads, max_seqlen;
-    int proj_splits, fc2_splits; /* K splits of the two GEMMs with a residual epilogue */
-    float scale_log2;            /* softmax scale * log2(e) */
-    int is_barriers_only;        /* 1: the launch's barriers (and stamps) without the stages */
-    int barrier_kind;            /* kGenerationBarrier or kFlipBarrier (grid_barrier) */
+    int proj_splits, fc2_splits;  /* K splits of the two GEMMs with a residual epilogue */
+    float scale_log2;             /* softmax scale * log2(e) */
+    int is_barriers_only;         /* 1: the launch's barriers (and stamps) without the stages */
+    int barrier_kind;             /* kGenerationBarrier or kFlipBarrier (grid_barrier) */
+    unsigned long long *arrivals; /* nullptr, or (grid, kNumStamps) with stamps: %globaltimer as
+                                   * each CTA arrives at each barrier (all its warps done) */
 };
 
 enum { kGenerationBarrier = 0, kFlipBarrier = 1 };
@@ -220,9 +222,11 @@ static __device__ __forceinline__ unsigned long long global_timer() {
  *   The release of every arrival and the acquire of the load that sees the flip order each
  *   CTA's writes (made before the __syncthreads) before every other CTA's reads after it.
  * Both leave their words ready for the next barrier and the next launch. */
-static __device__ __forceinline__ void grid_barrier(unsigned *barrier, int kind) {
+static __device__ __forceinline__ void grid_barrier(unsigned *barrier, int kind,
+                                                    unsigned long long *arrival) {
     __syncthreads();
     if (threadIdx.x == 0) {
+        if (arrival != nullptr) *arrival = global_timer();
         if (kind == kFlipBarrier) {
             const unsigned add = blockIdx.x == 0 ? 0x80000000u - (gridDim.x - 1u) : 1u;
             const unsigned old = atomic_add_release(barrier + 2, add);
@@ -571,6 +575,12 @@ static __device__ void attention_run(const fused_block_params &p, char *smem) {
 
 // ---- kernels ----
 
+/* Where this CTA stamps its arrival at barrier b (1..kNumStamps - 1), or nullptr. */
+static __device__ __forceinline__ unsigned long long *arrival_slot(const fused_block_params &p,
+                                                                   int b) {
+    return p.arrivals == nullptr ? nullptr : p.arrivals + (size_t)blockIdx.x * kNumStamps + b;
+}
+
 template <typename T>
 __global__ void __launch_bounds__(kThreads, 2) fused_block_kernel(const fused_block_params p) {
     extern __shared__ uint4 smem_u4[];
@@ -581,7 +591,7 @@ __global__ void __launch_bounds__(kThreads, 2) fused_block_kernel(const fused_bl
     if (p.is_barriers_only) { /* the floor of a stage: its barrier, as the stages reach it */
         for (int b = 1; b < kNumStamps; ++b) {
             if (b + 1 == kNumStamps && p.stamps == nullptr) break;
-            grid_barrier(p.barrier, p.barrier_kind);
+            grid_barrier(p.barrier, p.barrier_kind, arrival_slot(p, b));
             if (is_stamped) p.stamps[b] = global_timer();
         }
         return;
@@ -601,11 +611,11 @@ __global__ void __launch_bounds__(kThreads, 2) fused_block_kernel(const fused_bl
     g.splits = 1;
     g.is_gelu = false;
     gemm_run<T>(g, M, smem, p.tile_counters, p.partials);
-    grid_barrier(p.barrier, p.barrier_kind);
+    grid_barrier(p.barrier, p.barrier_kind, arrival_slot(p, 1));
     if (is_stamped) p.stamps[1] = global_timer();
 
     attention_run<T>(p, smem);
-    grid_barrier(p.barrier, p.barrier_kind);
+    grid_barrier(p.barrier, p.barrier_kind, arrival_slot(p, 2));
     if (is_stamped) p.stamps[2] = global_timer();
 
     g.a = static_cast<const T *>(p.attn);
@@ -617,7 +627,7 @@ __global__ void __launch_bounds__(kThreads, 2) fused_block_kernel(const fused_bl
     g.n = C;
     g.splits = p.proj_splits;
     gemm_run<T>(g, M, smem, p.tile_counters, p.partials);
-    grid_barrier(p.barrier, p.barrier_kind);
+    grid_barrier(p.barrier, p.barrier_kind, arrival_slot(p, 3));
     if (is_stamped) p.stamps[3] = global_timer();
 
     g.a = static_cast<const T *>(p.x1);
@@ -631,7 +641,7 @@ __global__ void __launch_bounds__(kThreads, 2) fused_block_kernel(const fused_bl
     g.splits = 1;
     g.is_gelu = true;
     gemm_run<T>(g, M, smem, p.tile_counters, p.partials);
-    grid_barrier(p.barrier, p.barrier_kind);
+    grid_barrier(p.barrier, p.barrier_kind, arrival_slot(p, 4));
     if (is_stamped) p.stamps[4] = global_timer();
 
     g.a = static_cast<const T *>(p.hidden);
@@ -647,7 +657,7 @@ __global__ void __launch_bounds__(kThreads, 2) fused_block_kernel(const fused_bl
     g.is_gelu = false;
     gemm_run<T>(g, M, smem, p.tile_counters, p.partials);
     if (p.stamps != nullptr) { /* only a timed launch waits for the last stage */
-        grid_barrier(p.barrier, p.barrier_kind);
+        grid_barrier(p.barrier, p.barrier_kind, arrival_slot(p, 5));
         if (is_stamped) p.stamps[5] = global_timer();
     }
 }
@@ -1236,7 +1246,7 @@ static void bench(int sm_count) {
                             {"barriers flip", 384, 1, 99, 1, kFlipBarrier}};
     const char *stage_names[] = {"LN1 + qkv", "attention", "proj + residual", "LN2 + fc1 + GELU",
                                  "fc2 + residual"};
-    std::vector<std::vector<double>> stage_us;
+    std::vector<std::vector<double>> stage_us, until_us, barrier_us;
     printf("bench (fp16, GPU us per launch, median of 7 x 200 launches, L2 warm):\n");
     for (const shape &sh : shapes) {
         const block_case c =
@@ -1273,26 +1283,46 @@ static void bench(int sm_count) {
                sh.name, b.M, grid, sm_count, b.p.proj_splits, b.p.fc2_splits, reps[3], reps[0],
                reps[6], flops * 1e-9, weight_bytes * 1e-6);
         const int n = 200;
-        unsigned long long *stamps = nullptr;
+        const size_t per_launch = (size_t)grid * kNumStamps;
+        unsigned long long *stamps = nullptr, *arrivals = nullptr;
         CHECK_CUDA(cudaMalloc(&stamps, (size_t)n * kNumStamps * 8));
+        CHECK_CUDA(cudaMalloc(&arrivals, (size_t)n * per_launch * 8));
         for (int i = 0; i < n; ++i) {
             fused_block_params p = b.p;
             p.stamps = stamps + (size_t)i * kNumStamps;
+            p.arrivals = arrivals + (size_t)i * per_launch;
             CHECK_CUDA(fused_block_launch(p, kF16, grid, nullptr));
         }
         CHECK_CUDA(cudaGetLastError());
         CHECK_CUDA(cudaDeviceSynchronize());
-        std::vector<unsigned long long> h((size_t)n * kNumStamps);
+        std::vector<unsigned long long> h((size_t)n * kNumStamps), ha((size_t)n * per_launch);
         CHECK_CUDA(cudaMemcpy(h.data(), stamps, h.size() * 8, cudaMemcpyDeviceToHost));
-        std::vector<double> us(kNumStamps, 0.0);
+        CHECK_CUDA(cudaMemcpy(ha.data(), arrivals, ha.size() * 8, cudaMemcpyDeviceToHost));
+        std::vector<double> us(kNumStamps, 0.0), until(kNumStamps - 1, 0.0),
+            release_us(kNumStamps - 1, 0.0);
         for (int i = 0; i < n; ++i) {
             const unsigned long long *t = &h[(size_t)i * kNumStamps];
-            for (int s = 0; s + 1 < kNumStamps; ++s) us[(size_t)s] += (double)(t[s + 1] - t[s]);
+            for (int s = 0; s + 1 < kNumStamps; ++s) {
+                us[(size_t)s] += (double)(t[s + 1] - t[s]);
+                /* the last CTA to arrive at barrier s + 1 bounds the stage's work; from then
+                 * to CTA 0's stamp after it is the barrier's own latency */
+                unsigned long long last = 0;
+                for (int cta = 0; cta < grid; ++cta)
+                    last = std::max(
+                        last,
+                        ha[(size_t)i * per_launch + (size_t)cta * kNumStamps + (size_t)s + 1]);
+                until[(size_t)s] += (double)(long long)(last - t[s]);
+                release_us[(size_t)s] += (double)(long long)(t[s + 1] - last);
+            }
             us[kNumStamps - 1] += (double)(t[kNumStamps - 1] - t[0]);
         }
-        for (auto &v : us) v = v / n / 1000.0;
+        for (auto *v : {&us, &until, &release_us})
+            for (auto &x : *v) x = x / n / 1000.0;
         stage_us.push_back(us);
+        until_us.push_back(until);
+        barrier_us.push_back(release_us);
         CHECK_CUDA(cudaFree(stamps));
+        CHECK_CUDA(cudaFree(arrivals));
         CHECK_CUDA(cudaEventDestroy(e0));
         CHECK_CUDA(cudaEventDestroy(e1));
         release(&b);
@@ -1306,6 +1336,20 @@ static void bench(int sm_count) {
         printf("  %-18s", s + 1 < kNumStamps ? stage_names[s] : "total (stamped)");
         for (const auto &us : stage_us) printf(" %13.2f", us[(size_t)s]);
         printf("\n");
+    }
+    printf("the same split at the last CTA's arrival (its warps done, before its atomic), us: "
+           "work = CTA 0's previous stamp to the last arrival, barrier = last arrival to CTA 0's "
+           "stamp after the barrier\n");
+    printf("  %-18s %-8s", "stage", "part");
+    for (const shape &sh : shapes) printf(" %13s", sh.name);
+    printf("\n");
+    for (int s = 0; s + 1 < kNumStamps; ++s) {
+        for (int part = 0; part < 2; ++part) {
+            printf("  %-18s %-8s", stage_names[s], part == 0 ? "work" : "barrier");
+            for (const auto &us : part == 0 ? until_us : barrier_us)
+                printf(" %13.2f", us[(size_t)s]);
+            printf("\n");
+        }
     }
 }
 

@@ -59,7 +59,7 @@ class Params(ctypes.Structure):
         (name, ctypes.c_int) for name in (
             "num_seqs", "total_tokens", "channels", "num_heads", "max_seqlen", "proj_splits",
             "fc2_splits")] + [("scale_log2", ctypes.c_float), ("is_barriers_only", ctypes.c_int),
-                              ("barrier_kind", ctypes.c_int)]
+                              ("barrier_kind", ctypes.c_int), ("arrivals", ctypes.c_void_p)]
 
 
 def load(path: str) -> ctypes.CDLL:
@@ -155,7 +155,7 @@ class Fused:
             ptr(m.fc2.bias), ptr(qkv), ptr(attn), ptr(x1), ptr(hidden), ptr(partials),
             ptr(counters), ptr(barrier), None, ptr(cu_seqlens), len(lengths), T, C,
             a.num_heads, max(lengths), proj, fc2, a.scale * math.log2(math.e), 0,
-            barrier_kind)
+            barrier_kind, None)
         self.splits = (proj, fc2)
 
     def __call__(self):
