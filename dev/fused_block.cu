@@ -9,10 +9,10 @@
  * reference (and --cpu-selftest checks that reference without a GPU); docs/kernels/fused_block.md
  * has the design, dev/README.md the options. Build, check (then time, with --bench) and
  * sanitize on cc 9.0 GPUs (for sm_80 GPUs: -gencode=arch=compute_80,code=sm_80):
- *   nvcc -std=c++17 -O3 -gencode=arch=compute_90a,code=sm_90a -Xptxas -v dev/fused_block.cu \
- *     -o dev/fused_block.bin && dev/fused_block.bin --bench
- *   nvcc -std=c++17 -O3 -lineinfo -gencode=arch=compute_90a,code=sm_90a dev/fused_block.cu \
- *     -o dev/fused_block_debug.bin
+ *   nvcc -std=c++17 -O3 -Icsrc/include -Icsrc/kernels -gencode=arch=compute_90a,code=sm_90a \
+ *     -Xptxas -v dev/fused_block.cu -o dev/fused_block.bin && dev/fused_block.bin --bench
+ *   nvcc -std=c++17 -O3 -lineinfo -Icsrc/include -Icsrc/kernels \
+ *     -gencode=arch=compute_90a,code=sm_90a dev/fused_block.cu -o dev/fused_block_debug.bin
  *   compute-sanitizer --tool memcheck dev/fused_block_debug.bin --quick
  *   compute-sanitizer --tool racecheck dev/fused_block_debug.bin --quick
  *   dev/fused_block.bin --cpu-selftest      (the reference and the checker; no GPU needed)
@@ -32,8 +32,9 @@
 #include <vector>
 
 #include <cuda_runtime.h>
-#include <cuda_fp16.h>
-#include <cuda_bf16.h>
+
+#include "attention.cuh" /* attention_elem (pack, unpack, mma.sync) and the cp.async helpers */
+#include "workbench.h"
 
 // ---- shapes and parameters ----
 
@@ -87,76 +88,10 @@ enum { kGenerationBarrier = 0, kFlipBarrier = 1 };
 
 // ---- device helpers ----
 
-template <typename T> struct elem_ops;
-
-template <> struct elem_ops<__half> {
-    static __device__ __forceinline__ uint32_t pack(float a, float b) {
-        const __half2 h = __floats2half2_rn(a, b);
-        uint32_t u;
-        memcpy(&u, &h, 4);
-        return u;
-    }
-    static __device__ __forceinline__ float2 unpack(uint32_t u) {
-        __half2 h;
-        memcpy(&h, &u, 4);
-        return __half22float2(h);
-    }
-    static __device__ __forceinline__ void mma(float c[4], const uint32_t a[4], uint32_t b0,
-                                               uint32_t b1) {
-        asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
-            "{%8,%9}, {%0,%1,%2,%3};\n"
-            : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-            : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-    }
-};
-
-template <> struct elem_ops<__nv_bfloat16> {
-    static __device__ __forceinline__ uint32_t pack(float a, float b) {
-        const __nv_bfloat162 h = __floats2bfloat162_rn(a, b);
-        uint32_t u;
-        memcpy(&u, &h, 4);
-        return u;
-    }
-    static __device__ __forceinline__ float2 unpack(uint32_t u) {
-        __nv_bfloat162 h;
-        memcpy(&h, &u, 4);
-        return __bfloat1622float2(h);
-    }
-    static __device__ __forceinline__ void mma(float c[4], const uint32_t a[4], uint32_t b0,
-                                               uint32_t b1) {
-        asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
-            "{%8,%9}, {%0,%1,%2,%3};\n"
-            : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-            : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-    }
-};
-
 /* 16 bytes global -> shared, through L2 only (.cg): data written earlier in this launch by
  * other SMs is never served from a stale L1 line. */
 static __device__ __forceinline__ void cp_async16(void *smem, const void *gmem) {
-    const unsigned s = (unsigned)__cvta_generic_to_shared(smem);
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(s), "l"(gmem) : "memory");
-}
-
-static __device__ __forceinline__ void cp_async_commit() {
-    asm volatile("cp.async.commit_group;\n" ::: "memory");
-}
-
-template <int N> static __device__ __forceinline__ void cp_async_wait() {
-    asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
-}
-
-/* cp.async.wait_group with a count known only at run time (0..6; more waits for all). */
-static __device__ __forceinline__ void cp_async_wait_upto(int n) {
-    switch (n) {
-    case 1: cp_async_wait<1>(); break;
-    case 2: cp_async_wait<2>(); break;
-    case 3: cp_async_wait<3>(); break;
-    case 4: cp_async_wait<4>(); break;
-    case 5: cp_async_wait<5>(); break;
-    case 6: cp_async_wait<6>(); break;
-    default: cp_async_wait<0>(); break;
-    }
+    attention_cp_async16(attention_smem_addr(smem), gmem, true);
 }
 
 static __device__ __forceinline__ void ldsm_x4(uint32_t r[4], const void *smem) {
@@ -268,7 +203,7 @@ template <typename T> struct gemm_stage {
 /* LayerNorm (eps 1e-6, fp32 statistics, two passes) of the A panel's rows in place. */
 template <typename T>
 static __device__ void layer_norm_panel(T *sa, int stride, int k, const T *ln_w, const T *ln_b) {
-    using ops = elem_ops<T>;
+    using ops = attention_elem<T>;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     for (int r = warp; r < kTileM; r += kWarps) {
         uint32_t *row = reinterpret_cast<uint32_t *>(sa + r * stride);
@@ -306,7 +241,7 @@ static __device__ void layer_norm_panel(T *sa, int stride, int k, const T *ln_w,
 template <typename T>
 static __device__ void gemm_run(const gemm_stage<T> &g, int num_rows, char *smem,
                                 unsigned *counters, float *partials) {
-    using ops = elem_ops<T>;
+    using ops = attention_elem<T>;
     __shared__ int s_is_last;
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     const int wm = warp >> 1, wn = warp & 1;
@@ -333,7 +268,7 @@ static __device__ void gemm_run(const gemm_stage<T> &g, int num_rows, char *smem
             else
                 *reinterpret_cast<uint4 *>(dst) = make_uint4(0u, 0u, 0u, 0u);
         }
-        cp_async_commit();
+        attention_cp_async_commit();
         auto load_w = [&](int kt) {
             if (kt < k_tiles) {
                 T *dst = sw + (kt % slots) * kWSlotElems;
@@ -342,14 +277,14 @@ static __device__ void gemm_run(const gemm_stage<T> &g, int num_rows, char *smem
                     cp_async16(dst + (c >> 3) * w_stride + (c & 7) * 8,
                                src + (size_t)(c >> 3) * g.k + (c & 7) * 8);
             }
-            cp_async_commit(); /* empty groups keep the group count = tile index */
+            attention_cp_async_commit(); /* empty groups keep the group count = tile index */
         };
         for (int s = 0; s < slots - 1; ++s) load_w(s);
         float acc[4][4];
         for (int j = 0; j < 4; ++j)
             for (int e = 0; e < 4; ++e) acc[j][e] = 0.0f;
         for (int kt = 0; kt < k_tiles; ++kt) {
-            cp_async_wait_upto(slots - 2); /* the A panel and W tile kt have landed */
+            attention_cp_async_wait_pending(slots - 2); /* the A panel and W tile kt have landed */
             __syncthreads();
             if (kt == 0 && g.ln_w != nullptr) {
                 layer_norm_panel<T>(sa, a_stride, kc, g.ln_w, g.ln_b);
@@ -438,7 +373,7 @@ static __device__ void gemm_run(const gemm_stage<T> &g, int num_rows, char *smem
         }
         __syncthreads(); /* the next item's loads overwrite the panel and the ring */
     }
-    cp_async_wait<0>();
+    attention_cp_async_wait<0>();
 }
 
 /* Attention: each warp takes (sequence, head, 16 query rows) items with its own Q, K and V
@@ -449,7 +384,7 @@ static __device__ void gemm_run(const gemm_stage<T> &g, int num_rows, char *smem
  * max_seqlen, or outside [0, T], is skipped. */
 template <typename T>
 static __device__ void attention_run(const fused_block_params &p, char *smem) {
-    using ops = elem_ops<T>;
+    using ops = attention_elem<T>;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int g8 = lane >> 2, t4 = lane & 3;
     const int C = p.channels, H = p.num_heads;
@@ -490,7 +425,7 @@ static __device__ void attention_run(const fused_block_params &p, char *smem) {
                 else
                     *reinterpret_cast<uint4 *>(dk) = make_uint4(0u, 0u, 0u, 0u);
             }
-            cp_async_commit(); /* K (and Q, on the first tile) */
+            attention_cp_async_commit(); /* K (and Q, on the first tile) */
             for (int c = lane; c < kKeyTile * 8; c += 32) {
                 const int r = c >> 3, cc = c & 7;
                 T *dv = sv + r * stride + cc * 8;
@@ -499,8 +434,8 @@ static __device__ void attention_run(const fused_block_params &p, char *smem) {
                 else
                     *reinterpret_cast<uint4 *>(dv) = make_uint4(0u, 0u, 0u, 0u);
             }
-            cp_async_commit(); /* V */
-            cp_async_wait<1>();
+            attention_cp_async_commit(); /* V */
+            attention_cp_async_wait<1>();
             __syncwarp();
             if (kb == 0)
                 for (int kk = 0; kk < 4; ++kk)
@@ -539,7 +474,7 @@ static __device__ void attention_run(const fused_block_params &p, char *smem) {
                 }
             l[0] = l[0] * alpha[0] + sum[0];
             l[1] = l[1] * alpha[1] + sum[1];
-            cp_async_wait<0>();
+            attention_cp_async_wait<0>();
             __syncwarp();
             for (int kk = 0; kk < 4; ++kk) {
                 uint32_t a[4];
@@ -664,17 +599,7 @@ __global__ void __launch_bounds__(kThreads, 2) fused_block_kernel(const fused_bl
 
 // ---- launcher ----
 
-enum dtype_id { kF16 = 0, kBF16 = 1 };
-
-#define CHECK_CUDA(x)                                                                              \
-    do {                                                                                           \
-        cudaError_t e_ = (x);                                                                      \
-        if (e_ != cudaSuccess) {                                                                   \
-            fprintf(stderr, "%s failed: %s (%s:%d)\n", #x, cudaGetErrorString(e_), __FILE__,       \
-                    __LINE__);                                                                     \
-            exit(2);                                                                               \
-        }                                                                                          \
-    } while (0)
+enum dtype_id { kF16 = RAGVIT_DTYPE_F16, kBF16 = RAGVIT_DTYPE_BF16 };
 
 static const void *kernel_of(int dtype) {
     return dtype == kF16 ? reinterpret_cast<const void *>(fused_block_kernel<__half>)
@@ -739,26 +664,6 @@ int fused_block_run(const fused_block_params *p, int dtype, int grid, void *stre
 #ifndef FUSED_BLOCK_LIBRARY
 
 // ---- host reference ----
-
-static uint16_t to_bits(double x, int dtype) {
-    if (dtype == kF16) {
-        const __half_raw r = __float2half_rn((float)x);
-        return r.x;
-    }
-    const __nv_bfloat16_raw r = __float2bfloat16_rn((float)x);
-    return r.x;
-}
-
-static double from_bits(uint16_t u, int dtype) {
-    if (dtype == kF16) {
-        __half_raw r;
-        r.x = u;
-        return (double)__half2float(__half(r));
-    }
-    __nv_bfloat16_raw r;
-    r.x = u;
-    return (double)__bfloat162float(__nv_bfloat16(r));
-}
 
 static const uint16_t kPoison16 = 0xFFFFu; /* NaN in fp16 and in bf16 */
 

@@ -14,8 +14,9 @@ fused_block.cu), timed in three rotating rounds of --reps replays each
 
 Build the kernel as a library, then run (a CUDA GPU of compute capability 9.0; torch, timm and
 a built ragvit):
-  nvcc -std=c++17 -O3 -Xcompiler -fPIC -shared -DFUSED_BLOCK_LIBRARY \\
-    -gencode=arch=compute_90a,code=sm_90a dev/fused_block.cu -o dev/libfused_block.so
+  nvcc -std=c++17 -O3 -Xcompiler -fPIC -shared -DFUSED_BLOCK_LIBRARY -Icsrc/include \\
+    -Icsrc/kernels -gencode=arch=compute_90a,code=sm_90a dev/fused_block.cu \\
+    -o dev/libfused_block.so
   python3 dev/fused_block_check.py [--lib dev/libfused_block.so] [--reps 50]
       [--barrier generation|flip]
 It prints a table and exits 1 if a case fails its check.

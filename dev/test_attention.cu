@@ -23,6 +23,7 @@
 #include <vector>
 
 #include "attention.cuh"
+#include "workbench.h"
 
 // ---- link stand-ins (status.c and device.cu are not part of this program) ----
 
@@ -43,16 +44,6 @@ extern "C" ragvit_status ragvit_fail(ragvit_status status, const char *fmt, ...)
 }
 
 // ---- host helpers ----
-
-#define CHECK_CUDA(x)                                                                              \
-    do {                                                                                           \
-        cudaError_t e_ = (x);                                                                      \
-        if (e_ != cudaSuccess) {                                                                   \
-            fprintf(stderr, "%s failed: %s (%s:%d)\n", #x, cudaGetErrorString(e_), __FILE__,       \
-                    __LINE__);                                                                     \
-            exit(2);                                                                               \
-        }                                                                                          \
-    } while (0)
 
 /* The wgmma path is linked only with sm_90a code (RAGVIT_HAS_SM90A); without it its predicate
  * is false, so its plans are never forced. */
@@ -85,26 +76,6 @@ static ragvit_status wgmma_launch_plan(const ragvit_attention_args *a,
 
 static const uint16_t kPoison16 = 0xFFFFu;     /* NaN in fp16 and in bf16 */
 static const uint32_t kPoison32 = 0xFFFFFFFFu; /* NaN in fp32 */
-
-static uint16_t to_bits(float x, int dtype) {
-    if (dtype == RAGVIT_DTYPE_F16) {
-        const __half_raw r = __float2half_rn(x);
-        return r.x;
-    }
-    const __nv_bfloat16_raw r = __float2bfloat16_rn(x);
-    return r.x;
-}
-
-static double from_bits(uint16_t u, int dtype) {
-    if (dtype == RAGVIT_DTYPE_F16) {
-        __half_raw r;
-        r.x = u;
-        return (double)__half2float(__half(r));
-    }
-    __nv_bfloat16_raw r;
-    r.x = u;
-    return (double)__bfloat162float(__nv_bfloat16(r));
-}
 
 static bool g_is_quick = false; /* small cases only (for compute-sanitizer) */
 static bool g_is_sweep = true;  /* bench: forced plans besides the launcher's (--no-sweep) */

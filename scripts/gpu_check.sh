@@ -165,11 +165,13 @@ fi
 if has fused; then
     # sm_90a: the prototype needs no Hopper instruction, but the machines this runs on are
     # Hopper; dev/README.md has the sm_80 command
-    run fused_build nvcc -std=c++17 -O3 -lineinfo -gencode=arch=compute_90a,code=sm_90a \
-        -Xptxas -v dev/fused_block.cu -o dev/fused_block.bin
+    run fused_build nvcc -std=c++17 -O3 -lineinfo -Icsrc/include -Icsrc/kernels \
+        -gencode=arch=compute_90a,code=sm_90a -Xptxas -v dev/fused_block.cu \
+        -o dev/fused_block.bin
     run fused timeout 120 ./dev/fused_block.bin --bench
     run fused_lib_build nvcc -std=c++17 -O3 -Xcompiler -fPIC -shared -DFUSED_BLOCK_LIBRARY \
-        -gencode=arch=compute_90a,code=sm_90a dev/fused_block.cu -o dev/libfused_block.so
+        -Icsrc/include -Icsrc/kernels -gencode=arch=compute_90a,code=sm_90a \
+        dev/fused_block.cu -o dev/libfused_block.so
     run fused_check timeout 180 python3 dev/fused_block_check.py --lib dev/libfused_block.so
     # where the first launch (DeiT-S 1x99, full grid) stalls, by source line (-lineinfo above)
     run fused_ncu timeout 180 ncu --section SpeedOfLight --section WarpStateStats \
