@@ -1307,7 +1307,7 @@ PyObject *wrap_output(call_state *cs, PyObject *obj) {
         Py_DECREF(obj);
         return NULL;
     }
-    if (is_cuda && cupy_route_applies(st, type, b)) {
+    if (is_cuda && cupy_route_applies(st, type, b)) { /* resolved by this lookup's miss */
         Py_XDECREF(from_dlpack);
         return wrap_cupy(cs, b);
     }
