@@ -664,6 +664,21 @@ def test_attention_rejects(device, mutate, exc, pattern):
     assert_rejected(_call_attention, _attention_base(device), mutate, exc, pattern)
 
 
+@pytest.mark.parametrize("device", devices())
+@pytest.mark.parametrize("given_out", [True, False], ids=["out", "allocated"])
+def test_attention_rejects_more_sequences_than_int32(device, given_out, gen):
+    """The kernels count sequences in int32: 2^31 of them are refused before anything
+    runs. cu_seqlens is a stride-0 view, so its 2^31 + 1 entries take no memory."""
+    q, k, v = make_qkv(gen, 4, 2, 32, torch.float32, device)
+    cu_seqlens = torch.zeros(1, dtype=torch.int32, device=device).expand(2**31 + 1)
+    out = poison(q.shape, q.dtype, device)
+    pattern = (r"^attention: cu_seqlens must hold at most 2\^31-1 sequences \(2\^31 entries\), "
+               r"got 2147483649 entries$")
+    with pytest.raises(ValueError, match=pattern):
+        ragvit.attention(q, k, v, cu_seqlens, out=out if given_out else None)
+    assert torch.isnan(out).all()
+
+
 DEVICE_MISMATCH = ["k", "cu_seqlens", "out", "cls_attn"]
 
 

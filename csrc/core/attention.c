@@ -63,6 +63,12 @@ static ragvit_status attention_check(const ragvit_tensor *out, const ragvit_tens
     RAGVIT_TRY(tensor_check_writable(op, "out", out));
     RAGVIT_TRY(tensor_check_no_self_overlap(op, "out", out));
     RAGVIT_TRY(tensor_check_cu_seqlens(op, cu_seqlens));
+    if (cu_seqlens->shape[0] - 1 > INT32_MAX) { /* the kernels count sequences in int32 */
+        return ragvit_fail(RAGVIT_STATUS_INVALID_SHAPE,
+                           "%s: cu_seqlens must hold at most 2^31-1 sequences (2^31 entries), "
+                           "got %" PRId64 " entries",
+                           op, cu_seqlens->shape[0]);
+    }
     if (cu_seqlens->strides[0] != 1 && cu_seqlens->shape[0] > 1) {
         return ragvit_fail(RAGVIT_STATUS_INVALID_SHAPE,
                            "%s: cu_seqlens must be contiguous, got stride %" PRId64, op,
