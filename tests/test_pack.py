@@ -738,6 +738,29 @@ def test_repack_fuse_rejects_bad_weights():
 
 
 @pytest.mark.parametrize("device", devices())
+@pytest.mark.parametrize("op", ["repack", "repack_into"])
+def test_repack_fuse_rejects_totals_past_int32(device, op):
+    """2^31 - 1 rows of one sequence plus its fused token do not fit int32 cu_seqlens_out:
+    refused before anything is written (C = 0 and stride-0 keep and weights: no memory)."""
+    T = 2**31 - 1
+    packed = torch.empty((T, 0), device=device)
+    cu_seqlens = make_cu_seqlens([T], device)
+    keep = torch.ones(1, dtype=torch.bool, device=device).expand(T)
+    weights = torch.ones(1, device=device).expand(T)
+    cu_seqlens_out = poison((2,), torch.int32, device)
+    pattern = (rf"^{op}: packed rows plus one fused token per sequence must be at most 2\^31-1 "
+               r"for int32 cu_seqlens_out, got 2147483647 rows and 1 sequences$")
+    with pytest.raises(ValueError, match=pattern):
+        if op == "repack":
+            ragvit.repack(packed, cu_seqlens, keep, fuse_weights=weights)
+        else:
+            out = torch.empty((T + 1, 0), device=device)
+            ragvit.repack_into(packed, cu_seqlens, keep, out, cu_seqlens_out,
+                               fuse_weights=weights)
+    assert (cu_seqlens_out == INT32_POISON).all()
+
+
+@pytest.mark.parametrize("device", devices())
 def test_repack_fuse_with_no_rows_appends_zero_tokens(device):
     packed = torch.empty((0, 6), device=device)
     cu_seqlens = make_cu_seqlens([0, 0], device)

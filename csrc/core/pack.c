@@ -266,6 +266,15 @@ static ragvit_status repack_run(const char *op, ragvit_context *ctx, const ragvi
         a.fuse_weights = (const float *)fuse_weights->data;
         a.fuse_weights_stride = fuse_weights->strides[0];
         a.is_fusing = 1;
+        /* The kept rows plus one fused token per sequence are counted into int32
+         * cu_seqlens_out: their largest possible total must fit before anything runs. */
+        if (packed->shape[0] + a.batch > INT32_MAX) {
+            return ragvit_fail(RAGVIT_STATUS_INVALID_SHAPE,
+                               "%s: packed rows plus one fused token per sequence must be at "
+                               "most 2^31-1 for int32 cu_seqlens_out, got %" PRId64
+                               " rows and %" PRId64 " sequences",
+                               op, packed->shape[0], a.batch);
+        }
     }
     const int64_t shape[1] = {cu_seqlens->shape[0]};
     RAGVIT_TRY(tensor_check_dtype(op, "cu_seqlens_out", cu_seqlens_out, RAGVIT_DTYPE_I32));
