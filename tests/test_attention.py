@@ -641,7 +641,18 @@ ATTENTION_ERRORS = cu_seqlens_errors() + [
             ("times_log2e_inf", 3e38),  # the kernels scale by scale * log2(e)
         ]
     ],
+    ("scale_bool", set_args(scale=True), TypeError, r"attention: scale must be a float, got bool",
+     False),
     ("max_seqlen_negative", set_args(max_seqlen=-1), ValueError, "max_seqlen", False),
+    *[
+        (f"max_seqlen_{case}", set_args(max_seqlen=value), ValueError,
+         rf"^attention: max_seqlen must be in \[0, 2\*\*31\), got {re.escape(text)}$", False)
+        for case, value, text in [
+            ("int64_min", -(2**63), str(-(2**63))),
+            ("past_int64", 2**70, f"an int beyond {2**63 - 1}"),
+            ("below_int64", -(2**70), f"an int beyond {-(2**63)}"),
+        ]
+    ],
     ("max_seqlen_float", set_args(max_seqlen=7.5), TypeError, "max_seqlen", False),
     ("q_list", set_args(q=lambda a: a["q"].tolist()), TypeError, r"\bq\b", False),
     ("q_int", set_args(q=3), TypeError, r"\bq\b", False),

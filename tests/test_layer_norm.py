@@ -281,6 +281,7 @@ LAYER_NORM_ERRORS = (
         ]
     ],
     ("eps_str", _set(eps="1e-5"), TypeError, r"layer_norm: eps must be a float, got str", False),
+    ("eps_bool", _set(eps=True), TypeError, r"layer_norm: eps must be a float, got bool", False),
     (
         "eps_tensor",
         _set(eps=lambda a: torch.tensor(1e-5)),
@@ -301,6 +302,15 @@ def test_error_base_args_are_valid(device, seed):
 @pytest.mark.parametrize("device, mutate, exc, pattern", error_params(LAYER_NORM_ERRORS))
 def test_rejects(device, mutate, exc, pattern):
     assert_rejected(_call, row_op_args(device), mutate, exc, pattern)
+
+
+@pytest.mark.parametrize("eps", [np.float32(1e-3), np.float64(1e-3), np.int64(1)],
+                         ids=lambda v: type(v).__name__)
+def test_eps_takes_numpy_scalars(eps):
+    """Any real number is a float argument: NumPy's scalars give the bits of float(eps)."""
+    a, b = row_op_args("cpu"), row_op_args("cpu")
+    a["eps"], b["eps"] = eps, float(eps)
+    assert same_bits(_call(a), _call(b))
 
 
 def test_rejects_missing_and_unknown_arguments():

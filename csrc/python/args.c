@@ -78,7 +78,16 @@ int parse_stream(call_state *cs, PyObject *obj) {
         Py_INCREF(handle);
     }
     cs->stream = PyLong_AsVoidPtr(handle);
-    if (cs->stream == NULL && PyErr_Occurred()) goto done;
+    if (cs->stream == NULL && PyErr_Occurred()) {
+        if (PyErr_ExceptionMatches(PyExc_OverflowError)) { /* name the op and the argument */
+            PyErr_Clear();
+            raise_failure(ragvit_fail(RAGVIT_STATUS_INVALID_VALUE,
+                                      "%s: stream must be a handle in [-2**63, 2**64), got an "
+                                      "int outside it",
+                                      cs->op));
+        }
+        goto done;
+    }
     cs->is_stream_resolved = 1;
     rc = 0;
 done:
@@ -99,8 +108,9 @@ static PyObject *as_index(call_state *cs, PyObject *obj, const char *name, const
     return PyNumber_Index(obj); /* a producer's own exception propagates */
 }
 
-/* max_seqlen: an int (any __index__) or absent (RAGVIT_MAX_SEQLEN_AUTO).
- * Out-of-range values map to ones the core refuses with its own message. */
+/* max_seqlen: an int (any __index__) or absent (RAGVIT_MAX_SEQLEN_AUTO). Values past
+ * int64 (and INT64_MIN, the AUTO marker) are refused here, with the core's message for
+ * out-of-range values; the core refuses the others. */
 int parse_max_seqlen(call_state *cs, PyObject *const *values, int i, int64_t *max_seqlen) {
     PyObject *obj = values[i]; /* borrowed */
     *max_seqlen = RAGVIT_MAX_SEQLEN_AUTO;
@@ -111,17 +121,39 @@ int parse_max_seqlen(call_state *cs, PyObject *const *values, int i, int64_t *ma
     long long value = PyLong_AsLongLongAndOverflow(index, &overflow);
     Py_DECREF(index);
     if (value == -1 && PyErr_Occurred()) return -1;
-    if (overflow || value == RAGVIT_MAX_SEQLEN_AUTO) value = overflow > 0 ? INT64_MAX : -1;
+    if (overflow || value == RAGVIT_MAX_SEQLEN_AUTO) {
+        return raise_failure(
+            ragvit_fail(RAGVIT_STATUS_INVALID_VALUE, "%s: %s must be in [0, 2**31), got %s%lld",
+                        cs->op, cs->sig->names[i], overflow ? "an int beyond " : "",
+                        overflow > 0 ? (long long)INT64_MAX : (long long)INT64_MIN));
+    }
     *max_seqlen = value;
     return 0;
 }
 
-/* A float or an int; absent: fallback. */
+/* Whether obj is a numbers.Real (NumPy's floating and integer scalars register as
+ * one): 1 or 0, -1 with an exception set. */
+static int is_numbers_real(PyObject *obj) {
+    PyObject *numbers = PyImport_ImportModule("numbers"); /* from sys.modules after once */
+    if (numbers == NULL) return -1;
+    PyObject *real = PyObject_GetAttrString(numbers, "Real");
+    Py_DECREF(numbers);
+    if (real == NULL) return -1;
+    const int is_real = PyObject_IsInstance(obj, real);
+    Py_DECREF(real);
+    return is_real;
+}
+
+/* A real number: a float, an int or any numbers.Real (NumPy's float32); bool refused,
+ * as in parse_count, and so are arrays and tensors (a 0-d CUDA tensor would sync).
+ * Absent: fallback. */
 int parse_float(call_state *cs, PyObject *const *values, int i, double fallback, double *value) {
     PyObject *obj = values[i]; /* borrowed */
     *value = fallback;
     if (obj == NULL) return 0;
-    if (!PyFloat_Check(obj) && !PyLong_Check(obj)) {
+    int is_real = !PyBool_Check(obj) && (PyFloat_Check(obj) || PyLong_Check(obj));
+    if (!is_real && !PyBool_Check(obj) && (is_real = is_numbers_real(obj)) < 0) return -1;
+    if (!is_real) {
         return raise_failure(ragvit_fail(RAGVIT_STATUS_INVALID_TYPE,
                                          "%s: %s must be a float, got %s", cs->op,
                                          cs->sig->names[i], Py_TYPE(obj)->tp_name));

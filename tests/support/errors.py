@@ -144,6 +144,9 @@ def matrix_out_errors(op: str, shape: tuple[int, int], make_out, same_dtype_as_x
         ("out_str", set_args(out="out"), TypeError, rf"{op}: out must be an array", False),
         ("stream_str", set_args(stream="s"), TypeError, rf"{op}: stream must be an int handle",
          False),
+        ("stream_past_pointer", set_args(stream=2**64), ValueError,
+         rf"^{op}: stream must be a handle in \[-2\*\*63, 2\*\*64\), got an int outside it$",
+         False),
     ]
 
 
