@@ -156,8 +156,9 @@ def _blocks_allow_row_ops(model) -> bool:
 
 def _embed_is_gemm(model) -> bool:
     """Whether the patch embedding is timm's PatchEmbed with a Conv2d whose kernel equals
-    its stride (no padding, dilation, groups or norm), flattened to tokens: then it is one
-    GEMM over the image's patches (im2col is a reshape), run by ragvit.linear."""
+    its stride (no padding, dilation, groups or norm) and tiles the image exactly (the conv
+    drops a remainder), flattened to tokens: then it is one GEMM over the image's patches
+    (im2col is a reshape), run by ragvit.linear."""
     from timm.layers import PatchEmbed
 
     pe = model.patch_embed
@@ -167,7 +168,9 @@ def _embed_is_gemm(model) -> bool:
     return (type(conv) is torch.nn.Conv2d and conv.kernel_size == conv.stride
             and conv.padding == (0, 0) and conv.dilation == (1, 1) and conv.groups == 1
             and conv.padding_mode == "zeros" and pe.flatten
-            and not getattr(pe, "dynamic_img_pad", False))
+            and not getattr(pe, "dynamic_img_pad", False)
+            and all(size % k == 0
+                    for size, k in zip(pe.img_size, conv.kernel_size, strict=True)))
 
 
 def _embed_patches(pe, x: torch.Tensor, as_gemm: bool, linear=None,

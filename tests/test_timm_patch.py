@@ -138,6 +138,19 @@ def test_gemm_patch_embedding_any_memory_format(gen, seed):
     assert not timm_patch._embed_is_gemm(model)
 
 
+@pytest.mark.parametrize("img_size", [70, 24], ids=["70px", "24px"])
+def test_image_size_not_a_multiple_of_the_patch_runs_timms_conv(img_size, gen, seed):
+    """An image that the patches do not tile exactly (timm's conv drops the remainder) takes
+    timm's own patch embedding, and the patched forward equals timm's."""
+    model = make_model("deit_tiny_patch16_224", gen, img_size)
+    x = images(gen, 2, img_size)
+    assert not timm_patch._embed_is_gemm(model)
+    with torch.inference_mode():
+        expected = model(x)
+        got = patch(model)(x)
+    assert max_diff(got, expected) <= CPU_ATOL, seed_note(seed)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16],
                          ids=["fp32", "fp16", "bf16"])
 @pytest.mark.parametrize("layout", ["contiguous", "channels_last", "offset", "narrow_patch"])
