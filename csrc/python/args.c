@@ -108,6 +108,15 @@ static PyObject *as_index(call_state *cs, PyObject *obj, const char *name, const
     return PyNumber_Index(obj); /* a producer's own exception propagates */
 }
 
+/* ValueError "<op>: <name> must be in [0, 2**31), got <value>" for an int argument out
+ * of range; overflow (PyLong_AsLongLongAndOverflow's) says it lies beyond int64. */
+static int raise_not_int31(call_state *cs, const char *name, int overflow, long long value) {
+    if (overflow) value = overflow > 0 ? (long long)INT64_MAX : (long long)INT64_MIN;
+    return raise_failure(ragvit_fail(RAGVIT_STATUS_INVALID_VALUE,
+                                     "%s: %s must be in [0, 2**31), got %s%lld", cs->op, name,
+                                     overflow ? "an int beyond " : "", value));
+}
+
 /* max_seqlen: an int (any __index__) or absent (RAGVIT_MAX_SEQLEN_AUTO). Values past
  * int64 (and INT64_MIN, the AUTO marker) are refused here, with the core's message for
  * out-of-range values; the core refuses the others. */
@@ -122,10 +131,7 @@ int parse_max_seqlen(call_state *cs, PyObject *const *values, int i, int64_t *ma
     Py_DECREF(index);
     if (value == -1 && PyErr_Occurred()) return -1;
     if (overflow || value == RAGVIT_MAX_SEQLEN_AUTO) {
-        return raise_failure(
-            ragvit_fail(RAGVIT_STATUS_INVALID_VALUE, "%s: %s must be in [0, 2**31), got %s%lld",
-                        cs->op, cs->sig->names[i], overflow ? "an int beyond " : "",
-                        overflow > 0 ? (long long)INT64_MAX : (long long)INT64_MIN));
+        return raise_not_int31(cs, cs->sig->names[i], overflow, value);
     }
     *max_seqlen = value;
     return 0;
@@ -151,8 +157,11 @@ int parse_float(call_state *cs, PyObject *const *values, int i, double fallback,
     PyObject *obj = values[i]; /* borrowed */
     *value = fallback;
     if (obj == NULL) return 0;
-    int is_real = !PyBool_Check(obj) && (PyFloat_Check(obj) || PyLong_Check(obj));
-    if (!is_real && !PyBool_Check(obj) && (is_real = is_numbers_real(obj)) < 0) return -1;
+    int is_real = 0;
+    if (!PyBool_Check(obj)) {
+        is_real = PyFloat_Check(obj) || PyLong_Check(obj) ? 1 : is_numbers_real(obj);
+        if (is_real < 0) return -1;
+    }
     if (!is_real) {
         return raise_failure(ragvit_fail(RAGVIT_STATUS_INVALID_TYPE,
                                          "%s: %s must be a float, got %s", cs->op,
@@ -181,10 +190,7 @@ int parse_count(call_state *cs, PyObject *const *values, int i, long long *value
     Py_DECREF(index);
     if (*value == -1 && PyErr_Occurred()) return -1;
     if (overflow || *value < 0 || *value > INT32_MAX) {
-        return raise_failure(ragvit_fail(
-            RAGVIT_STATUS_INVALID_VALUE, "%s: %s must be in [0, 2**31), got %s%lld", cs->op, name,
-            overflow ? "an int beyond " : "",
-            overflow ? (overflow > 0 ? (long long)INT64_MAX : (long long)INT64_MIN) : *value));
+        return raise_not_int31(cs, name, overflow, *value);
     }
     return 0;
 }
