@@ -53,11 +53,17 @@ Rules that keep the two pipelines equal and the forward sync-free:
     * treat rows past `cu_seqlens[B]` as garbage (`batch.is_patch` is False there) and
       break ties by position (stable sorts), so the packed and padded runs agree;
     * return `Selection(index=...)` only when `batch.seq_len` is known and every image
-      keeps the same count (set `is_fixed = True`); otherwise `Selection(keep=...)` with
-      a host bound `max_seqlen` if you know one (capacity mode sizes buffers with it);
+      keeps the same count (set `is_fixed = True`): int64 positions, the prefix 0..P-1
+      first, then ascending (any order without repeats with `assign=`); otherwise
+      `Selection(keep=...)`, whose prefix rows are kept whatever it says, with a host
+      bound `max_seqlen` if you know one (capacity mode sizes buffers with it);
     * `fuse_weights=` (T,) float32 appends one token per image: the weighted mean of its
       dropped rows (EViT); `assign=` merges tokens instead of dropping them (ToMe);
-      prefix rows are always kept whatever you return;
+    * a Selection's types and shapes are checked at every pruning point, its contents
+      (the index rules, `max_seqlen` against the kept counts) on CPU rows and in debug
+      mode (`ragvit.set_debug(True)`: a host read per pruning point): on CUDA outside
+      debug mode an index out of its image fails in torch's gather, and an understated
+      `max_seqlen` gives attention too short a bound (wrong rows);
     * `check(depth)` validates `layers`; override it to validate more, calling super;
     * test it like tests/test_policies.py does: `check_against_reference` (patched vs
       reference logits and decisions) plus a float64 re-implementation of the scores.
@@ -68,6 +74,8 @@ Helpers: `topk_selection` (per-image top-k in both forms), `segment_mean_scores`
 from __future__ import annotations
 
 import math
+import numbers
+import threading
 import warnings
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -173,17 +181,20 @@ class Selection:
     """What a policy keeps. Exactly one of `index` and `keep` is set.
 
     Attributes:
-        index: (B, k) int64 positions within each image, ascending, the prefix positions
-            0..P-1 first; only when the batch's seq_len is known. Every image keeps k
-            tokens: sync-free and exact under CUDA-graph capture.
+        index: (B, k) int64 positions within each image, the prefix positions 0..P-1
+            first, then ascending (with assign: in any order, without repeats); only when
+            the batch's seq_len is known. Every image keeps k tokens: sync-free and exact
+            under CUDA-graph capture.
         keep: (T,) bool over the packed rows (prefix rows are kept regardless); counts
             depend on the data (an eager forward reads the new total once; capacity mode
             does not).
-        max_seqlen: optional host upper bound on the kept length of every image.
+        max_seqlen: optional host upper bound (an int >= P) on the kept length of every
+            image, prefix included, a fused token not.
         fuse_weights: optional (T,) float32: every image gets one extra token after its
-            kept ones, sum(w x) / sum(w) over its dropped rows in float32 (zeros when
-            sum(w) == 0, e.g. nothing dropped): EViT's inattentive-token fusion. The count
-            of every image grows by exactly 1 (still fixed for an index Selection).
+            kept ones, sum(w x) / sum(w) over its dropped rows in float32, for weights of
+            any sign (zeros when sum(w) == 0, e.g. nothing dropped): EViT's
+            inattentive-token fusion. The count of every image grows by exactly 1 (still
+            fixed for an index Selection).
         assign: optional (B, L) int64 with an index Selection (token merging, ToMe): the
             output slot in [0, k) of every token; slot j becomes the size-weighted mean of
             the tokens assigned to it and its size their total (index[:, j] names the
@@ -202,6 +213,81 @@ class Selection:
             raise ValueError("Selection: exactly one of index and keep must be given")
         if self.assign is not None and self.index is None:
             raise ValueError("Selection: assign needs an index Selection")
+
+
+def _check_selection(sel, batch: TokenBatch, policy: str, values: bool) -> None:
+    """Raises TypeError / ValueError (naming `policy`.select) unless sel is a Selection that
+    fits batch: types, shapes and devices always (host metadata); with values, also the
+    contents (index positions in range, the prefix first, ascending or, with assign, unique;
+    assign slots in range with index[:, j] in slot j), which costs a host read of the device
+    (the patched forward asks for it on CPU rows and in ragvit's debug mode)."""
+    name = f"{policy}.select"
+    if not isinstance(sel, Selection):
+        raise TypeError(f"{name} must return a Selection, got {type(sel).__name__}")
+    B, T, P, L = batch.num_seqs, batch.total_tokens, batch.num_prefix, batch.seq_len
+    device = batch.rows.device
+
+    def described(t) -> str:
+        if isinstance(t, torch.Tensor):
+            return f"{tuple(t.shape)} {t.dtype} on {t.device}"
+        return type(t).__name__
+
+    def tensor_check(t, what: str, shape: tuple, dtype: torch.dtype | None):
+        if not (isinstance(t, torch.Tensor) and tuple(t.shape) == shape and t.device == device
+                and (t.dtype == dtype if dtype is not None else t.dtype.is_floating_point)):
+            kind = str(dtype).removeprefix("torch.") if dtype is not None else "floating"
+            article = "an" if kind[0] in "aeiou" else "a"
+            raise ValueError(f"{name}: {what} must be {article} {kind} tensor of shape "
+                             f"{shape} on {device}, got {described(t)}")
+
+    if sel.max_seqlen is not None and (isinstance(sel.max_seqlen, bool) or not isinstance(
+            sel.max_seqlen, numbers.Integral) or sel.max_seqlen < P):
+        raise ValueError(f"{name}: max_seqlen must be None or an int >= num_prefix ({P}), "
+                         f"got {sel.max_seqlen!r}")
+    if sel.fuse_weights is not None:
+        tensor_check(sel.fuse_weights, "fuse_weights", (T,), None)
+    if sel.keep is not None:
+        tensor_check(sel.keep, "keep", (T,), torch.bool)
+        return
+    if L is None:
+        raise ValueError(f"{name}: an index Selection needs a batch with seq_len known")
+    index = sel.index
+    if not (isinstance(index, torch.Tensor) and index.ndim == 2 and index.shape[0] == B
+            and P <= index.shape[1] <= L and index.dtype == torch.int64
+            and index.device == device):
+        raise ValueError(f"{name}: index must be an int64 tensor of shape (B, k) on {device} "
+                         f"with B = {B} and {P} <= k <= {L}, got {described(index)}")
+    k = index.shape[1]
+    if sel.assign is not None:
+        tensor_check(sel.assign, "assign", (B, L), torch.int64)
+    if not values or B == 0:
+        return
+    if not bool((index[:, :P] == torch.arange(P, device=device)).all()):
+        raise ValueError(f"{name}: index must start with the prefix positions 0..{P - 1} in "
+                         "every image")
+    if not bool(((index >= 0) & (index < L)).all()):
+        raise ValueError(f"{name}: index positions must lie in [0, {L})")
+    rising = torch.sort(index, dim=1).values if sel.assign is not None else index
+    if not bool((rising[:, 1:] > rising[:, :-1]).all()):
+        rule = "unique" if sel.assign is not None else "strictly ascending"
+        raise ValueError(f"{name}: index positions must be {rule} in every image")
+    if sel.assign is not None:
+        assign = sel.assign
+        if not bool(((assign >= 0) & (assign < k)).all()) or not bool(
+                (assign.gather(1, index) == torch.arange(k, device=device)).all()):
+            raise ValueError(f"{name}: assign must map every token to a slot in [0, {k}), "
+                             "the token index[:, j] to slot j")
+
+
+def _check_max_seqlen(sel: Selection, kept: list[int], policy: str) -> None:
+    """ValueError unless sel.max_seqlen (if given) bounds kept, every image's kept count
+    (prefix included, a fused token not)."""
+    if sel.max_seqlen is None:
+        return
+    for b, n in enumerate(kept):
+        if n > sel.max_seqlen:
+            raise ValueError(f"{policy}.select: max_seqlen={sel.max_seqlen} is below the {n} "
+                             f"tokens image {b} keeps")
 
 
 class PruningPolicy:
@@ -327,8 +413,9 @@ class ThresholdL2(PruningPolicy):
         layers: pruning points (block indices, ascending).
 
     Raises:
-        ValueError: not exactly one of keep/threshold, a value out of range, or a
-            per-stage sequence whose length differs from layers.
+        ValueError: not exactly one of keep/threshold, a value out of range (NaN
+            included), or a per-stage sequence whose length differs from layers.
+        TypeError: layers is not a sequence of ints, or a value is not a number.
     """
 
     def __init__(
@@ -340,19 +427,13 @@ class ThresholdL2(PruningPolicy):
     ):
         if (keep is None) == (threshold is None):
             raise ValueError("ThresholdL2: exactly one of keep and threshold must be given")
-        self.layers = tuple(int(i) for i in layers)
-        value = keep if keep is not None else threshold
-        values = (tuple(float(v) for v in value) if isinstance(value, Sequence)
-                  else (float(value),) * len(self.layers))
-        if len(values) != len(self.layers):
-            raise ValueError(
-                f"ThresholdL2: one value per layer needed, got {len(values)} for {self.layers}")
-        name = "keep" if keep is not None else "threshold"
-        for v in values:
-            ok = 0.0 < v <= 1.0 if keep is not None else 0.0 < v < math.inf
-            if not ok:
-                rule = "in (0, 1]" if keep is not None else "finite and > 0"
-                raise ValueError(f"ThresholdL2: {name} must be {rule}, got {v}")
+        self.layers = _layers("ThresholdL2", layers)
+        if keep is not None:
+            values = _per_stage("ThresholdL2", "keep", keep, self.layers, _real,
+                                "in (0, 1]", lambda v: 0.0 < v <= 1.0)
+        else:
+            values = _per_stage("ThresholdL2", "threshold", threshold, self.layers, _real,
+                                "finite and > 0", lambda v: 0.0 < v < math.inf)
         self.keep = values if keep is not None else None
         self.threshold = values if threshold is not None else None
         self.is_fixed = keep is not None
@@ -375,21 +456,52 @@ class ThresholdL2(PruningPolicy):
         return Selection(keep=keep, max_seqlen=batch.max_seqlen)
 
 
-def _per_stage(name: str, value, layers: tuple[int, ...], cast, rule: str, ok) -> tuple:
-    """One value per pruning point from a scalar or a sequence, validated."""
-    values = tuple(cast(v) for v in value) if isinstance(value, Sequence) else \
-        (cast(value),) * len(layers)
+def _per_stage(policy: str, arg: str, value, layers: tuple[int, ...], cast, rule: str,
+               ok) -> tuple:
+    """One value per pruning point from a scalar or a sequence, validated: cast(policy, arg,
+    v) converts each value (TypeError for a wrong type), ok(v) is the rule it must meet
+    (ValueError "<policy>: <arg> must be <rule>, got v")."""
+    if isinstance(value, Sequence) and not isinstance(value, str | bytes):
+        values = tuple(cast(policy, arg, v) for v in value)
+    else:
+        values = (cast(policy, arg, value),) * len(layers)
     if len(values) != len(layers):
-        raise ValueError(f"{name}: one value per layer needed, got {len(values)} for {layers}")
+        raise ValueError(f"{policy}: one value per layer needed, got {len(values)} {arg} "
+                         f"values for layers {layers}")
     for v in values:
         if not ok(v):
-            raise ValueError(f"{name}: {rule}, got {v}")
+            raise ValueError(f"{policy}: {arg} must be {rule}, got {v}")
     return values
 
 
-def _layers(name: str, layers) -> tuple[int, ...]:
-    if isinstance(layers, int | str) or not isinstance(layers, Sequence):
-        raise TypeError(f"{name}: layers must be a sequence of ints, got {layers!r}")
+def _real(policy: str, arg: str, v) -> float:
+    """v as a float: any real number but a bool (NaN passes, for the rule to refuse)."""
+    if isinstance(v, bool) or not isinstance(v, numbers.Real):
+        raise TypeError(f"{policy}: {arg} must be a number or one number per layer, got "
+                        f"{v!r}")
+    return float(v)
+
+
+def _integer(policy: str, arg: str, v) -> int | float:
+    """v as an int when it is an integral number (8 or 8.0; not a bool); another number
+    (2.5, NaN) comes back as a float, for the rule (`_is_int`) to refuse; TypeError for
+    anything else."""
+    if isinstance(v, bool) or not isinstance(v, numbers.Real):
+        raise TypeError(f"{policy}: {arg} must be an int or one int per layer, got {v!r}")
+    if isinstance(v, numbers.Integral) or (math.isfinite(v) and int(v) == v):
+        return int(v)
+    return float(v)
+
+
+def _is_int(v) -> bool:
+    return isinstance(v, int)
+
+
+def _layers(policy: str, layers) -> tuple[int, ...]:
+    """layers as a tuple of ints: a sequence (not a string) of integers (not bools)."""
+    if isinstance(layers, str | bytes) or not isinstance(layers, Sequence) or any(
+            isinstance(i, bool) or not isinstance(i, numbers.Integral) for i in layers):
+        raise TypeError(f"{policy}: layers must be a sequence of ints, got {layers!r}")
     return tuple(int(i) for i in layers)
 
 
@@ -418,7 +530,8 @@ class EViT(PruningPolicy):
 
     Raises:
         ValueError: keep_rate out of (0, 1] or one per layer of the wrong length.
-        TypeError: layers is not a sequence.
+        TypeError: layers is not a sequence of ints, keep_rate not a number, or fuse not
+            a bool.
     """
 
     needs_cls_attn = True
@@ -428,9 +541,11 @@ class EViT(PruningPolicy):
     def __init__(self, keep_rate: float | Sequence[float] = 0.7,
                  layers: Sequence[int] = (3, 6, 9), *, fuse: bool = True):
         self.layers = _layers("EViT", layers)
-        self.keep_rate = _per_stage("EViT", keep_rate, self.layers, float,
-                                    "keep_rate must be in (0, 1]", lambda v: 0.0 < v <= 1.0)
-        self.fuse = bool(fuse)
+        self.keep_rate = _per_stage("EViT", "keep_rate", keep_rate, self.layers, _real,
+                                    "in (0, 1]", lambda v: 0.0 < v <= 1.0)
+        if not isinstance(fuse, bool):
+            raise TypeError(f"EViT: fuse must be True or False, got {fuse!r}")
+        self.fuse = fuse
 
     def __repr__(self) -> str:
         return f"EViT(keep_rate={self.keep_rate}, layers={self.layers}, fuse={self.fuse})"
@@ -509,8 +624,8 @@ class ATS(PruningPolicy):
         layers: block indices, ascending.
 
     Raises:
-        ValueError: num_samples < 1 or one per layer of the wrong length.
-        TypeError: layers is not a sequence.
+        ValueError: num_samples not an int >= 1, or one per layer of the wrong length.
+        TypeError: layers is not a sequence of ints, or num_samples not a number.
     """
 
     needs_cls_attn = True
@@ -520,8 +635,8 @@ class ATS(PruningPolicy):
 
     def __init__(self, num_samples: int | Sequence[int] = 108, layers: Sequence[int] = (3,)):
         self.layers = _layers("ATS", layers)
-        self.num_samples = _per_stage("ATS", num_samples, self.layers, _as_int,
-                                      "num_samples must be an int >= 1", lambda v: v >= 1)
+        self.num_samples = _per_stage("ATS", "num_samples", num_samples, self.layers,
+                                      _integer, "an int >= 1", lambda v: _is_int(v) and v >= 1)
 
     def __repr__(self) -> str:
         return f"ATS(num_samples={self.num_samples}, layers={self.layers})"
@@ -532,12 +647,6 @@ class ATS(PruningPolicy):
         K = self.num_samples[batch.stage]
         return Selection(keep=ats_sample(batch, K),
                          max_seqlen=min(batch.max_seqlen, batch.num_prefix + K))
-
-
-def _as_int(v) -> int:
-    if isinstance(v, bool) or int(v) != v:
-        raise ValueError(f"ATS: num_samples must be an int >= 1, got {v}")
-    return int(v)
 
 
 def tome_match(batch: TokenBatch, r: int) -> Selection:
@@ -559,7 +668,7 @@ def tome_match(batch: TokenBatch, r: int) -> Selection:
     B, L, P = batch.num_seqs, batch.seq_len, batch.num_prefix
     dev = batch.rows.device
     r = max(0, min(r, (L - P) // 2))
-    metric = batch.keys.float().view(B, L, -1)
+    metric = batch.keys.float().view(B, L, batch.keys.shape[-1])
     metric = metric / torch.linalg.vector_norm(metric, dim=-1, keepdim=True).clamp(min=1e-12)
     pos = torch.arange(L, device=dev)
     a_pos, b_pos = pos[0::2], pos[1::2]
@@ -593,12 +702,15 @@ class ToMe(PruningPolicy):
     Unlike ToMe's code, merging runs in float32 whatever the model dtype.
 
     Args:
-        r: tokens merged per image at each pruning point, an int >= 0, or one per layer.
-        layers: block indices, ascending; None: every block (resolved by `check`).
+        r: tokens merged per image at each pruning point, an int >= 0, or one per layer
+            (with layers=None, one per block).
+        layers: block indices, ascending; None: every block of the first model that
+            checks the policy (`ragvit.patch` or `vit_forward_reference`); a model of
+            another depth then needs its own ToMe.
 
     Raises:
-        ValueError: r < 0, or one per layer of the wrong length.
-        TypeError: layers is not a sequence or None.
+        ValueError: r not an int >= 0, or one per layer of the wrong length.
+        TypeError: layers is not a sequence of ints or None, or r not a number.
     """
 
     needs_keys = True
@@ -607,24 +719,39 @@ class ToMe(PruningPolicy):
 
     def __init__(self, r: int | Sequence[int] = 8, layers: Sequence[int] | None = None):
         self._every_block = layers is None
-        self._r = r
+        self._depth = None  # the model depth `check` resolved layers=None for
         self.layers = () if layers is None else _layers("ToMe", layers)
-        self.r = self._resolve_r()
+        if self._every_block:  # validated now, one per block checked against the depth
+            per_block = isinstance(r, Sequence) and not isinstance(r, str | bytes)
+            values = self._values(r, tuple(range(len(r))) if per_block else (0,))
+            self._r = values if per_block else values[0]
+            self.r = ()
+        else:
+            self._r = self.r = self._values(r, self.layers)
 
-    def _resolve_r(self) -> tuple[int, ...]:
-        if self._every_block and not isinstance(self._r, Sequence):
-            _per_stage("ToMe", self._r, (0,), _as_count, "r must be an int >= 0",
-                       lambda v: v >= 0)
-        return _per_stage("ToMe", self._r, self.layers, _as_count, "r must be an int >= 0",
-                          lambda v: v >= 0)
+    @staticmethod
+    def _values(r, layers: tuple[int, ...]) -> tuple[int, ...]:
+        return _per_stage("ToMe", "r", r, layers, _integer, "an int >= 0",
+                          lambda v: _is_int(v) and v >= 0)
 
     def __repr__(self) -> str:
         return f"ToMe(r={self.r}, layers={self.layers})"
 
     def check(self, depth: int) -> None:
+        """As PruningPolicy.check; with layers=None, first resolves them to every block of a
+        `depth`-block model (ValueError for a model of another depth than the one an
+        earlier check resolved them for, or for one r per block of another length)."""
         if self._every_block:
+            if self._depth is not None and self._depth != depth:
+                raise ValueError(f"ToMe: layers=None is resolved to every block of a "
+                                 f"{self._depth}-block model; a {depth}-block model needs its "
+                                 f"own ToMe (or pass layers=)")
+            if isinstance(self._r, tuple) and len(self._r) != depth:
+                raise ValueError(f"ToMe: one value per layer needed, got {len(self._r)} r "
+                                 f"values for the {depth} blocks of layers=None")
             self.layers = tuple(range(depth))
-            self.r = self._resolve_r()
+            self.r = self._values(self._r, self.layers)
+            self._depth = depth
         super().check(depth)
 
     def select(self, batch: TokenBatch) -> Selection:
@@ -634,12 +761,6 @@ class ToMe(PruningPolicy):
             raise ValueError("ToMe.select: batch must be uniform (seq_len known); ToMe's "
                              "counts are fixed")
         return tome_match(batch, self.r[batch.stage])
-
-
-def _as_count(v) -> int:
-    if isinstance(v, bool) or int(v) != v:
-        raise ValueError(f"ToMe: r must be an int >= 0, got {v}")
-    return int(v)
 
 
 class DynamicViTPredictor(torch.nn.Module):
@@ -675,6 +796,11 @@ class DynamicViTPredictor(torch.nn.Module):
         return self.out_conv(torch.cat([x[:, :half], global_x], dim=1))[:, 0].float()
 
 
+# Held while a DynamicViT makes or moves its prediction modules (rare: once per policy and
+# device); one lock for every instance keeps the policies picklable.
+_PREDICTORS_LOCK = threading.Lock()
+
+
 class DynamicViT(PruningPolicy):
     """DynamicViT (Rao et al., NeurIPS 2021) at inference: learned keep scores, top-k.
 
@@ -697,7 +823,8 @@ class DynamicViT(PruningPolicy):
     Raises:
         ValueError: a keep rate out of (0, 1], a length mismatch, or a state dict that
             does not hold one predictor per stage.
-        TypeError: layers is not a sequence, or predictor has an unsupported type.
+        TypeError: layers is not a sequence of ints, a keep rate not a number, or
+            predictor has an unsupported type.
     """
 
     is_fixed = True
@@ -705,8 +832,8 @@ class DynamicViT(PruningPolicy):
     def __init__(self, keep_rates: float | Sequence[float] = (0.7, 0.49, 0.343),
                  layers: Sequence[int] = (3, 6, 9), predictor=None):
         self.layers = _layers("DynamicViT", layers)
-        self.keep_rates = _per_stage("DynamicViT", keep_rates, self.layers, float,
-                                     "keep_rates must be in (0, 1]", lambda v: 0.0 < v <= 1.0)
+        self.keep_rates = _per_stage("DynamicViT", "keep_rates", keep_rates, self.layers,
+                                     _real, "in (0, 1]", lambda v: 0.0 < v <= 1.0)
         self.predictors = None
         if isinstance(predictor, torch.nn.ModuleList):
             self.predictors = predictor.eval()
@@ -736,20 +863,26 @@ class DynamicViT(PruningPolicy):
         return f"DynamicViT(keep_rates={self.keep_rates}, layers={self.layers})"
 
     def _modules_for(self, rows: torch.Tensor) -> torch.nn.ModuleList:
-        # Parameters made (or moved) under torch.inference_mode() would be inference
-        # tensors for good, which a later call in grad mode cannot use: the policy makes
-        # its own parameters outside inference mode, whatever mode the first call runs in.
-        if self.predictors is None:
-            warnings.warn("DynamicViT: prediction modules are randomly initialised; accuracy "
-                          "needs trained predictors (pass predictor=state_dict)", stacklevel=3)
-            with torch.inference_mode(False):
+        predictors = self.predictors
+        if predictors is not None:
+            p = next(predictors.parameters())
+            if p.device == rows.device and p.dtype == rows.dtype:
+                return predictors
+        # Made or moved under a lock, so the first calls of two threads agree on one set of
+        # modules; and outside inference mode, whatever mode the call runs in: parameters
+        # made (or moved) under torch.inference_mode() would be inference tensors for good,
+        # which a later call in grad mode cannot use.
+        with _PREDICTORS_LOCK, torch.inference_mode(False):
+            if self.predictors is None:
+                warnings.warn("DynamicViT: prediction modules are randomly initialised; "
+                              "accuracy needs trained predictors (pass predictor=state_dict)",
+                              stacklevel=3)
                 self.predictors = torch.nn.ModuleList(
                     DynamicViTPredictor(rows.shape[1]) for _ in self.layers).eval()
-        p = next(self.predictors.parameters())
-        if p.device != rows.device or p.dtype != rows.dtype:
-            with torch.inference_mode(False):
+            p = next(self.predictors.parameters())
+            if p.device != rows.device or p.dtype != rows.dtype:
                 self.predictors.to(device=rows.device, dtype=rows.dtype)
-        return self.predictors
+            return self.predictors
 
     def select(self, batch: TokenBatch) -> Selection:
         if batch.num_tokens is None:

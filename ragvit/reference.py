@@ -356,8 +356,9 @@ def _fuse_reference(h, weights, dropped) -> torch.Tensor:
     """(B, C) sum(w x) / sum(w) over dropped tokens of padded h, float32, zeros if sum 0."""
     w = torch.where(dropped, weights.float(), torch.zeros((), device=h.device))
     total = w.sum(1, keepdim=True)
-    fused = (w[:, :, None] * h.float()).sum(1) / torch.where(total > 0, total, 1.0)
-    return fused.to(h.dtype)
+    nonzero = total != 0  # ragvit.repack's rule, for weights of any sign
+    fused = (w[:, :, None] * h.float()).sum(1) / torch.where(nonzero, total, 1.0)
+    return torch.where(nonzero, fused, 0.0).to(h.dtype)
 
 
 def _merge_reference(h, sizes, assign, k):
@@ -406,7 +407,7 @@ def _reference_prune(policy, h, mask, origin, uniform, layer, stage, num_prefix,
         (h, mask, origin, uniform, num_fused, sizes, merged): merged is the merge map
         (forward_with_decisions' format) for merging policies, else None.
     """
-    from .pruning import TokenBatch
+    from .pruning import TokenBatch, _check_max_seqlen, _check_selection
 
     B, L, C = h.shape
 
@@ -428,6 +429,7 @@ def _reference_prune(policy, h, mask, origin, uniform, layer, stage, num_prefix,
                        stage=stage, cls_attn=flat(cls), value_norm=flat(value_norm),
                        keys=flat(keys), sizes=flat(sizes), num_tokens=num_tokens)
     sel = policy.select(batch)
+    _check_selection(sel, batch, type(policy).__name__, values=True)
     if sel.assign is not None:  # merging (ToMe): uniform in, uniform out
         index, assign = sel.index, sel.assign
         if decision is not None:
@@ -465,6 +467,7 @@ def _reference_prune(policy, h, mask, origin, uniform, layer, stage, num_prefix,
         new_uniform = uniform
     else:
         keep = to_padded(sel.keep | (batch.positions < num_prefix), False)
+        _check_max_seqlen(sel, keep.sum(1).tolist(), type(policy).__name__)
         new_uniform = False
     real = torch.ones_like(keep) if mask is None else mask
     fused = None
@@ -474,7 +477,7 @@ def _reference_prune(policy, h, mask, origin, uniform, layer, stage, num_prefix,
     if decision is None and new_uniform:
         new_len = sel.index.shape[1]
     else:
-        new_len = int(lengths.max())
+        new_len = int(lengths.max()) if B else L  # an empty batch keeps its width
     # Kept tokens first, in their original order (stable sort), then cut to the longest.
     order = torch.sort((~keep).to(torch.int8), dim=1, stable=True).indices[:, :new_len]
     h = h.gather(1, order[:, :, None].expand(B, new_len, C))
@@ -517,7 +520,22 @@ def vit_forward_reference(model, x: torch.Tensor, policy=None, *, decisions=None
 
     Returns:
         logits, or (logits, decisions) when return_decisions.
+
+    Raises:
+        ragvit.UnsupportedModelError: a model ragvit.patch refuses (the message names why).
+        TypeError: policy is not a PruningPolicy.
+        ValueError: the policy's layers do not fit the model (PruningPolicy.check), or
+            decisions do not match the pruning points.
     """
+    from .pruning import PruningPolicy
+    from .timm_patch import _check_supported
+
+    _check_supported(model, "ragvit.reference.vit_forward_reference")
+    if policy is not None:
+        if not isinstance(policy, PruningPolicy):
+            raise TypeError(f"ragvit.reference.vit_forward_reference: policy must be a "
+                            f"ragvit.pruning.PruningPolicy or None, got {type(policy).__name__}")
+        policy.check(len(model.blocks))
     h = model.norm_pre(model.patch_drop(model._pos_embed(model.patch_embed(x))))
     B, N, C = h.shape
     P = int(model.num_prefix_tokens)

@@ -38,7 +38,7 @@ from typing import Any
 import torch
 
 from . import library, ops
-from .pruning import PruningPolicy, Selection, TokenBatch
+from .pruning import PruningPolicy, TokenBatch, _check_max_seqlen, _check_selection
 
 __all__ = ["UnsupportedModelError", "forward_with_decisions", "graph_capture", "is_patched",
            "kept_mask", "patch", "unpatch"]
@@ -77,15 +77,25 @@ class _PatchState:
     cu_cache: dict | None = field(default_factory=dict)  # None: no cache (traced)
     traced: bool = False  # the state a traced forward runs with (_traced_state)
 
+    def __getstate__(self) -> dict:
+        # A copy or a pickle starts with an empty cu_seqlens cache: its tensors live on
+        # the devices of this process's calls.
+        fields = dict(vars(self))
+        if fields["cu_cache"] is not None:
+            fields["cu_cache"] = {}
+        return fields
+
 
 # ---- support checks ----
 
 
-def _refuse(feature: str, detail: str) -> UnsupportedModelError:
-    return UnsupportedModelError(f"ragvit.patch: {feature} is not supported ({detail})")
+def _refuse(caller: str, feature: str, detail: str) -> UnsupportedModelError:
+    return UnsupportedModelError(f"{caller}: {feature} is not supported ({detail})")
 
 
-def _check_supported(model) -> None:
+def _check_supported(model, caller: str = "ragvit.patch") -> None:
+    """Raises UnsupportedModelError (its message starting with caller) unless model is a
+    timm ViT/DeiT the packed path (and the padded reference) can run."""
     from timm.layers import Attention, Mlp
     from timm.models.vision_transformer import Block, VisionTransformer
 
@@ -96,37 +106,39 @@ def _check_supported(model) -> None:
 
     if not isinstance(model, torch.nn.Module) or not isinstance(model, VisionTransformer):
         raise UnsupportedModelError(
-            f"ragvit.patch: model must be a timm VisionTransformer, got {type(model).__name__}")
+            f"{caller}: model must be a timm VisionTransformer, got {type(model).__name__}")
     if type(model) not in (VisionTransformer, VisionTransformerDistilled):
-        raise _refuse(f"model class {type(model).__name__}",
+        raise _refuse(caller, f"model class {type(model).__name__}",
                       "only VisionTransformer and VisionTransformerDistilled")
     if getattr(model, "cls_token", None) is None:
-        raise _refuse("a model without a class token", "class_token=False")
+        raise _refuse(caller, "a model without a class token", "class_token=False")
     if getattr(model, "dynamic_img_size", False):
-        raise _refuse("dynamic_img_size", "the token count must be fixed by img_size")
+        raise _refuse(caller, "dynamic_img_size", "the token count must be fixed by img_size")
     if getattr(model, "attn_pool", None) is not None:
-        raise _refuse("an attention-pool head", f"global_pool={model.global_pool!r}")
+        raise _refuse(caller, "an attention-pool head", f"global_pool={model.global_pool!r}")
     if model.global_pool not in ("token", "avg"):
-        raise _refuse(f"global_pool={model.global_pool!r}", "only 'token' and 'avg'")
+        raise _refuse(caller, f"global_pool={model.global_pool!r}", "only 'token' and 'avg'")
     for i, blk in enumerate(model.blocks):
         if type(blk) is not Block:
-            raise _refuse(f"block type {type(blk).__name__}", f"block {i}; only timm Block")
+            raise _refuse(caller, f"block type {type(blk).__name__}", f"block {i}; only timm Block")
         attn = blk.attn
         if type(attn) is not Attention:
-            raise _refuse(f"attention type {type(attn).__name__}",
+            raise _refuse(caller, f"attention type {type(attn).__name__}",
                           f"block {i}; only timm Attention (no diff or parallel-block variants)")
         if not (isinstance(attn.q_norm, torch.nn.Identity)
                 and isinstance(attn.k_norm, torch.nn.Identity)):
-            raise _refuse("qk_norm", f"block {i}")
+            raise _refuse(caller, "qk_norm", f"block {i}")
         if getattr(attn, "gate", None) is not None:
-            raise _refuse("gated attention", f"block {i}")
+            raise _refuse(caller, "gated attention", f"block {i}")
         if not isinstance(getattr(attn, "norm", torch.nn.Identity()), torch.nn.Identity):
-            raise _refuse("scale_attn_norm (norm before the attention projection)", f"block {i}")
+            raise _refuse(caller, "scale_attn_norm (norm before the attention projection)",
+                          f"block {i}")
         if attn.head_dim not in _HEAD_DIMS:
-            raise _refuse(f"head_dim {attn.head_dim}", f"block {i}; ragvit.attention takes "
+            raise _refuse(caller, f"head_dim {attn.head_dim}",
+                          f"block {i}; ragvit.attention takes "
                           f"{', '.join(map(str, _HEAD_DIMS))}")
         if isinstance(blk.mlp, Mlp) and isinstance(blk.mlp.fc1, torch.nn.Conv2d):
-            raise _refuse("convolutional Mlp", f"block {i}")
+            raise _refuse(caller, "convolutional Mlp", f"block {i}")
 
 
 def _blocks_allow_row_ops(model) -> bool:
@@ -306,8 +318,8 @@ def patch(model, policy: PruningPolicy | None = None, *, capacity: bool = False,
         TypeError: policy is not a PruningPolicy.
         ValueError: the model is already patched, the policy's layers do not fit, or
             row_ops=True on blocks the row ops cannot run.
-        TypeError: row_ops is not None, True or False, or both row_ops and fused_ops are
-            given.
+        TypeError: row_ops is not None, True or False, both row_ops and fused_ops are
+            given, or attention is neither None nor callable.
     """
     if is_patched(model):
         raise ValueError("ragvit.patch: model is already patched; call ragvit.unpatch(model) "
@@ -324,6 +336,9 @@ def patch(model, policy: PruningPolicy | None = None, *, capacity: bool = False,
         warnings.warn("ragvit.patch: fused_ops is now called row_ops", DeprecationWarning,
                       stacklevel=2)
         row_ops = fused_ops
+    if attention is not None and not callable(attention):
+        raise TypeError(f"ragvit.patch: attention must be None or a callable with "
+                        f"ragvit.attention's signature, got {type(attention).__name__}")
     if row_ops is not None and not isinstance(row_ops, bool):
         raise TypeError(f"ragvit.patch: row_ops must be None, True or False, got "
                         f"{type(row_ops).__name__}")
@@ -350,21 +365,26 @@ def patch(model, policy: PruningPolicy | None = None, *, capacity: bool = False,
         direct_pos_embed=_pos_embed_is_direct(model),
     )
 
-    traced = _traced_state(state)
-
-    def forward(x: torch.Tensor) -> torch.Tensor:
-        if not (torch.compiler.is_compiling() or torch.compiler.is_exporting()):
-            return _forward(model, state, x)[0]
-        if torch.compiler.is_dynamo_compiling():  # ragvit's C ops trace as torch.ops.ragvit
-            return _forward(model, traced, x)[0]
-        with library.routed_ops():  # tracing without Dynamo (non-strict torch.export)
-            return _forward(model, traced, x)[0]
-
-    # object.__setattr__: nn.Module.__setattr__ would be fine for a function, but the
-    # state must not become a submodule or buffer even if a policy is an nn.Module.
+    # object.__setattr__: the state must not become a submodule or buffer even if a policy
+    # is an nn.Module. A partial of a module-level function rather than a closure, so that
+    # copy.deepcopy of a patched model runs the copy's own weights (its memo maps the model
+    # to the copy), pickle and torch.save can store it, and torch.export reads its code.
     object.__setattr__(model, _STATE_ATTR, state)
-    object.__setattr__(model, "forward", forward)
+    object.__setattr__(model, "forward",
+                       functools.partial(_patched_forward, model, state, _traced_state(state)))
     return model
+
+
+def _patched_forward(model, state: _PatchState, traced: _PatchState,
+                     x: torch.Tensor) -> torch.Tensor:
+    """A patched model's forward(x): eager calls go straight to ragvit's C ops; traced ones
+    (torch.compile, torch.export) run with the traced state (_traced_state)."""
+    if not (torch.compiler.is_compiling() or torch.compiler.is_exporting()):
+        return _forward(model, state, x)[0]
+    if torch.compiler.is_dynamo_compiling():  # ragvit's C ops trace as torch.ops.ragvit
+        return _forward(model, traced, x)[0]
+    with library.routed_ops():  # tracing without Dynamo (non-strict torch.export)
+        return _forward(model, traced, x)[0]
 
 
 def _traced_state(state: _PatchState) -> _PatchState:
@@ -777,14 +797,13 @@ def _prune(state: _PatchState, cur: _Rows, layer: int, stage: int, cls_attn,
     if state.traced:
         _fill_cached_properties(batch)
     sel = state.policy.select(batch)
-    if not isinstance(sel, Selection):
-        raise TypeError(f"{type(state.policy).__name__}.select must return a Selection, got "
-                        f"{type(sel).__name__}")
+    name = type(state.policy).__name__
+    # Contents are checked where reading them costs no device sync (CPU rows) and in debug
+    # mode; types and shapes always.
+    values = not state.traced and (not cur.rows.is_cuda or ops.is_debug())
+    _check_selection(sel, batch, name, values)
     fused_origin = cur.num_tokens + cur.num_fused  # decision-mask column of a new fused token
     if sel.index is not None:
-        if cur.seq_len is None:
-            raise ValueError(f"{type(state.policy).__name__}.select: an index Selection needs "
-                             "a batch with seq_len known")
         return _gather_uniform(state, cur, sel.index, sel.fuse_weights, fused_origin,
                                sel.assign)
     if cur.sizes is not None:
@@ -799,6 +818,11 @@ def _prune(state: _PatchState, cur: _Rows, layer: int, stage: int, cls_attn,
         new = _pack_first(cur, keep, max_seqlen)
     else:
         new = _repack_rows(cur, keep, max_seqlen)
+    if values and sel.max_seqlen is not None:
+        cu = new.cu_seqlens.tolist()
+        fused = int(sel.fuse_weights is not None)
+        _check_max_seqlen(sel, [b - a - fused for a, b in zip(cu[:-1], cu[1:], strict=True)],
+                          name)
     if not state.capacity:
         new = _trim(new)
     return new
@@ -896,8 +920,9 @@ def _fuse(x: torch.Tensor, weights: torch.Tensor, dropped: torch.Tensor) -> torc
     zeros where sum(w) == 0 (ragvit.repack's fusion rule); x's dtype."""
     w = torch.where(dropped, weights.float(), torch.zeros((), device=x.device))
     total = w.sum(1, keepdim=True)
-    fused = torch.einsum("bl,blc->bc", w, x.float()) / torch.where(total > 0, total, 1.0)
-    return fused.to(x.dtype)
+    nonzero = total != 0  # for weights of any sign
+    fused = torch.einsum("bl,blc->bc", w, x.float()) / torch.where(nonzero, total, 1.0)
+    return torch.where(nonzero, fused, 0.0).to(x.dtype)
 
 
 def _pack_first(cur: _Rows, keep: torch.Tensor, max_seqlen: int) -> _Rows:

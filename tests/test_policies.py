@@ -368,6 +368,45 @@ def test_tome_every_block_resolves_layers():
             stage=0))
 
 
+def test_tome_every_block_takes_one_r_per_block():
+    policy = ToMe([1, 2, 3])
+    assert policy.layers == () and policy.r == ()
+    policy.check(3)
+    assert policy.layers == (0, 1, 2) and policy.r == (1, 2, 3)
+    with pytest.raises(ValueError, match="ToMe: one value per layer needed, got 3 r values "
+                       "for the 12 blocks of layers=None"):
+        ToMe([1, 2, 3]).check(12)
+
+
+def test_tome_every_block_is_resolved_for_one_depth(gen):
+    """layers=None resolves to the blocks of the first model that checks the policy; a model
+    of another depth is refused (it would change the first model's pruning points), one of
+    the same depth shares it."""
+    policy = ToMe(2)
+    policy.check(12)
+    policy.check(12)
+    with pytest.raises(ValueError, match="ToMe: layers=None is resolved to every block of a "
+                       "12-block model; a 6-block model needs its own ToMe"):
+        policy.check(6)
+    assert policy.layers == tuple(range(12))
+    shallow = make_model("deit_tiny_patch16_224", gen, 64, depth=6)
+    with pytest.raises(ValueError, match="6-block model needs its own ToMe"):
+        patch(shallow, policy)
+    assert not timm_patch.is_patched(shallow)
+
+
+def test_tome_every_block_in_the_reference_before_patch(gen, seed):
+    """The reference resolves layers=None itself: run before any patch, it merges at every
+    block, as the same policy with the blocks listed does."""
+    model = make_model("deit_tiny_patch16_224", gen, 64)
+    x = images(gen, 2, 64)
+    with torch.no_grad():
+        got, made = reference.vit_forward_reference(model, x, ToMe(2), return_decisions=True)
+        expected = reference.vit_forward_reference(model, x, ToMe(2, layers=range(12)))
+    assert len(made) == 12
+    assert torch.equal(got, expected), seed_note(seed)
+
+
 # ---- DynamicViT ----
 
 
@@ -451,6 +490,33 @@ def test_dynamicvit_made_under_inference_mode_trains_later(predictor, gen):
     scores.sum().backward()
     assert rows.grad is not None and torch.isfinite(rows.grad).all()
     assert all(p.grad is not None for p in module.parameters())
+
+
+def test_dynamicvit_first_calls_of_threads_share_one_set(gen):
+    """Eight threads making their first select at once on a policy without predictors get
+    one set of modules (made once: one warning), so every thread scores alike."""
+    import threading
+
+    batch = hand_batch(gen, [6, 6], 1, 8, seq_len=6, num_tokens=6)
+    policy = DynamicViT((0.5,), layers=(3,))
+    start = threading.Barrier(8)
+    made, selections = [], []
+
+    def first_call():
+        start.wait()
+        selections.append(policy.select(batch))
+        made.append(policy.predictors)
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        threads = [threading.Thread(target=first_call) for _ in range(8)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    assert len(made) == 8 and all(m is made[0] for m in made)
+    assert sum("randomly initialised" in str(w.message) for w in caught) == 1
+    assert all(torch.equal(s.index, selections[0].index) for s in selections)
 
 
 # ---- scoring rules vs float64 re-implementations ----
@@ -606,8 +672,40 @@ def test_ats_zero_significance_is_uniform(gen):
     (lambda: ATS(0), ValueError, "ATS: num_samples must be an int >= 1, got 0"),
     (lambda: ATS(2.5), ValueError, "ATS: num_samples must be an int >= 1, got 2.5"),
     (lambda: ATS((4, 4), layers=(3,)), ValueError, "ATS: one value per layer needed"),
+    (lambda: ATS(math.nan), ValueError, "ATS: num_samples must be an int >= 1, got nan"),
+    (lambda: ATS("8"), TypeError, "ATS: num_samples must be an int or one int per layer, "
+     "got '8'"),
+    (lambda: ATS(True), TypeError, "ATS: num_samples must be an int or one int per layer, "
+     "got True"),
+    (lambda: ToMe(math.nan), ValueError, "ToMe: r must be an int >= 0, got nan"),
+    (lambda: ToMe(math.inf, layers=(3,)), ValueError, "ToMe: r must be an int >= 0, got inf"),
+    (lambda: ToMe([1, 2.5]), ValueError, "ToMe: r must be an int >= 0, got 2.5"),
+    (lambda: ToMe(layers=4), TypeError, "ToMe: layers must be a sequence of ints, got 4"),
+    (lambda: ThresholdL2(0.5, layers=4), TypeError,
+     "ThresholdL2: layers must be a sequence of ints, got 4"),
+    (lambda: ThresholdL2(0.5, layers="4"), TypeError,
+     "ThresholdL2: layers must be a sequence of ints, got '4'"),
+    (lambda: EViT(layers=(4.5,)), TypeError,
+     r"EViT: layers must be a sequence of ints, got \(4.5,\)"),
+    (lambda: EViT(layers=(True,)), TypeError,
+     r"EViT: layers must be a sequence of ints, got \(True,\)"),
+    (lambda: ThresholdL2("0.5"), TypeError,
+     "ThresholdL2: keep must be a number or one number per layer, got '0.5'"),
+    (lambda: ThresholdL2(True), TypeError,
+     "ThresholdL2: keep must be a number or one number per layer, got True"),
+    (lambda: ThresholdL2(math.nan), ValueError, r"ThresholdL2: keep must be in \(0, 1\], got nan"),
+    (lambda: ThresholdL2(threshold=math.inf), ValueError,
+     "ThresholdL2: threshold must be finite and > 0, got inf"),
+    (lambda: EViT("a"), TypeError, "EViT: keep_rate must be a number or one number per layer, "
+     "got 'a'"),
+    (lambda: EViT(fuse="no"), TypeError, "EViT: fuse must be True or False, got 'no'"),
+    (lambda: DynamicViT(None), TypeError,
+     "DynamicViT: keep_rates must be a number or one number per layer, got None"),
 ], ids=["keep0", "keep1.5", "keep_len", "layers_int", "samples0", "samples_float",
-        "samples_len"])
+        "samples_len", "samples_nan", "samples_str", "samples_bool", "tome_r_nan", "tome_r_inf",
+        "tome_r_list_float", "tome_layers_int", "l2_layers_int", "l2_layers_str",
+        "evit_layers_float", "evit_layers_bool", "l2_keep_str", "l2_keep_bool", "l2_keep_nan",
+        "l2_threshold_inf", "evit_keep_str", "evit_fuse_str", "dynamicvit_none"])
 def test_bad_arguments(make, exc, message):
     with pytest.raises(exc, match=message):
         make()
@@ -630,6 +728,185 @@ def test_select_without_inputs_raises(gen):
     with pytest.raises(ValueError, match=r"ATS.select: batch.value_norm must be given"):
         ATS().select(batch)
     assert isinstance(EViT().select(batch), Selection)
+
+
+# ---- policies' own Selections ----
+
+
+class Returns(PruningPolicy):
+    """Test policy: whatever make(batch) returns, at the input of block 4."""
+
+    is_fixed = False
+
+    def __init__(self, make):
+        self.make, self.layers = make, (4,)
+
+    def select(self, batch):
+        return self.make(batch)
+
+
+def _index(batch, positions):
+    return torch.tensor(positions, dtype=torch.int64).expand(batch.num_seqs, -1)
+
+
+def _all_kept(batch, **kwargs):
+    return Selection(keep=torch.ones(batch.total_tokens, dtype=torch.bool), **kwargs)
+
+
+# deit_tiny at 64 px: L = 17 tokens per image, P = 1, B = 2, T = 34.
+BAD_SELECTIONS = {
+    "not_selection": (lambda b: {"keep": None}, TypeError,
+                      "Returns.select must return a Selection, got dict"),
+    "no_prefix": (lambda b: Selection(index=_index(b, range(1, 9))), ValueError,
+                  r"Returns.select: index must start with the prefix positions 0..0 in every"),
+    "duplicate": (lambda b: Selection(index=_index(b, [0, 1, 1, 2])), ValueError,
+                  "Returns.select: index positions must be strictly ascending in every image"),
+    "descending": (lambda b: Selection(index=_index(b, [0, 5, 3])), ValueError,
+                   "index positions must be strictly ascending"),
+    "past_image": (lambda b: Selection(index=_index(b, [0, 3, 17])), ValueError,
+                   r"Returns.select: index positions must lie in \[0, 17\)"),
+    "negative": (lambda b: Selection(index=_index(b, [0, -1])), ValueError,
+                 r"index positions must lie in \[0, 17\)"),
+    "index_int32": (lambda b: Selection(index=_index(b, [0, 1]).int()), ValueError,
+                    r"Returns.select: index must be an int64 tensor of shape \(B, k\) on cpu "
+                    r"with B = 2 and 1 <= k <= 17, got \(2, 2\) torch.int32 on cpu"),
+    "index_batch": (lambda b: Selection(index=torch.zeros(3, 2, dtype=torch.int64)), ValueError,
+                    r"with B = 2 and 1 <= k <= 17, got \(3, 2\) torch.int64"),
+    "index_too_long": (lambda b: Selection(index=torch.zeros(2, 18, dtype=torch.int64)),
+                       ValueError, r"1 <= k <= 17, got \(2, 18\)"),
+    "index_list": (lambda b: Selection(index=[[0, 1], [0, 1]]), ValueError,
+                   "1 <= k <= 17, got list"),
+    "assign_shape": (lambda b: Selection(index=_index(b, [0, 1]), assign=torch.zeros(
+        2, 16, dtype=torch.int64)), ValueError,
+        r"Returns.select: assign must be an int64 tensor of shape \(2, 17\) on cpu, got "
+        r"\(2, 16\)"),
+    "assign_slots": (lambda b: Selection(index=_index(b, [0, 1]), assign=torch.zeros(
+        2, 17, dtype=torch.int64)), ValueError,
+        r"Returns.select: assign must map every token to a slot in \[0, 2\), the token "
+        r"index\[:, j\] to slot j"),
+    "keep_int8": (lambda b: Selection(keep=torch.ones(b.total_tokens, dtype=torch.int8)),
+                  ValueError, r"Returns.select: keep must be a bool tensor of shape \(34,\) "
+                  r"on cpu, got \(34,\) torch.int8 on cpu"),
+    "keep_padded": (lambda b: Selection(keep=torch.ones(2, 17, dtype=torch.bool)), ValueError,
+                    r"keep must be a bool tensor of shape \(34,\)"),
+    "fuse_int": (lambda b: _all_kept(b, fuse_weights=torch.ones(34, dtype=torch.int64)),
+                 ValueError, r"fuse_weights must be a floating tensor of shape \(34,\)"),
+    "fuse_short": (lambda b: _all_kept(b, fuse_weights=torch.ones(33)), ValueError,
+                   r"fuse_weights must be a floating tensor of shape \(34,\)"),
+    "max_seqlen_bool": (lambda b: _all_kept(b, max_seqlen=True), ValueError,
+                        r"Returns.select: max_seqlen must be None or an int >= num_prefix "
+                        r"\(1\), got True"),
+    "max_seqlen_str": (lambda b: _all_kept(b, max_seqlen="17"), ValueError,
+                       "max_seqlen must be None or an int >= num_prefix"),
+    "max_seqlen_zero": (lambda b: _all_kept(b, max_seqlen=0), ValueError,
+                        r"max_seqlen must be None or an int >= num_prefix \(1\), got 0"),
+    "max_seqlen_short": (lambda b: _all_kept(b, max_seqlen=16), ValueError,
+                         "Returns.select: max_seqlen=16 is below the 17 tokens image 0 keeps"),
+    "max_seqlen_short_fused": (lambda b: _all_kept(b, max_seqlen=16,
+                                                   fuse_weights=torch.ones(34)), ValueError,
+                               "max_seqlen=16 is below the 17 tokens image 0 keeps"),
+}
+
+
+@pytest.mark.parametrize("capacity", [False, True], ids=["trimmed", "capacity"])
+@pytest.mark.parametrize("case", list(BAD_SELECTIONS))
+def test_bad_selection_refused(case, capacity, gen):
+    """A policy's Selection that breaks the contract is refused by name, patched and in the
+    reference, on CPU rows (where its contents cost no device sync to read)."""
+    make, exc, message = BAD_SELECTIONS[case]
+    model = make_model("deit_tiny_patch16_224", gen, 64)
+    x = images(gen, 2, 64)
+    policy = Returns(make)
+    with torch.no_grad():
+        with pytest.raises(exc, match=message):
+            reference.vit_forward_reference(model, x, policy)
+        patch(model, policy, capacity=capacity)
+        with pytest.raises(exc, match=message):
+            model(x)
+
+
+def test_exact_max_seqlen_accepted(gen, seed):
+    """The bound may equal the longest kept image (the fused token not counted)."""
+    model = make_model("deit_tiny_patch16_224", gen, 64)
+    x = images(gen, 2, 64)
+    for extra in ({}, {"fuse_weights": None}):
+        policy = Returns(lambda b, extra=extra: _all_kept(b, max_seqlen=17, **extra))
+        check_against_reference(model, x, policy, seed, capacity=True)
+        unpatch(model)
+
+
+class SignedFusion(PruningPolicy):
+    """Test policy: keep the 8 highest-norm patch tokens per image, fuse the rest with weights
+    of both signs (positions alternate +w / -w), as an index or a keep Selection."""
+
+    def __init__(self, form, weights):
+        self.form, self.weights, self.layers = form, weights, (4,)
+        self.is_fixed = form == "index"
+
+    def select(self, batch):
+        scores = torch.linalg.vector_norm(batch.rows, dim=-1, dtype=torch.float32)
+        sel = pruning.topk_selection(batch, scores, 8 / 16)
+        if self.form == "keep":
+            keep = torch.zeros(batch.num_seqs, batch.seq_len, dtype=torch.bool)
+            sel = Selection(keep=keep.scatter_(1, sel.index, True).view(-1))
+        sel.fuse_weights = self.weights(batch)
+        return sel
+
+
+def signed_weights(positions, magnitude):
+    """float32 weights in [1, 2], and in [-0.1, -0.05] at positions 2 mod 4 (magnitude: one
+    value in [0, 1) per position): at most a quarter negative, so the sum over any 8 dropped
+    of 16 tokens stays >= 3.6, far from 0."""
+    m = magnitude[positions]
+    return torch.where(positions % 4 == 2, -0.05 - 0.05 * m, 1.0 + m)
+
+
+@pytest.mark.parametrize("form", ["index", "keep"])
+def test_fusion_weights_of_both_signs(form, gen, seed):
+    """Weights of both signs fuse the same way in the index form's torch code and in
+    ragvit.repack_into (keep form) as in the reference."""
+    magnitude = torch.rand(17, generator=gen)  # the same weights in every forward
+
+    def make(batch):
+        return signed_weights(batch.positions, magnitude)
+
+    model = make_model("deit_tiny_patch16_224", gen, 64)
+    decided = check_against_reference(model, images(gen, 2, 64), SignedFusion(form, make), seed)
+    assert decided[0].shape == (2, 18) and decided[0][:, 17].all()
+
+
+@pytest.mark.parametrize("weights", ["signed", "cancelling", "zero"])
+def test_fusion_rule_float64(weights, gen):
+    """The three fusion paths (the index form's torch code, ragvit.repack in C, the
+    reference) against float64: sum(w x) / sum(w) over the dropped rows, zeros where
+    sum(w) == 0, whatever the signs (here +1/-1 weights that cancel, and all-zero ones)."""
+    B, L, C = 3, 9, 5
+    x = torch.randn(B, L, C, generator=gen)
+    kept = torch.rand(B, L, generator=gen) < 0.5
+    kept[:, 0] = True
+    kept[:, 1:5] = False  # four dropped rows at positions 1..4 in every image
+    positions = torch.arange(L).expand(B, L)
+    if weights == "signed":
+        w = signed_weights(positions, torch.rand(L, generator=gen)).double()
+    elif weights == "cancelling":  # positions 1..4 weigh -1, +1, -1, +1; the rest 0
+        w = torch.where(positions < 5, 1.0 - 2.0 * (positions % 2), 0).double()
+    else:
+        w = torch.zeros(B, L, dtype=torch.float64)
+    dropped = ~kept
+    wd = torch.where(dropped, w, 0.0)
+    total = wd.sum(1, keepdim=True)
+    expected = torch.einsum("bl,blc->bc", wd, x.double()) / torch.where(total != 0, total, 1)
+    expected[total[:, 0] == 0] = 0.0
+    torch_path = timm_patch._fuse(x, w.float(), dropped)
+    ref_path = reference._fuse_reference(x, w.float(), dropped)
+    cu = torch.arange(B + 1, dtype=torch.int32) * L
+    packed, cu_out, _ = ragvit.repack(x.reshape(B * L, C), cu, kept.reshape(-1),
+                                      fuse_weights=w.float().reshape(-1))
+    c_path = packed[cu_out[1:].long() - 1]  # the fused row closes every image
+    if weights != "signed":
+        assert (expected == 0).all()
+    for got in (torch_path, ref_path, c_path):
+        torch.testing.assert_close(got.double(), expected, atol=1e-5, rtol=1e-5)
 
 
 # ---- GPU ----
@@ -762,3 +1039,26 @@ def test_gpu_forward_is_sync_free(case, gen, seed):
         with host_syncs_raise():
             got, decided = timm_patch.forward_with_decisions(model, x)
     assert_fp16_close(model, x, policy, got, decided, seed)
+
+
+@pytest.mark.gpu
+@requires_cuda
+@pytest.mark.parametrize("case", ["no_prefix", "duplicate", "max_seqlen_short", "keep_int8"])
+def test_gpu_bad_selection_refused(case, gen):
+    """On CUDA rows a Selection's types and shapes are always checked and its contents in
+    debug mode (reading them syncs the host); the errors are the CPU's, device names
+    aside."""
+    make, exc, message = BAD_SELECTIONS[case]
+
+    def on_gpu(batch):
+        sel = make(batch)
+        return dataclasses.replace(sel, **{f.name: getattr(sel, f.name).cuda()
+                                           for f in dataclasses.fields(sel)
+                                           if isinstance(getattr(sel, f.name), torch.Tensor)})
+
+    model = make_model("deit_tiny_patch16_224", gen, 64, device="cuda")
+    x = images(gen, 2, 64, device="cuda")
+    patch(model, Returns(on_gpu), capacity=True)
+    ragvit.set_debug(True)  # conftest restores it
+    with torch.no_grad(), pytest.raises(exc, match=message.replace("on cpu", "on cuda:0")):
+        model(x)

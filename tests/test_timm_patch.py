@@ -32,10 +32,15 @@ from support.models import (  # noqa: E402
 
 from ragvit import reference, timm_patch  # noqa: E402
 from ragvit.pruning import (  # noqa: E402
+    ATS,
+    DynamicViT,
+    DynamicViTPredictor,
+    EViT,
     PruningPolicy,
     Selection,
     ThresholdL2,
     TokenBatch,
+    ToMe,
     kept_count,
     topk_selection,
 )
@@ -376,6 +381,102 @@ def test_training_and_autograd_refused(gen):
         model(x)
 
 
+@pytest.mark.parametrize("policy_name", ["none", "fixed50_b4", "dynamicvit"])
+def test_deepcopy_runs_the_copys_weights(policy_name, gen, seed):
+    """copy.deepcopy of a patched model is a patched model over the copy's own modules:
+    changing the copy's weights changes its logits, not the original's."""
+    model = make_model("deit_tiny_patch16_224", gen, 64)
+    policy = {"none": lambda: None, "fixed50_b4": lambda: ThresholdL2(0.5, layers=(4,)),
+              "dynamicvit": lambda: DynamicViT(predictor=_dynamicvit_state(gen))}[policy_name]()
+    x = images(gen, 2, 64)
+    with torch.no_grad():
+        patch(model, policy)
+        before = model(x)
+        twin = copy.deepcopy(model)
+        assert is_patched(twin)
+        for p in twin.parameters():
+            p.mul_(1.5)
+        expected = reference.vit_forward_reference(twin, x, _policy_of(twin))
+        got = twin(x)
+        again = model(x)
+    assert torch.equal(again, before), "the original must keep its own weights"
+    assert max_diff(got, expected) <= CPU_ATOL, seed_note(seed)
+    assert max_diff(got, before) > 100 * CPU_ATOL, "the copy ran the original's weights"
+    unpatch(twin)
+    assert is_patched(model) and not is_patched(twin)
+
+
+def _policy_of(model):
+    return vars(model)[timm_patch._STATE_ATTR].policy
+
+
+def _dynamicvit_state(gen):
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(int(torch.randint(2**62, (1,), generator=gen)))
+        modules = torch.nn.ModuleList(DynamicViTPredictor(192) for _ in range(3))
+    return modules.state_dict()
+
+
+@pytest.mark.parametrize("how", ["pickle", "torch_save"])
+def test_patched_model_pickles(how, gen, seed):
+    """pickle and torch.save store a patched model whole: the loaded model is patched, gives
+    the same logits, and starts with an empty cu_seqlens cache."""
+    import io
+    import pickle
+
+    model = make_model("deit_tiny_patch16_224", gen, 64)
+    x = images(gen, 2, 64)
+    with torch.no_grad():
+        patch(model, ThresholdL2(0.5, layers=(4,)))
+        expected = model(x)  # fills the cache
+        assert vars(model)[timm_patch._STATE_ATTR].cu_cache
+        if how == "pickle":
+            loaded = pickle.loads(pickle.dumps(model))
+        else:
+            buffer = io.BytesIO()
+            torch.save(model, buffer)
+            buffer.seek(0)
+            loaded = torch.load(buffer, weights_only=False)
+        assert is_patched(loaded)
+        assert vars(loaded)[timm_patch._STATE_ATTR].cu_cache == {}
+        got = loaded(x)
+    assert torch.equal(got, expected), seed_note(seed)
+    unpatch(loaded)
+    with torch.no_grad():
+        assert max_diff(loaded(x), expected) > 0, "unpatched: timm's own forward again"
+
+
+@pytest.mark.parametrize("policy_name", ["none", "fixed50_b4", "threshold_b4", "evit", "ats",
+                                         "tome", "dynamicvit"])
+def test_empty_batch(policy_name, gen):
+    """Batch 0 gives (0, num_classes) logits, patched and in the reference, as timm does."""
+    policies = {"none": lambda: None, "fixed50_b4": lambda: ThresholdL2(0.5, layers=(4,)),
+                "threshold_b4": lambda: ThresholdL2(threshold=1.0, layers=(4,)),
+                "evit": lambda: EViT(0.7, layers=(3, 6)), "ats": lambda: ATS(8, layers=(3,)),
+                "tome": lambda: ToMe(2),
+                "dynamicvit": lambda: DynamicViT(predictor=_dynamicvit_state(gen))}
+    model = make_model("deit_tiny_patch16_224", gen, 64)
+    x = images(gen, 0, 64)
+    policy = policies[policy_name]()
+    with torch.no_grad():
+        expected = model(x)
+        ref = reference.vit_forward_reference(model, x, policy)
+        patch(model, policy)
+        got = model(x)
+        _, decisions = timm_patch.forward_with_decisions(model, x)
+    assert expected.shape == ref.shape == got.shape == (0, model.num_classes)
+    assert len(decisions) == (len(policy.layers) if policy is not None else 0)
+    assert all(d.shape[0] == 0 for d in decisions)
+
+
+def test_attention_must_be_callable(gen):
+    model = make_model("deit_tiny_patch16_224", gen, 64)
+    with pytest.raises(TypeError, match="ragvit.patch: attention must be None or a callable "
+                       "with ragvit.attention's signature, got int"):
+        patch(model, attention=42)
+    assert not is_patched(model)
+
+
 def _tiny_vit(**kwargs):
     from timm.models.vision_transformer import VisionTransformer
 
@@ -427,6 +528,33 @@ def test_every_unpatchable_model_raises_one_type(make, message):
     with pytest.raises(ValueError, match=message):
         ragvit.patch(model)
     assert not is_patched(model)
+
+
+@pytest.mark.parametrize("make, message", [
+    (lambda: torch.nn.Linear(2, 2), "model must be a timm VisionTransformer, got Linear"),
+    (lambda: _tiny_vit(qk_norm=True), "qk_norm is not supported"),
+    (lambda: _tiny_vit(global_pool="max"), "global_pool='max' is not supported"),
+], ids=["linear", "vit_qk_norm", "max_pool"])
+def test_reference_refuses_what_patch_refuses(make, message):
+    """vit_forward_reference runs the models ragvit.patch runs; any other raises the same
+    UnsupportedModelError, naming the reference (it would otherwise skip the feature)."""
+    model = make()
+    with torch.no_grad(), pytest.raises(timm_patch.UnsupportedModelError,
+                                        match=message) as info:
+        reference.vit_forward_reference(model, torch.zeros(1, 3, 32, 32))
+    assert str(info.value).startswith("ragvit.reference.vit_forward_reference: ")
+
+
+def test_reference_checks_the_policy(gen):
+    model = make_model("deit_tiny_patch16_224", gen, 64)
+    x = images(gen, 1, 64)
+    with torch.no_grad():
+        with pytest.raises(TypeError, match="vit_forward_reference: policy must be a "
+                           "ragvit.pruning.PruningPolicy or None, got float"):
+            reference.vit_forward_reference(model, x, 0.5)
+        with pytest.raises(ValueError, match=r"layers must be ascending block indices in "
+                           r"\[0, 12\), got \(12,\)"):
+            reference.vit_forward_reference(model, x, ThresholdL2(0.5, layers=(12,)))
 
 
 def test_non_vit_and_bad_policy_refused(gen):
