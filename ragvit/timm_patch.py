@@ -188,12 +188,14 @@ def _embed_is_gemm(model) -> bool:
 def _embed_patches(pe, x: torch.Tensor, as_gemm: bool, linear=None,
                    traced: bool = False) -> torch.Tensor:
     """model.patch_embed(x), as one GEMM on the patches (`linear`, default ragvit.linear)
-    when as_gemm and x has the size the model was built for (the conv otherwise; cuDNN's
+    when as_gemm and x has the size and channels the model was built for (the conv
+    otherwise, which also raises timm's own error for a wrong input; cuDNN's
     default algorithm for this stride-p conv is slow at small batch); traced: see
     _patch_rows."""
-    if not as_gemm or x.ndim != 4 or tuple(x.shape[-2:]) != tuple(pe.img_size):
-        return pe(x)
     conv = pe.proj
+    if (not as_gemm or x.ndim != 4 or tuple(x.shape[-2:]) != tuple(pe.img_size)
+            or x.shape[1] != conv.in_channels):
+        return pe(x)
     B, C, H, W = x.shape
     ph, pw = conv.kernel_size
     # (B, C, H/ph, ph, W/pw, pw) -> (B, H/ph, W/pw, C, ph, pw): rows in token order, columns
@@ -318,8 +320,9 @@ def patch(model, policy: PruningPolicy | None = None, *, capacity: bool = False,
         TypeError: policy is not a PruningPolicy.
         ValueError: the model is already patched, the policy's layers do not fit, or
             row_ops=True on blocks the row ops cannot run.
-        TypeError: row_ops is not None, True or False, both row_ops and fused_ops are
-            given, or attention is neither None nor callable.
+        TypeError: capacity is not a bool, row_ops or dense_until_pruning not None, True
+            or False, both row_ops and fused_ops are given, or attention is neither None
+            nor callable.
     """
     if is_patched(model):
         raise ValueError("ragvit.patch: model is already patched; call ragvit.unpatch(model) "
@@ -336,6 +339,11 @@ def patch(model, policy: PruningPolicy | None = None, *, capacity: bool = False,
         warnings.warn("ragvit.patch: fused_ops is now called row_ops", DeprecationWarning,
                       stacklevel=2)
         row_ops = fused_ops
+    if not isinstance(capacity, bool):
+        raise TypeError(f"ragvit.patch: capacity must be True or False, got {capacity!r}")
+    if dense_until_pruning is not None and not isinstance(dense_until_pruning, bool):
+        raise TypeError(f"ragvit.patch: dense_until_pruning must be None, True or False, got "
+                        f"{dense_until_pruning!r}")
     if attention is not None and not callable(attention):
         raise TypeError(f"ragvit.patch: attention must be None or a callable with "
                         f"ragvit.attention's signature, got {type(attention).__name__}")
@@ -358,7 +366,7 @@ def patch(model, policy: PruningPolicy | None = None, *, capacity: bool = False,
         avg_pool=model.global_pool == "avg",
         pool_skip=0 if getattr(model, "pool_include_prefix", False) else int(
             model.num_prefix_tokens),
-        dense_until_pruning=None if dense_until_pruning is None else bool(dense_until_pruning),
+        dense_until_pruning=dense_until_pruning,
         # None (on CUDA) stays None where the blocks allow the row ops, else off
         row_ops=(None if row_ops is None else True) if allows_row_ops else False,
         gemm_embed=_embed_is_gemm(model),
@@ -406,7 +414,7 @@ def unpatch(model):
     Raises:
         ValueError: the model is not patched.
     """
-    state = vars(model).get(_STATE_ATTR)
+    state = getattr(model, "__dict__", {}).get(_STATE_ATTR)
     if state is None:
         raise ValueError("ragvit.unpatch: model is not patched")
     if state.had_forward:
@@ -418,8 +426,9 @@ def unpatch(model):
 
 
 def is_patched(model) -> bool:
-    """Whether ragvit.patch has been applied to model (and not undone)."""
-    return _STATE_ATTR in vars(model)
+    """Whether ragvit.patch has been applied to model (and not undone); False for any
+    object that is no patched model."""
+    return _STATE_ATTR in getattr(model, "__dict__", {})
 
 
 @contextlib.contextmanager
@@ -456,7 +465,7 @@ def forward_with_decisions(model, x: torch.Tensor):
         The format ragvit.reference.vit_forward_reference(..., decisions=) replays;
         `kept_mask` turns either into the bool mask of kept tokens.
     """
-    state = vars(model).get(_STATE_ATTR)
+    state = getattr(model, "__dict__", {}).get(_STATE_ATTR)
     if state is None:
         raise ValueError("ragvit.forward_with_decisions: model is not patched")
     return _forward(model, state, x, record=True)
@@ -464,7 +473,17 @@ def forward_with_decisions(model, x: torch.Tensor):
 
 def kept_mask(decision: torch.Tensor) -> torch.Tensor:
     """(B, N + F) bool mask of the tokens kept by one decision of forward_with_decisions
-    (a bool mask is returned as is; a merge map keeps the tokens that map to themselves)."""
+    (a bool mask is returned as is; a merge map keeps the tokens that map to themselves).
+
+    Raises:
+        TypeError: decision is not a 2-D bool or int64 tensor.
+    """
+    if not (isinstance(decision, torch.Tensor) and decision.ndim == 2
+            and decision.dtype in (torch.bool, torch.int64)):
+        got = (f"{decision.ndim}-D {decision.dtype}" if isinstance(decision, torch.Tensor)
+               else type(decision).__name__)
+        raise TypeError(f"ragvit.kept_mask: decision must be a 2-D bool or int64 tensor (a "
+                        f"decision of forward_with_decisions), got {got}")
     if decision.dtype == torch.bool:
         return decision
     return decision == torch.arange(decision.shape[1], device=decision.device)

@@ -477,6 +477,49 @@ def test_attention_must_be_callable(gen):
     assert not is_patched(model)
 
 
+def test_flags_must_be_bools(gen):
+    model = make_model("deit_tiny_patch16_224", gen, 64)
+    with pytest.raises(TypeError, match="ragvit.patch: capacity must be True or False, got "
+                       "'yes'"):
+        patch(model, ThresholdL2(threshold=1.0), capacity="yes")
+    with pytest.raises(TypeError, match="ragvit.patch: dense_until_pruning must be None, True "
+                       "or False, got 1"):
+        patch(model, ThresholdL2(0.5), dense_until_pruning=1)
+    assert not is_patched(model)
+
+
+def test_non_models_are_not_patched():
+    assert not is_patched(42) and not is_patched(torch.zeros(1))
+    with pytest.raises(ValueError, match="ragvit.unpatch: model is not patched"):
+        unpatch(42)
+    with pytest.raises(ValueError, match="ragvit.forward_with_decisions: model is not patched"):
+        timm_patch.forward_with_decisions(42, torch.zeros(1))
+
+
+@pytest.mark.parametrize("decision, got", [
+    (torch.zeros(2, 3), "2-D torch.float32"), (torch.zeros(3, dtype=torch.bool), "1-D torch.bool"),
+    ([[True]], "list")], ids=["float", "1d", "list"])
+def test_kept_mask_refuses_what_is_no_decision(decision, got):
+    with pytest.raises(TypeError, match=f"ragvit.kept_mask: decision must be a 2-D bool or "
+                       f"int64 tensor \\(a decision of forward_with_decisions\\), got {got}"):
+        timm_patch.kept_mask(decision)
+
+
+@pytest.mark.parametrize("shape", [(1, 4, 64, 64), (3, 64, 64), (1, 3, 32, 32)],
+                         ids=["four_channels", "unbatched", "other_size"])
+def test_wrong_images_raise_timms_error(shape, gen):
+    """An input the model was not built for raises what timm's own forward raises."""
+    model = make_model("deit_tiny_patch16_224", gen, 64)
+    x = torch.randn(shape, generator=gen)
+    with torch.no_grad():
+        with pytest.raises(Exception) as timm_error:
+            model(x)
+        patch(model, ThresholdL2(0.5, layers=(4,)))
+        with pytest.raises(type(timm_error.value)) as ours:
+            model(x)
+    assert str(ours.value) == str(timm_error.value)
+
+
 def _tiny_vit(**kwargs):
     from timm.models.vision_transformer import VisionTransformer
 
