@@ -319,8 +319,9 @@ class PruningPolicy:
         raise NotImplementedError
 
     def check(self, depth: int) -> None:
-        """Raises ValueError unless the pruning points fit a model with `depth` blocks."""
-        layers = tuple(self.layers)
+        """Raises ValueError unless the pruning points fit a model with `depth` blocks
+        (TypeError unless `layers` is a sequence of ints)."""
+        layers = _layers(type(self).__name__, self.layers)
         if not layers:
             raise ValueError(f"{type(self).__name__}: layers must not be empty")
         if list(layers) != sorted(set(layers)) or layers[0] < 0 or layers[-1] >= depth:
@@ -334,8 +335,20 @@ class PruningPolicy:
                              "cls_attn / value_norm / keys")
 
 
+def _check_ratio(name: str, keep_ratio) -> None:
+    if isinstance(keep_ratio, bool) or not isinstance(keep_ratio, numbers.Real):
+        raise TypeError(f"{name}: keep_ratio must be a number in (0, 1], got {keep_ratio!r}")
+    if not 0.0 < keep_ratio <= 1.0:
+        raise ValueError(f"{name}: keep_ratio must be in (0, 1], got {keep_ratio}")
+
+
 def kept_count(keep_ratio: float, num_patches: int) -> int:
-    """Patch tokens kept out of num_patches: ceil(keep_ratio * n), at least 1 (0 if n == 0)."""
+    """Patch tokens kept out of num_patches: ceil(keep_ratio * n), at least 1 (0 if n == 0).
+
+    Raises:
+        ValueError: keep_ratio is not in (0, 1] (TypeError: not a number).
+    """
+    _check_ratio("kept_count", keep_ratio)
     if num_patches <= 0:
         return 0
     return max(1, math.ceil(keep_ratio * num_patches - 1e-6))
@@ -352,7 +365,18 @@ def topk_selection(batch: TokenBatch, scores: torch.Tensor, keep_ratio: float) -
     Returns:
         An index Selection when batch.seq_len is known (same k for every image), else a
         keep mask ranked per image with device ops only.
+
+    Raises:
+        ValueError: keep_ratio is not in (0, 1] (TypeError: not a number), or scores is
+            not a (T,) tensor on the rows' device.
     """
+    _check_ratio("topk_selection", keep_ratio)
+    if not (isinstance(scores, torch.Tensor) and tuple(scores.shape) == (batch.total_tokens,)
+            and scores.device == batch.rows.device):
+        got = (f"{tuple(scores.shape)} on {scores.device}" if isinstance(scores, torch.Tensor)
+               else type(scores).__name__)
+        raise ValueError(f"topk_selection: scores must be a ({batch.total_tokens},) tensor on "
+                         f"{batch.rows.device}, got {got}")
     P = batch.num_prefix
     if batch.seq_len is not None:
         B, L = batch.num_seqs, batch.seq_len

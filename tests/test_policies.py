@@ -711,6 +711,44 @@ def test_bad_arguments(make, exc, message):
         make()
 
 
+@pytest.mark.parametrize("call, exc, message", [
+    (lambda b, s: pruning.topk_selection(b, s, 0.0), ValueError,
+     r"topk_selection: keep_ratio must be in \(0, 1\], got 0.0"),
+    (lambda b, s: pruning.topk_selection(b, s, 1.5), ValueError,
+     r"topk_selection: keep_ratio must be in \(0, 1\], got 1.5"),
+    (lambda b, s: pruning.topk_selection(b, s, math.nan), ValueError,
+     r"topk_selection: keep_ratio must be in \(0, 1\], got nan"),
+    (lambda b, s: pruning.topk_selection(b, s, "0.5"), TypeError,
+     r"topk_selection: keep_ratio must be a number in \(0, 1\], got '0.5'"),
+    (lambda b, s: pruning.topk_selection(b, s[:-1], 0.5), ValueError,
+     r"topk_selection: scores must be a \(12,\) tensor on cpu, got \(11,\) on cpu"),
+    (lambda b, s: pruning.kept_count(2.0, 10), ValueError,
+     r"kept_count: keep_ratio must be in \(0, 1\], got 2.0"),
+], ids=["ratio0", "ratio1.5", "ratio_nan", "ratio_str", "scores_short", "kept_count_2"])
+@pytest.mark.parametrize("uniform", [False, True], ids=["ragged", "uniform"])
+def test_helpers_refuse_bad_arguments(call, exc, message, uniform, gen):
+    batch = hand_batch(gen, [6, 6] if uniform else [5, 7], 1, seq_len=6 if uniform else None)
+    with pytest.raises(exc, match=message):
+        call(batch, torch.rand(12, generator=gen))
+
+
+@pytest.mark.parametrize("layers, message", [
+    ((4.5,), r"Custom: layers must be a sequence of ints, got \(4.5,\)"),
+    ("4", "Custom: layers must be a sequence of ints, got '4'"),
+    ((True,), r"Custom: layers must be a sequence of ints, got \(True,\)"),
+    (4, "Custom: layers must be a sequence of ints, got 4")], ids=["float", "str", "bool", "int"])
+def test_custom_policy_layers_must_be_ints(layers, message, gen):
+    class Custom(PruningPolicy):
+        pass
+
+    policy = Custom()
+    policy.layers = layers
+    model = make_model("deit_tiny_patch16_224", gen, 64)
+    with pytest.raises(TypeError, match=message):
+        patch(model, policy)
+    assert not timm_patch.is_patched(model)
+
+
 @pytest.mark.parametrize("policy", [EViT(layers=(3, 12)), ATS(layers=(5, 4)), EViT(layers=())],
                          ids=["evit_out_of_range", "ats_descending", "empty"])
 def test_bad_layers_refused_by_patch(policy, gen):
