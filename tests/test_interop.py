@@ -1345,6 +1345,67 @@ def test_every_written_output_is_bumped(op, call, outputs):
     )
 
 
+def _grad_cases():
+    """(op, argument, call(inputs, out)): every op with a float input that can require grad,
+    inputs as a dict (the named one is made to require grad), out a poisoned output or
+    None."""
+    x, w, b = _row_args()
+    packed = torch.randn((12, 6), generator=torch.Generator().manual_seed(3))
+    cu = make_cu_seqlens([5, 0, 7], "cpu")
+    keep = torch.ones(12, dtype=torch.bool)
+    a = _safety_problem()
+    return [
+        ("attention", "q", {"q": a["q"], "k": a["k"], "v": a["v"]}, lambda t, o: ragvit.attention(
+            t["q"], t["k"], t["v"], a["cu_seqlens"], out=o), poison(a["q"].shape)),
+        ("attention", "bias", {"bias": torch.zeros(12)}, lambda t, o: ragvit.attention(
+            a["q"], a["k"], a["v"], a["cu_seqlens"], bias=t["bias"], out=o),
+         poison(a["q"].shape)),
+        ("linear", "weight", {"weight": torch.randn(12, 12)},
+         lambda t, o: ragvit.linear(x, t["weight"], out=o), poison((5, 12))),
+        ("linear", "residual", {"residual": torch.randn(5, 12)},
+         lambda t, o: ragvit.linear(x, torch.randn(12, 12), residual=t["residual"], out=o),
+         poison((5, 12))),
+        ("layer_norm", "weight", {"weight": w}, lambda t, o: ragvit.layer_norm(x, t["weight"], b,
+                                                                               out=o),
+         poison((5, 12))),
+        ("gelu", "x", {"x": x}, lambda t, o: ragvit.gelu(t["x"], out=o), poison((5, 12))),
+        ("repack", "packed", {"packed": packed},
+         lambda t, o: ragvit.repack(t["packed"], cu, keep), None),
+        ("segment_mean", "packed", {"packed": packed},
+         lambda t, o: ragvit.segment_mean(t["packed"], cu, out=o), poison((3, 6))),
+        ("topk_index", "scores", {"scores": x}, lambda t, o: ragvit.topk_index(t["scores"], 3),
+         None),
+        ("torch.ops.ragvit.attention", "q", {"q": a["q"], "k": a["k"], "v": a["v"]},
+         lambda t, o: torch.ops.ragvit.attention(t["q"], t["k"], t["v"], a["cu_seqlens"], 7),
+         None),
+    ]
+
+
+@pytest.mark.parametrize("op, arg, inputs, call, out",
+                         [pytest.param(*c, id=f"{c[0]}-{c[1]}") for c in _grad_cases()])
+def test_inputs_requiring_grad_refused_in_grad_mode(op, arg, inputs, call, out):
+    """ragvit's ops have no backward: an input that requires grad in grad mode is refused,
+    naming the op and the argument, before anything is written (the output would silently
+    stop its gradient); under torch.no_grad() and inference_mode the same call runs."""
+    import ragvit.library  # noqa: F401 - registers torch.ops.ragvit
+
+    inputs = {name: t.clone() for name, t in inputs.items()}
+    inputs[arg].requires_grad_(True)
+    before = out.clone() if out is not None else None
+    name = op.removeprefix("torch.ops.ragvit.")
+    with pytest.raises(RuntimeError, match=f"{name}: {arg} requires grad and grad mode is on, "
+                       f"but ragvit's ops have no backward .* or pass {arg}.detach\\(\\)"):
+        call(inputs, out)
+    if out is not None:
+        assert same_bits(out, before), f"{op} wrote its output before refusing"
+    with torch.no_grad():
+        call(inputs, out)
+    with torch.inference_mode():
+        call(inputs, out)
+    detached = {name: t.detach() for name, t in inputs.items()}
+    call(detached, out)  # grad mode, nothing requires grad
+
+
 def test_inputs_and_allocated_outputs_are_not_bumped():
     a = _safety_problem()
     before = [a[n]._version for n in ("q", "k", "v", "cu_seqlens")]

@@ -81,9 +81,11 @@ typedef struct {
     PyObject *torch_increment_version; /* torch._C._increment_version, on first use */
     int is_increment_version_iterable; /* it takes a tuple of tensors (else one tensor) */
     PyObject *torch_is_grad_enabled;   /* torch._C.is_grad_enabled, with the one above */
+    PyCFunction is_grad_enabled_c;     /* its C function when a plain METH_NOARGS one, else NULL */
     PyObject *str_dlpack;
     PyObject *str_dlpack_device;
     PyObject *str_cai;
+    PyObject *str_requires_grad;
     PyObject *str_cuda_stream;
     PyObject *str_exchange_api;
     PyObject *str_stream;
@@ -163,6 +165,7 @@ typedef struct {
     int64_t max_numel;              /* elements of the largest array imported or allocated */
     PyObject *written[MAX_IMPORTS]; /* borrowed: torch outputs given by the caller */
     int written_count;
+    int grad_mode;          /* torch's grad mode for this call: -1 not asked yet, 0 off, 1 on */
     PyObject *wrap_arg;     /* borrowed: the first array argument, once a Buffer was allocated */
     int is_handoff_ordered; /* CuPy's current stream waits on this call's mark already */
 } call_state;
@@ -305,6 +308,7 @@ static inline void call_init(call_state *cs, PyObject *module, const char *op) {
     cs->is_cuda = 0;
     cs->max_numel = 0;
     cs->written_count = 0;
+    cs->grad_mode = -1;
     cs->wrap_arg = NULL;
     cs->is_handoff_ordered = 0;
 }

@@ -503,6 +503,44 @@ static int check_neg_bit(call_state *cs, PyObject *obj, const char *name) {
                                      cs->op, name));
 }
 
+static int resolve_increment_version(module_state *st);
+
+/* torch's grad mode, asked once per call (cs->grad_mode): 1 on, 0 off, -1 with
+ * an exception set. */
+static int ask_grad_mode(call_state *cs) {
+    if (cs->grad_mode >= 0) return cs->grad_mode;
+    module_state *st = cs->st;
+    if (st->torch_is_grad_enabled == NULL && resolve_increment_version(st)) return -1;
+    PyObject *fn = st->torch_is_grad_enabled;
+    PyObject *is_grad_enabled = st->is_grad_enabled_c != NULL
+                                    ? st->is_grad_enabled_c(PyCFunction_GET_SELF(fn), NULL)
+                                    : PyObject_CallNoArgs(fn);
+    if (is_grad_enabled == NULL) return -1;
+    Py_DECREF(is_grad_enabled); /* Py_True or Py_False, which outlive it */
+    cs->grad_mode = is_grad_enabled == Py_True;
+    return cs->grad_mode;
+}
+
+/* A torch input that requires grad, read in grad mode, would come back through an
+ * output autograd knows nothing of: gradients would stop there without a word.
+ * Refused instead (ragvit's ops have no backward). Under torch.no_grad() or
+ * inference_mode, where inference runs (and parameters still require grad), only
+ * the grad mode is asked: one call into torch per call. */
+static int check_no_grad(call_state *cs, PyObject *obj, const char *name) {
+    const int grad_mode = ask_grad_mode(cs);
+    if (grad_mode <= 0) return grad_mode;
+    PyObject *requires_grad = PyObject_GetAttr(obj, cs->st->str_requires_grad);
+    if (requires_grad == NULL) return -1;
+    Py_DECREF(requires_grad); /* Py_True or Py_False, which outlive it */
+    if (requires_grad != Py_True) return 0;
+    PyErr_Format(PyExc_RuntimeError,
+                 "%s: %s requires grad and grad mode is on, but ragvit's ops have no "
+                 "backward (the output would not carry its gradient): call under "
+                 "torch.no_grad() or torch.inference_mode(), or pass %s.detach()",
+                 cs->op, name, name);
+    return -1;
+}
+
 /* Phase 1 for obj (not NULL), argument `arg` of the signature: picks its
  * protocol and runs every Python-level part of it. */
 static int prepare_arg(call_state *cs, PyObject *obj, int arg, const char *const *names,
@@ -532,7 +570,11 @@ static int prepare_arg(call_state *cs, PyObject *obj, int arg, const char *const
         if (st->ctx.is_debug && st->torch_is_neg != NULL && check_neg_bit(cs, obj, name)) {
             return -1;
         }
-        if (cs->sig->outputs & ARG_BIT(arg)) cs->written[cs->written_count++] = obj;
+        if (cs->sig->outputs & ARG_BIT(arg)) {
+            cs->written[cs->written_count++] = obj;
+        } else if (check_no_grad(cs, obj, name)) {
+            return -1;
+        }
     }
     if (entry->api != NULL) {
         slot->kind = IMPORT_EXCHANGE;
@@ -800,6 +842,15 @@ static int resolve_increment_version(module_state *st) {
     Py_XDECREF(probe);
     st->torch_increment_version = fn;
     st->torch_is_grad_enabled = is_grad_enabled;
+    /* Called as CPython calls a METH_NOARGS function, without the generic call's
+     * machinery: the function is asked on every call with a torch argument. */
+    st->is_grad_enabled_c = NULL;
+    if (PyCFunction_Check(is_grad_enabled) &&
+        (PyCFunction_GET_FLAGS(is_grad_enabled) &
+         (METH_VARARGS | METH_KEYWORDS | METH_NOARGS | METH_O | METH_FASTCALL | METH_METHOD)) ==
+            METH_NOARGS) {
+        st->is_grad_enabled_c = PyCFunction_GET_FUNCTION(is_grad_enabled);
+    }
     return 0;
 }
 
@@ -813,11 +864,8 @@ int bump_versions(call_state *cs) {
     module_state *st = cs->st;
     const int n = cs->written_count;
     cs->written_count = 0;
-    if (st->torch_increment_version == NULL && resolve_increment_version(st)) return -1;
-    PyObject *is_grad_enabled = PyObject_CallNoArgs(st->torch_is_grad_enabled);
-    if (is_grad_enabled == NULL) return -1;
-    Py_DECREF(is_grad_enabled); /* Py_True or Py_False, which outlive it */
-    if (is_grad_enabled != Py_True) return 0;
+    const int grad_mode = ask_grad_mode(cs);
+    if (grad_mode <= 0) return grad_mode;
     if (st->is_increment_version_iterable) {
         PyObject *tensors = PyTuple_New(n);
         if (tensors == NULL) return -1;

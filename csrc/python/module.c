@@ -99,6 +99,7 @@ static int module_exec(PyObject *module) {
     st->str_dlpack = PyUnicode_InternFromString("__dlpack__");
     st->str_dlpack_device = PyUnicode_InternFromString("__dlpack_device__");
     st->str_cai = PyUnicode_InternFromString("__cuda_array_interface__");
+    st->str_requires_grad = PyUnicode_InternFromString("requires_grad");
     st->str_cuda_stream = PyUnicode_InternFromString("__cuda_stream__");
     st->str_exchange_api = PyUnicode_InternFromString("__dlpack_c_exchange_api__");
     st->str_stream = PyUnicode_InternFromString("stream");
@@ -106,8 +107,8 @@ static int module_exec(PyObject *module) {
     st->str_array_namespace = PyUnicode_InternFromString("__array_namespace__");
     st->str_from_dlpack = PyUnicode_InternFromString("from_dlpack");
     st->max_version = Py_BuildValue("(ii)", 1, 0);
-    if (!st->str_dlpack || !st->str_dlpack_device || !st->str_cai || !st->str_cuda_stream ||
-        !st->str_exchange_api || !st->str_stream || !st->str_max_version ||
+    if (!st->str_dlpack || !st->str_dlpack_device || !st->str_cai || !st->str_requires_grad ||
+        !st->str_cuda_stream || !st->str_exchange_api || !st->str_stream || !st->str_max_version ||
         !st->str_array_namespace || !st->str_from_dlpack || !st->max_version) {
         return -1;
     }
@@ -153,6 +154,7 @@ static int module_clear(PyObject *module) {
     Py_CLEAR(st->str_dlpack);
     Py_CLEAR(st->str_dlpack_device);
     Py_CLEAR(st->str_cai);
+    Py_CLEAR(st->str_requires_grad);
     Py_CLEAR(st->str_cuda_stream);
     Py_CLEAR(st->str_exchange_api);
     Py_CLEAR(st->str_stream);
@@ -163,6 +165,7 @@ static int module_clear(PyObject *module) {
     Py_CLEAR(st->torch_is_neg);
     Py_CLEAR(st->torch_increment_version);
     Py_CLEAR(st->torch_is_grad_enabled);
+    st->is_grad_enabled_c = NULL;
     cupy_state_clear(&st->cupy);
     return 0;
 }
