@@ -219,6 +219,8 @@ class GraphedModel:
 
     @property
     def max_graphs(self) -> int:
+        """The most graphs held at once (cuda_graph's max_graphs); the least recently used
+        one is dropped to make room."""
         return self._graphs.maxsize
 
     def __repr__(self) -> str:
