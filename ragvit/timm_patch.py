@@ -388,6 +388,10 @@ def _patched_forward(model, state: _PatchState, traced: _PatchState,
     """A patched model's forward(x): eager calls go straight to ragvit's C ops; traced ones
     (torch.compile, torch.export) run with the traced state (_traced_state)."""
     if not (torch.compiler.is_compiling() or torch.compiler.is_exporting()):
+        if torch.jit.is_tracing():
+            raise RuntimeError("ragvit.patch: torch.jit.trace cannot record a patched forward "
+                               "(ragvit's C ops are invisible to it); use "
+                               "torch.export.export(model, (x,)) or torch.compile(model)")
         return _forward(model, state, x)[0]
     if torch.compiler.is_dynamo_compiling():  # ragvit's C ops trace as torch.ops.ragvit
         return _forward(model, traced, x)[0]

@@ -520,6 +520,16 @@ def test_wrong_images_raise_timms_error(shape, gen):
     assert str(ours.value) == str(timm_error.value)
 
 
+def test_jit_trace_refused(gen):
+    """torch.jit.trace would fail inside torch (or keep a C op's output as a constant);
+    the patched forward says what to use instead."""
+    model = make_model("deit_tiny_patch16_224", gen, 64)
+    patch(model, ThresholdL2(0.5, layers=(4,)))
+    with torch.no_grad(), pytest.raises(RuntimeError, match="ragvit.patch: torch.jit.trace "
+                                        "cannot record a patched forward .* torch.export"):
+        torch.jit.trace(model, images(gen, 1, 64))
+
+
 def _tiny_vit(**kwargs):
     from timm.models.vision_transformer import VisionTransformer
 
