@@ -68,7 +68,7 @@ Rules that keep the two pipelines equal and the forward sync-free:
     * test it like tests/test_policies.py does: `check_against_reference` (patched vs
       reference logits and decisions) plus a float64 re-implementation of the scores.
 Helpers: `topk_selection` (per-image top-k in both forms), `segment_mean_scores`,
-`kept_count`.
+`patch_means`, `kept_count`.
 """
 
 from __future__ import annotations
@@ -382,8 +382,9 @@ def topk_selection(batch: TokenBatch, scores: torch.Tensor, keep_ratio: float) -
         B, L = batch.num_seqs, batch.seq_len
         k = kept_count(keep_ratio, L - P)
         if L <= ops.TOPK_INDEX_MAX_COLS:  # one launch instead of topk + sort + arange + cat
-            return Selection(index=ops.topk_index(scores.reshape(B, L).contiguous(), k,
-                                                  prefix=P))
+            # detached: indices carry no gradient, and ragvit's ops refuse what needs one
+            return Selection(index=ops.topk_index(scores.detach().reshape(B, L).contiguous(),
+                                                  k, prefix=P))
         top = torch.topk(scores.view(B, L)[:, P:].float(), k, dim=1, sorted=False).indices
         top = torch.sort(top, dim=1).values + P
         prefix = torch.arange(P, device=top.device).expand(B, P)
@@ -411,11 +412,31 @@ def segment_mean_scores(batch: TokenBatch, scores: torch.Tensor) -> torch.Tensor
 
     Summed in a fixed order by ragvit.segment_mean, so one input always gives the same
     means: a CUDA index_add_ sums by atomics in any order, and a threshold at a multiple of
-    the mean then flipped tokens near it between two forwards of the same images.
+    the mean then flipped tokens near it between two forwards of the same images (scores
+    that autograd follows take torch's differentiable sum instead, see `patch_means`).
     """
-    means = ops.segment_mean(scores.float().reshape(-1, 1), batch.cu_seqlens,
-                             skip=batch.num_prefix)
+    means = patch_means(batch, scores.float().reshape(-1, 1))
     return torch.cat([means[:, 0], means.new_zeros(1)])
+
+
+def patch_means(batch: TokenBatch, values: torch.Tensor) -> torch.Tensor:
+    """(B, C) mean of `values` (T, C) over each image's rows past its prefix (rows past
+    cu_seqlens[B] ignored; an image without such rows: zeros), summed in float32 and
+    rounded once to values' dtype.
+
+    Through ragvit.segment_mean, whose fixed summation order gives one input the same means
+    every time; when autograd must follow the result (grad mode on and values requiring
+    grad, e.g. while training DynamicViT's predictors) through torch's index_add instead,
+    which carries the gradient (ragvit's ops have no backward).
+    """
+    if not (torch.is_grad_enabled() and values.requires_grad):
+        return ops.segment_mean(values, batch.cu_seqlens, skip=batch.num_prefix)
+    B, seq = batch.num_seqs, batch.seq_ids
+    weight = batch.is_patch.float()
+    sums = torch.zeros(B + 1, values.shape[1], device=values.device).index_add(
+        0, seq, values.float() * weight[:, None])
+    counts = torch.zeros(B + 1, device=values.device).index_add(0, seq, weight)
+    return (sums[:B] / counts[:B].clamp(min=1)[:, None]).to(values.dtype)
 
 
 class ThresholdL2(PruningPolicy):
@@ -807,15 +828,14 @@ class DynamicViTPredictor(torch.nn.Module):
 
     def score(self, batch: TokenBatch) -> torch.Tensor:
         """(T,) float32 log-probability of keeping each row (garbage/prefix: any value)."""
-        from . import ops
-
         x = self.in_conv(batch.rows)
         half = x.shape[1] // 2
-        # Per-image mean of the patch rows by ragvit.segment_mean: float32 sums in a fixed
-        # order, so the same input always gives the same scores (a CUDA index_add_ sums by
-        # atomics in any order, and its fp16 rounding noise flipped top-k near-ties between
-        # two forwards of one input); rows past cu_seqlens[B] (capacity mode) are ignored.
-        means = ops.segment_mean(x[:, half:], batch.cu_seqlens, skip=batch.num_prefix)
+        # Per-image mean of the patch rows by ragvit.segment_mean (patch_means): float32
+        # sums in a fixed order, so the same input always gives the same scores (a CUDA
+        # index_add_ sums by atomics in any order, and its fp16 rounding noise flipped
+        # top-k near-ties between two forwards of one input), by torch while the
+        # predictors train; rows past cu_seqlens[B] (capacity mode) are ignored.
+        means = patch_means(batch, x[:, half:])
         global_x = means[batch.seq_ids.clamp(max=batch.num_seqs - 1)]
         return self.out_conv(torch.cat([x[:, :half], global_x], dim=1))[:, 0].float()
 

@@ -448,6 +448,33 @@ def test_dynamicvit_scores_float64(gen):
             list(range(P)) + top
 
 
+@pytest.mark.parametrize("uniform", [True, False], ids=["uniform", "ragged"])
+def test_dynamicvit_score_gradient_float64(uniform, gen):
+    """Training the predictors: the gradient of the patch rows' scores reaches every row
+    through both the local and the per-image global features (the mean a float64 autograd
+    re-implementation differentiates), and no prefix row."""
+    lengths, P, C = ([12, 12] if uniform else [9, 12]), 2, 16
+    batch = hand_batch(gen, lengths, P, C, seq_len=12 if uniform else None, num_tokens=12)
+    policy = DynamicViT((0.5,), layers=(3,), predictor=random_predictors(1, C))
+    module = policy.predictors[0]
+    with torch.no_grad():
+        for prm in module.parameters():
+            prm.copy_(torch.randn(prm.shape, generator=gen) * 0.5)
+    rows = batch.rows.clone().requires_grad_(True)
+    scores = module.score(dataclasses.replace(batch, rows=rows))
+    starts = [0, lengths[0]]
+    patch_rows = torch.cat([torch.arange(a + P, a + n) for a, n in zip(starts, lengths,
+                                                                        strict=True)])
+    scores[patch_rows].sum().backward()
+    rows64 = batch.rows.double().requires_grad_(True)
+    total = sum(dynamicvit_float64(module, rows64[a + P:a + n]).sum()
+                for a, n in zip(starts, lengths, strict=True))
+    total.backward()
+    torch.testing.assert_close(rows.grad.double(), rows64.grad, atol=1e-5, rtol=1e-4)
+    prefix = torch.cat([torch.arange(a, a + P) for a in starts])
+    assert (rows.grad[prefix] == 0).all()
+
+
 def test_dynamicvit_predictor_loading():
     with pytest.warns(UserWarning, match="DynamicViT: prediction modules are randomly"):
         batch = TokenBatch(rows=torch.randn(10, 8), cu_seqlens=torch.tensor([0, 5, 10],

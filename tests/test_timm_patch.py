@@ -520,6 +520,7 @@ def test_wrong_images_raise_timms_error(shape, gen):
     assert str(ours.value) == str(timm_error.value)
 
 
+@pytest.mark.filterwarnings("ignore:`torch.jit.trace")
 def test_jit_trace_refused(gen):
     """torch.jit.trace would fail inside torch (or keep a C op's output as a constant);
     the patched forward says what to use instead."""
