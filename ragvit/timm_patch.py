@@ -105,8 +105,12 @@ def _check_supported(model, caller: str = "ragvit.patch") -> None:
         VisionTransformerDistilled = None
 
     if not isinstance(model, torch.nn.Module) or not isinstance(model, VisionTransformer):
+        wrapped = getattr(model, "_orig_mod", None)  # torch.compile's OptimizedModule
+        hint = ("; patch the model first, then compile it: torch.compile(ragvit.patch(model))"
+                if isinstance(wrapped, VisionTransformer) else "")
         raise UnsupportedModelError(
-            f"{caller}: model must be a timm VisionTransformer, got {type(model).__name__}")
+            f"{caller}: model must be a timm VisionTransformer, got "
+            f"{type(model).__name__}{hint}")
     if type(model) not in (VisionTransformer, VisionTransformerDistilled):
         raise _refuse(caller, f"model class {type(model).__name__}",
                       "only VisionTransformer and VisionTransformerDistilled")

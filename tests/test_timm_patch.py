@@ -611,6 +611,15 @@ def test_reference_checks_the_policy(gen):
             reference.vit_forward_reference(model, x, ThresholdL2(0.5, layers=(12,)))
 
 
+def test_compiled_model_refused_with_the_order_to_use(gen):
+    model = make_model("deit_tiny_patch16_224", gen, 64)
+    compiled = torch.compile(model)
+    with pytest.raises(timm_patch.UnsupportedModelError, match="got OptimizedModule; patch the "
+                       "model first, then compile it: torch.compile\\(ragvit.patch\\(model\\)\\)"):
+        patch(compiled)
+    assert not is_patched(model) and not is_patched(compiled)
+
+
 def test_non_vit_and_bad_policy_refused(gen):
     with pytest.raises(TypeError, match="timm VisionTransformer, got Linear"):
         patch(torch.nn.Linear(2, 2))
