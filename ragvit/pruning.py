@@ -862,7 +862,9 @@ class DynamicViT(PruningPolicy):
             optionally prefixed `score_predictor.`, as in DynamicViT checkpoints), a
             torch.nn.ModuleList of DynamicViTPredictor, or None for a random
             initialisation (warns: accuracy needs trained predictors), created on first
-            use with the model's width, device and dtype.
+            use with the model's width, device and dtype. The modules follow the rows'
+            device and dtype, one at a time: for models on two devices or in two dtypes
+            called at once (two threads), give each its own policy (copy.deepcopy).
 
     Raises:
         ValueError: a keep rate out of (0, 1], a length mismatch, or a state dict that
