@@ -890,6 +890,48 @@ def test_bad_selection_refused(case, capacity, gen):
             model(x)
 
 
+class TwoStages(PruningPolicy):
+    """Test policy: first(batch) at block 3, then second(batch) at block 5, mid-block."""
+
+    needs_keys = True
+    prune_mid_block = True
+    is_fixed = False
+
+    def __init__(self, first, second):
+        self.first, self.second, self.layers = first, second, (3, 5)
+
+    def select(self, batch):
+        return (self.first if batch.stage == 0 else self.second)(batch)
+
+
+@pytest.mark.parametrize("case", ["index_after_ragged", "keep_after_merge"])
+def test_selection_that_does_not_fit_the_batch_refused(case, gen):
+    """An index Selection once the batch is ragged, or a keep mask once tokens were merged,
+    is refused by name (patched and reference; the reference also wants merges after a
+    merge)."""
+    def keep_all(batch):
+        return _all_kept(batch)
+
+    if case == "index_after_ragged":
+        policy = TwoStages(keep_all, lambda b: Selection(index=torch.zeros(
+            b.num_seqs, 1, dtype=torch.int64)))
+        patched = reference_message = ("TwoStages.select: an index Selection needs a batch "
+                                       "with seq_len known")
+    else:
+        policy = TwoStages(lambda b: pruning.tome_match(b, 2), keep_all)
+        patched = r"TwoStages.select: merged tokens \(sizes\) need index Selections"
+        reference_message = (r"TwoStages.select: merged tokens \(sizes\) need merging "
+                             "Selections in the reference")
+    model = make_model("deit_tiny_patch16_224", gen, 64)
+    x = images(gen, 2, 64)
+    with torch.no_grad():
+        with pytest.raises(ValueError, match=reference_message):
+            reference.vit_forward_reference(model, x, policy)
+        patch(model, policy)
+        with pytest.raises(ValueError, match=patched):
+            model(x)
+
+
 def test_exact_max_seqlen_accepted(gen, seed):
     """The bound may equal the longest kept image (the fused token not counted)."""
     model = make_model("deit_tiny_patch16_224", gen, 64)
