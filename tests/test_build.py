@@ -172,3 +172,14 @@ def test_backend_adds_the_requirement_to_setuptools_own(monkeypatch):
     with open(os.path.join(ROOT, "pyproject.toml")) as f:
         text = f.read()
     assert 'build-backend = "backend"' in text and 'backend-path = ["build_support"]' in text
+
+
+def test_unknown_attribute_is_an_attribute_error():
+    """The lazy names (patch, cuda_graph, ...) resolve; any other name is an AttributeError,
+    so hasattr and getattr with a default behave."""
+    import ragvit
+
+    with pytest.raises(AttributeError, match="module 'ragvit' has no attribute 'pach'"):
+        ragvit.pach  # noqa: B018 - the attribute access is the test
+    assert not hasattr(ragvit, "pach") and getattr(ragvit, "pach", None) is None
+    assert callable(ragvit.patch) and callable(ragvit.cuda_graph)

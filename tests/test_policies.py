@@ -785,6 +785,24 @@ def test_bad_layers_refused_by_patch(policy, gen):
     assert not timm_patch.is_patched(model)
 
 
+def test_selection_needs_one_form():
+    with pytest.raises(ValueError, match="Selection: exactly one of index and keep must be "
+                       "given"):
+        Selection()
+    with pytest.raises(ValueError, match="Selection: exactly one of index and keep must be "
+                       "given"):
+        Selection(index=torch.zeros(1, 1, dtype=torch.int64), keep=torch.ones(1, dtype=bool))
+    with pytest.raises(ValueError, match="Selection: assign needs an index Selection"):
+        Selection(keep=torch.ones(1, dtype=bool), assign=torch.zeros(1, 1, dtype=torch.int64))
+
+
+def test_tome_needs_a_uniform_batch(gen):
+    batch = hand_batch(gen, [5, 7], 1, keys=torch.randn(12, 4, generator=gen))
+    with pytest.raises(ValueError, match=r"ToMe.select: batch must be uniform \(seq_len "
+                       r"known\); ToMe's counts are fixed"):
+        ToMe(1, layers=(3,)).select(batch)
+
+
 def test_select_without_inputs_raises(gen):
     batch = hand_batch(gen, [5], 1, seq_len=5)
     with pytest.raises(ValueError, match=r"EViT.select: batch.cls_attn must be given"):
