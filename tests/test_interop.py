@@ -1353,6 +1353,8 @@ def _grad_cases():
     packed = torch.randn((12, 6), generator=torch.Generator().manual_seed(3))
     cu = make_cu_seqlens([5, 0, 7], "cpu")
     keep = torch.ones(12, dtype=torch.bool)
+    padded = torch.randn((2, 3, 6), generator=torch.Generator().manual_seed(4))
+    mask = torch.ones((2, 3), dtype=torch.bool)
     a = _safety_problem()
     return [
         ("attention", "q", {"q": a["q"], "k": a["k"], "v": a["v"]}, lambda t, o: ragvit.attention(
@@ -1371,6 +1373,17 @@ def _grad_cases():
         ("gelu", "x", {"x": x}, lambda t, o: ragvit.gelu(t["x"], out=o), poison((5, 12))),
         ("repack", "packed", {"packed": packed},
          lambda t, o: ragvit.repack(t["packed"], cu, keep), None),
+        ("repack_into", "fuse_weights", {"fuse_weights": torch.ones(12)},
+         lambda t, o: ragvit.repack_into(packed, cu, keep, o, torch.empty(4, dtype=torch.int32),
+                                         fuse_weights=t["fuse_weights"]), poison((15, 6))),
+        ("pack", "x", {"x": padded}, lambda t, o: ragvit.pack(t["x"], mask), None),
+        ("pack_into", "x", {"x": padded}, lambda t, o: ragvit.pack_into(
+            t["x"], mask, o, torch.empty(3, dtype=torch.int32)), poison((6, 6))),
+        ("unpack", "packed", {"packed": packed},
+         lambda t, o: ragvit.unpack(t["packed"], cu, 7, out=o), poison((3, 7, 6))),
+        ("gather_prefix", "packed", {"packed": packed},
+         lambda t, o: ragvit.gather_prefix(t["packed"], a["cu_seqlens"], 1, out=o),
+         poison((2, 1, 6))),
         ("segment_mean", "packed", {"packed": packed},
          lambda t, o: ragvit.segment_mean(t["packed"], cu, out=o), poison((3, 6))),
         ("topk_index", "scores", {"scores": x}, lambda t, o: ragvit.topk_index(t["scores"], 3),
