@@ -1419,6 +1419,22 @@ def test_inputs_requiring_grad_refused_in_grad_mode(op, arg, inputs, call, out):
     call(detached, out)  # grad mode, nothing requires grad
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=gpu_marks())])
+@pytest.mark.parametrize("arg", ["q", "v"])
+def test_attention_input_requiring_grad_refused_on_every_device(device, arg):
+    """The refusal is the glue's, before any import or launch: the same on CUDA tensors,
+    and out= stays as it was."""
+    a = _safety_problem(device)
+    a[arg] = a[arg].clone().requires_grad_(True)
+    before = a["out"].clone()
+    with pytest.raises(RuntimeError, match=f"attention: {arg} requires grad and grad mode is on"):
+        _attention(a)
+    assert same_bits(a["out"], before)
+    with torch.no_grad():
+        _attention(a)
+    assert not torch.isnan(a["out"][:12]).any()
+
+
 def test_inputs_and_allocated_outputs_are_not_bumped():
     a = _safety_problem()
     before = [a[n]._version for n in ("q", "k", "v", "cu_seqlens")]
