@@ -1346,9 +1346,9 @@ def test_every_written_output_is_bumped(op, call, outputs):
 
 
 def _grad_cases():
-    """(op, argument, call(inputs, out)): every op with a float input that can require grad,
-    inputs as a dict (the named one is made to require grad), out a poisoned output or
-    None."""
+    """(op, argument, call(inputs, out), out): every op with a float array that can require
+    grad, inputs as a dict (the named one, an input or an output, is made to require grad),
+    out a poisoned output to check, or None."""
     x, w, b = _row_args()
     packed = torch.randn((12, 6), generator=torch.Generator().manual_seed(3))
     cu = make_cu_seqlens([5, 0, 7], "cpu")
@@ -1371,6 +1371,11 @@ def _grad_cases():
                                                                                out=o),
          poison((5, 12))),
         ("gelu", "x", {"x": x}, lambda t, o: ragvit.gelu(t["x"], out=o), poison((5, 12))),
+        ("gelu", "out", {"out": poison((5, 12))}, lambda t, o: ragvit.gelu(x, out=t["out"]),
+         None),
+        ("attention", "cls_attn", {"cls_attn": poison((12,))}, lambda t, o: ragvit.attention(
+            a["q"], a["k"], a["v"], a["cu_seqlens"], cls_attn=t["cls_attn"], out=o),
+         poison(a["q"].shape)),
         ("repack", "packed", {"packed": packed},
          lambda t, o: ragvit.repack(t["packed"], cu, keep), None),
         ("repack_into", "fuse_weights", {"fuse_weights": torch.ones(12)},
@@ -1396,10 +1401,11 @@ def _grad_cases():
 
 @pytest.mark.parametrize("op, arg, inputs, call, out",
                          [pytest.param(*c, id=f"{c[0]}-{c[1]}") for c in _grad_cases()])
-def test_inputs_requiring_grad_refused_in_grad_mode(op, arg, inputs, call, out):
-    """ragvit's ops have no backward: an input that requires grad in grad mode is refused,
-    naming the op and the argument, before anything is written (the output would silently
-    stop its gradient); under torch.no_grad() and inference_mode the same call runs."""
+def test_arrays_requiring_grad_refused_in_grad_mode(op, arg, inputs, call, out):
+    """ragvit's ops have no backward: an array that requires grad in grad mode is refused,
+    naming the op and the argument, before anything is written (an input's gradient would
+    stop at the output without a word; an output's would be taken for the values it held
+    before); under torch.no_grad() and inference_mode the same call runs."""
     import ragvit.library  # noqa: F401 - registers torch.ops.ragvit
 
     inputs = {name: t.clone() for name, t in inputs.items()}
@@ -1407,7 +1413,7 @@ def test_inputs_requiring_grad_refused_in_grad_mode(op, arg, inputs, call, out):
     before = out.clone() if out is not None else None
     name = op.removeprefix("torch.ops.ragvit.")
     with pytest.raises(RuntimeError, match=f"{name}: {arg} requires grad and grad mode is on, "
-                       f"but ragvit's ops have no backward .* or pass {arg}.detach\\(\\)"):
+                       f"but ragvit's ops have no backward: .* or pass {arg}.detach\\(\\)"):
         call(inputs, out)
     if out is not None:
         assert same_bits(out, before), f"{op} wrote its output before refusing"
@@ -1420,8 +1426,8 @@ def test_inputs_requiring_grad_refused_in_grad_mode(op, arg, inputs, call, out):
 
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=gpu_marks())])
-@pytest.mark.parametrize("arg", ["q", "v"])
-def test_attention_input_requiring_grad_refused_on_every_device(device, arg):
+@pytest.mark.parametrize("arg", ["q", "v", "out"])
+def test_attention_array_requiring_grad_refused_on_every_device(device, arg):
     """The refusal is the glue's, before any import or launch: the same on CUDA tensors,
     and out= stays as it was."""
     a = _safety_problem(device)

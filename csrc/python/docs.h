@@ -71,7 +71,7 @@ PyDoc_STRVAR(
     "    (unimportable array: no data behind its elements, e.g. freed storage;\n"
     "    in debug mode, torch's negative bit set: call .resolve_neg() first, as\n"
     "    the bit is lost otherwise), MemoryError, RuntimeError\n"
-    "    (CUDA failure; a torch input that requires grad in grad mode: ragvit's\n"
+    "    (CUDA failure; a torch array that requires grad in grad mode: ragvit's\n"
     "    ops have no backward). An exception raised by an argument's own protocol\n"
     "    (__dlpack__, __cuda_array_interface__, __index__, ...) propagates unchanged.");
 

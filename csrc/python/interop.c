@@ -521,11 +521,12 @@ static int ask_grad_mode(call_state *cs) {
     return cs->grad_mode;
 }
 
-/* A torch input that requires grad, read in grad mode, would come back through an
- * output autograd knows nothing of: gradients would stop there without a word.
- * Refused instead (ragvit's ops have no backward). Under torch.no_grad() or
- * inference_mode, where inference runs (and parameters still require grad), only
- * the grad mode is asked: one call into torch per call. */
+/* ragvit's ops have no backward, so in grad mode a torch array that requires grad
+ * is refused: read as an input, its gradient would stop at the output without a
+ * word; written as an output, autograd would differentiate the values it held
+ * before. Under torch.no_grad() or inference_mode, where inference runs (and
+ * parameters still require grad), only the grad mode is asked: one call into torch
+ * per call. */
 static int check_no_grad(call_state *cs, PyObject *obj, const char *name) {
     const int grad_mode = ask_grad_mode(cs);
     if (grad_mode <= 0) return grad_mode;
@@ -535,8 +536,8 @@ static int check_no_grad(call_state *cs, PyObject *obj, const char *name) {
     if (requires_grad != Py_True) return 0;
     PyErr_Format(PyExc_RuntimeError,
                  "%s: %s requires grad and grad mode is on, but ragvit's ops have no "
-                 "backward (the output would not carry its gradient): call under "
-                 "torch.no_grad() or torch.inference_mode(), or pass %s.detach()",
+                 "backward: call under torch.no_grad() or torch.inference_mode(), or pass "
+                 "%s.detach()",
                  cs->op, name, name);
     return -1;
 }
@@ -570,11 +571,8 @@ static int prepare_arg(call_state *cs, PyObject *obj, int arg, const char *const
         if (st->ctx.is_debug && st->torch_is_neg != NULL && check_neg_bit(cs, obj, name)) {
             return -1;
         }
-        if (cs->sig->outputs & ARG_BIT(arg)) {
-            cs->written[cs->written_count++] = obj;
-        } else if (check_no_grad(cs, obj, name)) {
-            return -1;
-        }
+        if (check_no_grad(cs, obj, name)) return -1;
+        if (cs->sig->outputs & ARG_BIT(arg)) cs->written[cs->written_count++] = obj;
     }
     if (entry->api != NULL) {
         slot->kind = IMPORT_EXCHANGE;
