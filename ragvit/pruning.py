@@ -529,17 +529,13 @@ def _real(policy: str, arg: str, v) -> float:
 
 def _integer(policy: str, arg: str, v) -> int | float:
     """v as an int when it is an integral number (8 or 8.0; not a bool); another number
-    (2.5, NaN) comes back as a float, for the rule (`_is_int`) to refuse; TypeError for
+    (2.5, NaN) comes back as a float, for the rule (an int test) to refuse; TypeError for
     anything else."""
     if isinstance(v, bool) or not isinstance(v, numbers.Real):
         raise TypeError(f"{policy}: {arg} must be an int or one int per layer, got {v!r}")
     if isinstance(v, numbers.Integral) or (math.isfinite(v) and int(v) == v):
         return int(v)
     return float(v)
-
-
-def _is_int(v) -> bool:
-    return isinstance(v, int)
 
 
 def _layers(policy: str, layers) -> tuple[int, ...]:
@@ -681,7 +677,8 @@ class ATS(PruningPolicy):
     def __init__(self, num_samples: int | Sequence[int] = 108, layers: Sequence[int] = (3,)):
         self.layers = _layers("ATS", layers)
         self.num_samples = _per_stage("ATS", "num_samples", num_samples, self.layers,
-                                      _integer, "an int >= 1", lambda v: _is_int(v) and v >= 1)
+                                      _integer, "an int >= 1",
+                                      lambda v: isinstance(v, int) and v >= 1)
 
     def __repr__(self) -> str:
         return f"ATS(num_samples={self.num_samples}, layers={self.layers})"
@@ -777,7 +774,7 @@ class ToMe(PruningPolicy):
     @staticmethod
     def _values(r, layers: tuple[int, ...]) -> tuple[int, ...]:
         return _per_stage("ToMe", "r", r, layers, _integer, "an int >= 0",
-                          lambda v: _is_int(v) and v >= 0)
+                          lambda v: isinstance(v, int) and v >= 0)
 
     def __repr__(self) -> str:
         return f"ToMe(r={self.r}, layers={self.layers})"
